@@ -1,0 +1,93 @@
+"""`ForwardBatch`: the tensors of one step, built from a `SchedulerOutput` by a pure function.
+
+The flattened batch mixes prefill chunks and decodes. Attention metadata is FlashInfer's
+(ragged qo_indptr, paged kv_indptr / kv_indices / kv_last_page_len) and every backend,
+the torch reference included, consumes exactly this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.output import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    qo_indptr: torch.Tensor  # [B+1] int32: request i's query rows are qo_indptr[i]:qo_indptr[i+1]
+    kv_indptr: torch.Tensor  # [B+1] int32: request i's pages are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indices: torch.Tensor  # [num_pages_in_batch] int32
+    kv_last_page_len: torch.Tensor  # [B] int32, in 1..block_size
+    slot_mapping: torch.Tensor  # [T] int64: page * block_size + offset where each new K/V goes
+    logits_indices: torch.Tensor  # [S] int64: rows whose hidden states are sampled
+    # Host-side copies (plain lists) for planning without a device sync.
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_size: int
+    request_ids: list[str]
+    sample_request_ids: list[str]  # the requests of logits_indices, in order
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens)
+
+
+def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qo_indptr = [0]
+    kv_indptr = [0]
+    kv_indices: list[int] = []
+    last_page_len: list[int] = []
+    logits_indices: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    request_ids: list[str] = []
+    sample_ids: list[str] = []
+    for r in out.requests:
+        n = r.num_new_tokens
+        seq_len = r.seq_len
+        num_pages = -(-seq_len // block_size)
+        assert len(r.block_table) >= num_pages, f"{r.request_id}: {len(r.block_table)} pages for {seq_len} tokens"
+        input_ids.extend(r.token_ids)
+        positions.extend(range(r.start_pos, seq_len))
+        table = r.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(r.start_pos, seq_len))
+        qo_indptr.append(qo_indptr[-1] + n)
+        kv_indices.extend(table[:num_pages])
+        kv_indptr.append(len(kv_indices))
+        last_page_len.append(seq_len - (num_pages - 1) * block_size)
+        query_lens.append(n)
+        seq_lens.append(seq_len)
+        request_ids.append(r.request_id)
+        if r.sample:
+            logits_indices.append(qo_indptr[-1] - 1)
+            sample_ids.append(r.request_id)
+
+    def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return ForwardBatch(
+        input_ids=t(input_ids, torch.int64),
+        positions=t(positions, torch.int64),
+        qo_indptr=t(qo_indptr, torch.int32),
+        kv_indptr=t(kv_indptr, torch.int32),
+        kv_indices=t(kv_indices, torch.int32),
+        kv_last_page_len=t(last_page_len, torch.int32),
+        slot_mapping=t(slots, torch.int64),
+        logits_indices=t(logits_indices, torch.int64),
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_size=block_size,
+        request_ids=request_ids,
+        sample_request_ids=sample_ids,
+    )

@@ -1,0 +1,198 @@
+"""Frozen configuration: `ModelConfig` (read from a checkpoint's config.json) and
+`EngineConfig` (what the operator chose; CLI flags map one-to-one onto its fields)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+}
+
+
+class ConfigError(ValueError):
+    """A checkpoint or flag the server cannot run; the message is one line naming the field."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # default | linear | llama3 | yarn
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn
+    truncate: bool = True  # yarn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str  # "qwen3" | "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    torch_dtype: str  # as written in the checkpoint: "bfloat16", "float32", ...
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    quantization: dict[str, Any] | None = None  # the checkpoint's quantization config, if any
+
+    @staticmethod
+    def from_checkpoint(path: str | Path) -> ModelConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"{cfg_file}: not found (a model folder needs config.json)")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg_file}: invalid JSON ({e})") from None
+        return ModelConfig.from_dict(raw, source=str(cfg_file), folder=path)
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any], source: str = "config.json", folder: Path | None = None) -> ModelConfig:
+        def need(key: str, kind: type = int) -> Any:
+            if key not in raw or raw[key] is None:
+                raise ConfigError(f"{source}: missing field '{key}'")
+            value = raw[key]
+            if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ConfigError(f"{source}: field '{key}' must be an integer, got {value!r}")
+            if kind is float and not isinstance(value, (int, float)):
+                raise ConfigError(f"{source}: field '{key}' must be a number, got {value!r}")
+            return value
+
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"{source}: unsupported architecture {archs or '(none given)'} in field 'architectures'; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_type = SUPPORTED_ARCHITECTURES[arch]
+        hidden = need("hidden_size")
+        num_heads = need("num_attention_heads")
+        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"{source}: field 'num_key_value_heads' ({num_kv_heads}) must divide num_attention_heads ({num_heads})")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        if folder is not None:
+            eos_ids = _merge_generation_eos(folder, eos_ids)
+        return ModelConfig(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(need("rms_norm_eps", float)),
+            max_position_embeddings=raw.get("max_position_embeddings") or 4096,
+            rope=_rope_config(raw, source),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            quantization=raw.get("quantization_config"),
+        )
+
+
+def _merge_generation_eos(folder: Path, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """generation_config.json often lists more EOS ids than config.json (Llama 3 chat)."""
+    gen = folder / "generation_config.json"
+    if not gen.is_file():
+        return eos_ids
+    try:
+        value = json.loads(gen.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError):
+        return eos_ids
+    extra = value if isinstance(value, list) else ([value] if isinstance(value, int) else [])
+    return tuple(dict.fromkeys([*eos_ids, *extra]))
+
+
+def _rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older, `rope_scaling`.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise ConfigError(f"{source}: unsupported rope type '{rope_type}' in field 'rope_scaling'")
+    if rope_type != "default" and "factor" not in merged:
+        raise ConfigError(f"{source}: rope type '{rope_type}' needs 'factor' in field 'rope_scaling'")
+    fields = {k: merged[k] for k in RopeConfig.__dataclass_fields__ if k in merged and k not in ("theta", "rope_type")}
+    if rope_type == "default":
+        fields.pop("factor", None)
+    return RopeConfig(theta=float(theta), rope_type=rope_type, **fields)
+
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_memory(text: str) -> tuple[int | None, float | None]:
+    """'2GiB' -> (bytes, None); '0.85' -> (None, fraction). Raises ConfigError otherwise."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ConfigError(f"--kv-cache-memory: cannot read '{text}' (use e.g. 4GiB, 512MB or 0.9)")
+    number, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b")
+    if not unit and number <= 1.0 and "." in m.group(1):
+        return None, number
+    if unit not in _UNITS:
+        raise ConfigError(f"--kv-cache-memory: unknown unit in '{text}'")
+    return int(number * _UNITS[unit]), None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # a local HF checkpoint folder; None = the embedded demo model
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+    kv_cache_memory: str | None = None  # bytes ("2GiB") or a fraction of free device memory
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    device: str = "auto"  # auto | cpu | cuda
+    quantization: str | None = None  # None | "nvfp4" (quantize a bf16 checkpoint at load)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype: '{self.dtype}' is not one of auto, float32, bfloat16, float16")
+        if self.block_size < 1:
+            raise ConfigError(f"--block-size: must be positive, got {self.block_size}")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ConfigError(f"--attention-backend: '{self.attention_backend}' is not one of auto, torch, flashinfer")
+        if self.kv_cache_memory is not None:
+            parse_memory(self.kv_cache_memory)

@@ -1,0 +1,70 @@
+"""Prometheus metrics of one engine, in its own registry (served by api/ at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from scheduler.scheduler import SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("fp4serve_num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("fp4serve_num_requests_waiting", "Requests waiting (new or preempted).", registry=r)
+        self.kv_usage = Gauge(
+            "fp4serve_kv_cache_usage_ratio", "KV pages held by live requests / all KV pages.", registry=r
+        )
+        self.kv_pages_total = Gauge("fp4serve_kv_cache_pages_total", "KV pages in the cache.", registry=r)
+        self.prompt_tokens = Counter("fp4serve_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("fp4serve_generation_tokens", "Generated tokens.", registry=r)
+        self.prefix_queries = Counter(
+            "fp4serve_prefix_cache_queries", "Tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_hits = Counter("fp4serve_prefix_cache_hits", "Tokens found in the prefix cache.", registry=r)
+        self.preemptions = Counter("fp4serve_num_preemptions", "Requests preempted (KV freed, recomputed later).", registry=r)
+        self.requests_finished = Counter(
+            "fp4serve_request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "fp4serve_time_to_first_token_seconds", "Arrival to first sampled token.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "fp4serve_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "fp4serve_e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            "fp4serve_batch_size", "Requests in each engine step's batch.", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self.step_time = Histogram(
+            "fp4serve_step_duration_seconds", "Wall time of one engine step.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "fp4serve_batch_tokens", "Tokens in each engine step's batch.",
+            buckets=(1, 4, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=r,
+        )
+        info = Gauge("fp4serve_model_info", "The model being served.", ["model_name"], registry=r)
+        info.labels(model_name=model_name).set(1)
+        self._last_queried = 0
+        self._last_hits = 0
+        self._last_preemptions = 0
+
+    def observe_scheduler(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.kv_pages_total.set(stats.num_blocks)
+        # The block manager keeps cumulative counts; counters take the increments.
+        self.prefix_queries.inc(stats.prefix_cache_queried_tokens - self._last_queried)
+        self.prefix_hits.inc(stats.prefix_cache_hit_tokens - self._last_hits)
+        self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
+        self._last_queried = stats.prefix_cache_queried_tokens
+        self._last_hits = stats.prefix_cache_hit_tokens
+        self._last_preemptions = stats.num_preemptions

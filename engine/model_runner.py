@@ -1,0 +1,130 @@
+"""The model runner: owns the model, the paged KV cache tensors, the attention backend and the
+sampler; turns one `SchedulerOutput` into one forward plus sampling."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention.backend import AttentionBackend, kv_cache_shape
+from engine.attention.torch_ref import TorchAttentionBackend
+from engine.batch import build_forward_batch
+from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
+from engine.loader import load_model
+from engine.outputs import SampledToken
+from engine.sampler import Sampler
+from scheduler.output import SchedulerOutput
+
+logger = logging.getLogger("fp4serve.runner")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: the tiny demo model holds ~500k tokens in it
+_DEFAULT_GPU_KV_FRACTION = 0.85
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    prepare: float  # build the batch tensors and plan attention
+    forward: float
+    sample: float
+
+
+@dataclass(frozen=True)
+class StepResult:
+    sampled: dict[str, SampledToken]  # request id -> its token, for the requests that sampled
+    timings: StepTimings
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    dtype = _DTYPES.get(checkpoint_dtype, torch.float32)
+    if dtype == torch.float32 and device.type == "cuda":
+        return torch.bfloat16  # a float32 checkpoint runs in bf16 on GPU
+    return dtype
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model_path: Path, model_config: ModelConfig, config: EngineConfig, max_model_len: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        self.model = load_model(model_path, model_config, self.dtype, self.device, max_model_len)
+        self.num_kv_pages = self._num_kv_pages()
+        shape = kv_cache_shape(self.num_kv_pages, self.block_size, model_config.num_kv_heads, model_config.head_dim)
+        # one [num_pages, 2, block_size, Hkv, D] tensor per layer, model dtype, on the device
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_layers)]
+        self.backend: AttentionBackend = self._make_backend()
+        self.sampler = Sampler(model_config.vocab_size, self.device)
+
+    def _make_backend(self) -> AttentionBackend:
+        choice = self.config.attention_backend
+        if choice == "flashinfer" or (choice == "auto" and self.device.type == "cuda"):
+            if choice == "flashinfer":
+                raise ConfigError("--attention-backend flashinfer: not available in this build yet; use torch")
+            logger.warning("FlashInfer backend not available yet: using the torch reference backend on CUDA")
+        cfg = self.model_config
+        return TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.device)
+
+    def _num_kv_pages(self) -> int:
+        per_page = kv_bytes_per_token(self.model_config, self.dtype) * self.block_size
+        spec = self.config.kv_cache_memory
+        num_bytes, fraction = parse_memory(spec) if spec else (None, None)
+        if num_bytes is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                num_bytes = int(free * (fraction or _DEFAULT_GPU_KV_FRACTION))
+            elif fraction is not None:
+                raise ConfigError("--kv-cache-memory: a fraction needs a GPU; give bytes on CPU (e.g. 1GiB)")
+            else:
+                num_bytes = _DEFAULT_CPU_KV_BYTES
+        pages = num_bytes // per_page
+        if pages < 2:
+            raise ConfigError(f"--kv-cache-memory: {num_bytes} bytes hold fewer than 2 pages of {per_page} bytes")
+        return int(pages)
+
+    @property
+    def attention_backend_name(self) -> str:
+        return self.backend.name
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        t0 = time.perf_counter()
+        for request_id in out.finished_request_ids:
+            self.sampler.remove_request(request_id)
+        for r in out.requests:
+            if r.new_request is not None:
+                nr = r.new_request
+                self.sampler.add_request(r.request_id, nr.params, nr.prompt_token_ids, nr.eos_token_ids)
+        if out.is_empty:
+            return StepResult({}, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
+        batch = build_forward_batch(out, self.block_size, self.device)
+        self.backend.plan(batch)
+        t1 = time.perf_counter()
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.backend)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab] float32
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # attribute GPU time to the forward
+        t2 = time.perf_counter()
+        sampled = self.sampler.sample(logits, batch.sample_request_ids) if batch.sample_request_ids else []
+        t3 = time.perf_counter()
+        return StepResult(dict(zip(batch.sample_request_ids, sampled)), StepTimings(t1 - t0, t2 - t1, t3 - t2))

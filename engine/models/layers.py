@@ -1,0 +1,124 @@
+"""Shared layers of the decoder models: RMSNorm, rotary embeddings (default, linear, llama3,
+yarn), and linear layers whose weights may be fused from several checkpoint tensors.
+
+Numerics follow transformers' implementations so float32 logits match to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] float32 and the cos/sin scaling ("attention factor")."""
+    dim = head_dim
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv_freq = 1.0 / pos_freqs
+    if rope.rope_type == "default":
+        return inv_freq, 1.0
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings or max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    assert rope.rope_type == "yarn", f"unknown rope type {rope.rope_type}"
+    return _yarn_inv_freq(rope, dim, max_position_embeddings, pos_freqs)
+
+
+def _yarn_inv_freq(rope: RopeConfig, dim: int, max_pos: int, pos_freqs: torch.Tensor) -> tuple[torch.Tensor, float]:
+    factor = rope.factor
+    orig = rope.original_max_position_embeddings or max_pos
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.attention_factor is not None:
+        attention_factor = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = get_mscale(factor, rope.mscale) / get_mscale(factor, rope.mscale_all_dim)
+    else:
+        attention_factor = get_mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to `max_len`, gathered by position each forward."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, max_len: int) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(rope, head_dim, max_position_embeddings)
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # [max_len, head_dim] float32; cast to the activation dtype at use, as transformers does
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q [T, Hq, D], k [T, Hkv, D]; positions [T] int64
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). `shard_sizes` splits the output rows into the checkpoint tensors fused
+    into this layer (q/k/v, gate/up), each loaded by `load_shard`."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.shard_sizes = list(shard_sizes)
+        out = sum(shard_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
+
+    def shard_slice(self, shard: int) -> slice:
+        start = sum(self.shard_sizes[:shard])
+        return slice(start, start + self.shard_sizes[shard])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,334 @@
+"""Batched sampling for one engine step, and the per-request state it needs between steps:
+each request's output position, and, for penalty users only, its output token counts and
+prompt mask. Semantics follow vLLM v1 (processor order, raw logprobs, min-p, penalties)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import SampledToken
+from scheduler.request import ParamError, SamplingParams
+
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / 1e-7 overflow float32.
+_SAMPLING_EPS = 1e-5
+_MIN_PENALTY_SLOTS = 8
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """Generator seed for a seeded request's noise at one output position. Hashed, not added,
+    so (seed + 1, pos) and (seed, pos + 1) are unrelated streams: n > 1 uses seed + index."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's penalties, in its order, out of place.
+
+    logits [P, V] f32; output_counts [P, V] int (this request's sampled tokens); prompt_mask
+    [P, V] bool; presence / frequency / repetition [P] f32. Repetition covers prompt and
+    output tokens (positive logits divided, others multiplied); frequency and presence only
+    count output tokens.
+    """
+    in_output = output_counts > 0
+    rep = repetition[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(prompt_mask | in_output, penalized, logits)
+    logits = logits - frequency[:, None] * output_counts.to(logits.dtype)
+    return logits - presence[:, None] * in_output.to(logits.dtype)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep each row's top-k tokens (top_k [R] int, 0 = all), then the smallest prefix of those
+    whose renormalized mass reaches top_p ([R] f32, 1.0 = all; None: no row uses top-p, which
+    skips the softmax); the rest become -inf.
+
+    One descending sort of logits [R, V] f32. NOTE: the cut is a logit threshold, so tokens tied
+    with the last kept one are kept too (as vLLM's top-k).
+    """
+    num_rows, vocab_size = logits.shape
+    sorted_logits = logits.sort(dim=-1, descending=True).values  # [R, V]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)  # [R] int64
+    num_keep = k
+    if top_p is not None:
+        in_top_k = torch.arange(vocab_size, device=logits.device)[None, :] < k[:, None]
+        probs = sorted_logits.masked_fill(~in_top_k, -math.inf).softmax(dim=-1)
+        # Mass strictly before each position: a shifted cumsum stays monotone (cumsum - probs
+        # need not), so the kept set is a prefix and its size is a count.
+        mass_before = torch.cat([probs.new_zeros(num_rows, 1), probs.cumsum(dim=-1)[:, :-1]], dim=-1)
+        keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+        num_keep = keep.sum(dim=-1)
+    threshold = sorted_logits.gather(1, (num_keep - 1)[:, None])  # [R, 1]
+    return logits.masked_fill(logits < threshold, -math.inf)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p ([R] f32) times the row's top probability.
+
+    In logit space: p_i < min_p * p_max  <=>  l_i < l_max + ln(min_p), so no softmax, and the
+    result does not depend on whether top-k/top-p renormalized the row first.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+    return logits.masked_fill(logits < threshold, -math.inf)
+
+
+@dataclass(eq=False)
+class _RequestState:
+    """What the sampler remembers of one request between steps (mutable; sampler-owned)."""
+
+    params: SamplingParams
+    min_tokens_ids: tuple[int, ...]  # EOS (unless ignore_eos) and stop ids: -inf before min_tokens
+    penalty_slot: int | None  # its row of the penalty pool; None when it uses no penalties
+    num_output_tokens: int = 0  # tokens sampled so far: min_tokens and the seeded noise key on it
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature < _SAMPLING_EPS or self.params.top_k == 1
+
+
+class Sampler:
+    """Samples one token per row of a step's logits and records it into the request's state.
+
+    Requests are added when they first sample and removed when they finish or abort; a
+    preempted request keeps its state (its outputs survive recompute).
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        assert vocab_size > 0, f"vocab_size must be positive, got {vocab_size}"
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._states: dict[str, _RequestState] = {}
+        # Penalty pool: one row per slot, grown by doubling, only for requests with penalties.
+        self._output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)  # [S, V]
+        self._prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)  # [S, V]
+        self._free_slots: list[int] = []
+        # Reseeded for every seeded row, so a row's noise depends on (seed, position) only.
+        self._generator = torch.Generator(device=self.device)
+
+    def add_request(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        assert request_id not in self._states, f"request {request_id!r} is already in the sampler"
+        assert all(0 <= t < self.vocab_size for t in eos_token_ids), f"EOS {eos_token_ids} outside vocab"
+        self._check_user_ids("logit_bias", [token_id for token_id, _ in params.logit_bias])
+        self._check_user_ids("stop_token_ids", params.stop_token_ids)
+        if params.uses_penalties:
+            self._check_user_ids("prompt", prompt_token_ids)
+        eos = () if params.ignore_eos else tuple(eos_token_ids)
+        min_tokens_ids = tuple(dict.fromkeys(params.stop_token_ids + eos))
+        slot = self._take_slot(prompt_token_ids) if params.uses_penalties else None
+        self._states[request_id] = _RequestState(params, min_tokens_ids, slot)
+
+    def remove_request(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is not None and state.penalty_slot is not None:
+            self._free_slots.append(state.penalty_slot)
+
+    def sample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> list[SampledToken]:
+        """logits [num_rows, vocab_size] f32 or bf16, row i for request_ids[i]; one token each."""
+        states = self._states_of(logits, request_ids)
+        if not states:
+            return []
+        processed = self._process(logits, states)
+        token_ids = self._draw(processed, states)  # [B] int64, device
+        self._record(token_ids, states)
+        return self._read_back(logits, token_ids, states)
+
+    def process_logits(self, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
+        """The logits greedy rows take the argmax of and random rows divide by temperature:
+        min_tokens, logit_bias, then penalties. [B, V] f32; the input is never written."""
+        return self._process(logits, self._states_of(logits, request_ids))
+
+    def _states_of(self, logits: torch.Tensor, request_ids: Sequence[str]) -> list[_RequestState]:
+        assert logits.shape == (len(request_ids), self.vocab_size), (
+            f"logits {tuple(logits.shape)} for {len(request_ids)} requests, vocab {self.vocab_size}"
+        )
+        assert len(set(request_ids)) == len(request_ids), "a request samples at most once per step"
+        missing = [r for r in request_ids if r not in self._states]
+        assert not missing, f"requests {missing} were never added to the sampler"
+        return [self._states[r] for r in request_ids]
+
+    def _process(self, logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
+        mask_rows: list[int] = []
+        mask_cols: list[int] = []
+        bias_rows: list[int] = []
+        bias_cols: list[int] = []
+        bias_values: list[float] = []
+        penalty_rows: list[int] = []
+        for i, s in enumerate(states):
+            if s.num_output_tokens < s.params.min_tokens:
+                mask_rows += [i] * len(s.min_tokens_ids)
+                mask_cols += s.min_tokens_ids
+            for token_id, bias in s.params.logit_bias:
+                bias_rows.append(i)
+                bias_cols.append(token_id)
+                bias_values.append(bias)
+            if s.penalty_slot is not None:
+                penalty_rows.append(i)
+        if not (mask_rows or bias_rows or penalty_rows):
+            return logits.float()  # may alias the input: nothing downstream writes into it
+        x = logits.to(torch.float32, copy=True)  # [B, V] f32, written in place below
+        if mask_rows:
+            x[self._tensor(mask_rows), self._tensor(mask_cols)] = -math.inf
+        if bias_rows:
+            x.index_put_(
+                (self._tensor(bias_rows), self._tensor(bias_cols)),
+                self._tensor(bias_values, torch.float32),
+                accumulate=True,
+            )
+        if penalty_rows:
+            pstates = [states[i] for i in penalty_rows]
+            slots = self._tensor([s.penalty_slot for s in pstates])
+            presence = self._tensor([s.params.presence_penalty for s in pstates], torch.float32)
+            frequency = self._tensor([s.params.frequency_penalty for s in pstates], torch.float32)
+            repetition = self._tensor([s.params.repetition_penalty for s in pstates], torch.float32)
+            counts, prompt_mask = self._output_counts[slots], self._prompt_mask[slots]
+            x = self._on_rows(
+                x,
+                penalty_rows,
+                lambda rows: apply_penalties(rows, counts, prompt_mask, presence, frequency, repetition),
+            )
+        return x
+
+    def _draw(self, x: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
+        random_rows = [i for i, s in enumerate(states) if not s.greedy]
+        if not random_rows:
+            return x.argmax(dim=-1)  # ties: lowest id
+        if len(random_rows) == len(states):
+            return self._draw_random(x, states)
+        token_ids = x.argmax(dim=-1)
+        rows = self._tensor(random_rows)
+        token_ids[rows] = self._draw_random(x[rows], [states[i] for i in random_rows])
+        return token_ids
+
+    def _draw_random(self, x: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
+        """x [R, V] f32 (not written); temperature -> top-k/top-p -> min-p -> exponential race."""
+        temperature = self._tensor([s.params.temperature for s in states], torch.float32)
+        x = x / temperature[:, None]  # [R, V] f32, a new tensor the filters may write into
+        kp_rows = [
+            i for i, s in enumerate(states) if 0 < s.params.top_k < self.vocab_size or s.params.top_p < 1.0
+        ]
+        if kp_rows:
+            top_k = self._tensor([states[i].params.top_k for i in kp_rows])
+            top_ps = [states[i].params.top_p for i in kp_rows]
+            # Decided on the host: a device-side `.any()` would sync the step.
+            top_p = self._tensor(top_ps, torch.float32) if min(top_ps) < 1.0 else None
+            x = self._on_rows(x, kp_rows, lambda rows: apply_top_k_top_p(rows, top_k, top_p))
+        min_p_rows = [i for i, s in enumerate(states) if s.params.min_p > 0.0]
+        if min_p_rows:
+            min_p = self._tensor([states[i].params.min_p for i in min_p_rows], torch.float32)
+            x = self._on_rows(x, min_p_rows, lambda rows: apply_min_p(rows, min_p))
+        probs = x.softmax(dim=-1)  # [R, V] f32
+        noise = torch.empty_like(probs)  # [R, V] f32, Exp(1)
+        if any(s.params.seed is None for s in states):
+            noise.exponential_()  # one draw for the unseeded rows; seeded rows are redrawn below
+        for i, s in enumerate(states):
+            if s.params.seed is not None:
+                self._generator.manual_seed(noise_seed(s.params.seed, s.num_output_tokens))
+                noise[i].exponential_(generator=self._generator)
+        # argmax(p / E) with E ~ Exp(1) i.i.d. is a draw from p. NOTE: the clamp keeps a zero
+        # draw from turning a masked token's 0 / 0 into a NaN that argmax would pick.
+        return (probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+
+    def _record(self, token_ids: torch.Tensor, states: list[_RequestState]) -> None:
+        penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
+        if penalty_rows:
+            slots = self._tensor([states[i].penalty_slot for i in penalty_rows])
+            ones = torch.ones(len(penalty_rows), dtype=torch.int32, device=self.device)
+            # On device, no read-back; O(1) per row whatever the output length.
+            sampled = token_ids[self._tensor(penalty_rows)]
+            self._output_counts.index_put_((slots, sampled), ones, accumulate=True)
+        for s in states:
+            s.num_output_tokens += 1
+
+    def _read_back(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, states: list[_RequestState]
+    ) -> list[SampledToken]:
+        num_rows = len(states)
+        lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        num_top = min(self.vocab_size, max((states[i].params.logprobs or 0 for i in lp_rows), default=0))
+        # Everything goes back in one float64 tensor (ids < 2^53 are exact): one sync per step.
+        parts = [token_ids.double()]
+        if lp_rows:
+            rows = self._tensor(lp_rows)
+            raw = torch.log_softmax(logits[rows].float(), dim=-1)  # [L, V] f32, raw logits
+            parts.append(raw.gather(1, token_ids[rows][:, None]).squeeze(1).double())
+            if num_top:
+                top_logprobs, top_ids = raw.topk(num_top, dim=-1)  # [L, N], descending
+                parts += [top_ids.double().flatten(), top_logprobs.double().flatten()]
+        host = torch.cat(parts).tolist()
+        ids = [int(t) for t in host[:num_rows]]
+        outputs = [SampledToken(token_id) for token_id in ids]
+        num_lp = len(lp_rows)
+        top_ids_at, top_lps_at = num_rows + num_lp, num_rows + num_lp + num_lp * num_top
+        for j, i in enumerate(lp_rows):
+            n = min(states[i].params.logprobs or 0, num_top)
+            row_ids = host[top_ids_at + j * num_top : top_ids_at + j * num_top + n]
+            row_lps = host[top_lps_at + j * num_top : top_lps_at + j * num_top + n]
+            outputs[i] = SampledToken(
+                ids[i], host[num_rows + j], tuple(int(t) for t in row_ids), tuple(row_lps)
+            )
+        return outputs
+
+    def _take_slot(self, prompt_token_ids: Sequence[int]) -> int:
+        if not self._free_slots:
+            old = self._output_counts.shape[0]
+            new = max(_MIN_PENALTY_SLOTS, 2 * old)
+            counts = torch.zeros(new, self.vocab_size, dtype=torch.int32, device=self.device)
+            prompt_mask = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
+            counts[:old] = self._output_counts
+            prompt_mask[:old] = self._prompt_mask
+            self._output_counts, self._prompt_mask = counts, prompt_mask
+            self._free_slots.extend(range(new - 1, old - 1, -1))  # pop() hands out low slots first
+        slot = self._free_slots.pop()
+        self._output_counts[slot].zero_()
+        self._prompt_mask[slot].zero_()
+        if prompt_token_ids:
+            self._prompt_mask[slot, self._tensor(list(prompt_token_ids))] = True
+        return slot
+
+    def _check_user_ids(self, param: str, token_ids: Sequence[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ParamError(
+                f"{param} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", param
+            )
+
+    def _on_rows(
+        self, x: torch.Tensor, rows: list[int], fn: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """fn applied to the given rows of x (written in place unless it is every row)."""
+        if len(rows) == x.shape[0]:
+            return fn(x)
+        index = self._tensor(rows)
+        x[index] = fn(x[index])
+        return x
+
+    def _tensor(
+        self, values: Sequence[int] | Sequence[float], dtype: torch.dtype = torch.int64
+    ) -> torch.Tensor:
+        """A small host list (per-row params, indices) as a device tensor: one copy, no sync."""
+        return torch.tensor(values, dtype=dtype, device=self.device)

@@ -1,0 +1,109 @@
+"""The checkpoint's tokenizer: encode, decode, the chat template (through transformers), and
+per-token text/bytes for logprobs. Incremental decoding lives in engine/detokenizer.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.config import ConfigError
+from scheduler.request import ParamError
+
+logger = logging.getLogger("fp4serve.tokenizer")
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-level alphabet (printable stand-ins for the 256 bytes)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = ()) -> None:
+        try:
+            self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # transformers raises many types here; one line is what a user needs
+            raise ConfigError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if not isinstance(backend, tokenizers.Tokenizer):
+            raise ConfigError(f"{path}: a fast tokenizer (tokenizer.json) is required")
+        self.backend: tokenizers.Tokenizer = backend
+        ids = list(eos_token_ids)
+        if self.hf.eos_token_id is not None and self.hf.eos_token_id not in ids:
+            ids.append(self.hf.eos_token_id)
+        self.eos_token_ids = tuple(ids)
+        self.chat_template: str | None = getattr(self.hf, "chat_template", None)
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+        self._byte_level = "ByteLevel" in json.dumps(json.loads(self.backend.to_str()).get("decoder"))
+        self._added_ids = frozenset(self.backend.get_added_tokens_decoder())
+        self._token_cache: dict[int, tuple[str, tuple[int, ...]]] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        if not self.chat_template:
+            raise ParamError("this model has no chat template; use /v1/completions", "messages")
+        try:
+            return self.hf.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **template_kwargs,
+            )
+        except Exception as e:  # jinja2 errors and raise_exception() from templates
+            raise ParamError(f"the chat template failed on these messages: {e}", "messages") from None
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
+        # The template already wrote any BOS token.
+        return self.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        """The token's own text and UTF-8 bytes (OpenAI's logprobs `token` and `bytes`)."""
+        cached = self._token_cache.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            result = ("", ())
+        elif self._byte_level and token_id not in self._added_ids:
+            dec = _byte_decoder()
+            raw = bytes(dec[c] for c in piece if c in dec)
+            result = (raw.decode("utf-8", errors="replace"), tuple(raw))
+        else:
+            text = self.backend.decode([token_id], skip_special_tokens=False)
+            result = (text, tuple(text.encode("utf-8")))
+        if len(self._token_cache) < 1 << 18:
+            self._token_cache[token_id] = result
+        return result

@@ -1,0 +1,54 @@
+"""What one scheduling step decided: per request, which new tokens run, from which position,
+over which KV pages, and whether its last token is sampled. Consumed by engine/batch.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent once, the first step a request is scheduled: what the runner's sampler keeps."""
+
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: tuple[int, ...]  # the tokens computed this step, at positions start_pos...
+    start_pos: int  # = num_computed_tokens before this step
+    block_table: tuple[int, ...]  # pages covering positions [0, start_pos + len(token_ids))
+    sample: bool  # the last token's logits are sampled (the request caught up with its tokens)
+    new_request: NewRequestData | None = None
+
+    def __post_init__(self) -> None:
+        assert self.token_ids, f"{self.request_id}: scheduled with no tokens"
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the KV cache after this step."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    requests: tuple[ScheduledRequest, ...]
+    finished_request_ids: tuple[str, ...]  # ended since the last step: runner drops their state
+    num_preempted: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests

@@ -1,0 +1,215 @@
+"""The continuous-batching scheduler: each step, every request's computed tokens catch up with
+its tokens inside a token budget — decodes first, then prefill chunks, then new arrivals — with
+preemption by recompute (youngest first) when pages run out. One rule covers chunked prefill,
+prefix-cache hits, resumption after preemption, and decode.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler.block_manager import BlockManager
+from scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
+from scheduler.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 4096
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.max_num_seqs >= 1, "max_num_seqs must be positive"
+        assert self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive"
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_blocks: int
+    prefix_cache_queried_tokens: int  # cumulative
+    prefix_cache_hit_tokens: int  # cumulative
+    num_preemptions: int  # cumulative
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self._sent_to_runner: set[str] = set()
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- intake and removal ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        assert request.num_tokens < self.config.max_model_len, "prompt must leave room for a token"
+        request.max_model_len = min(request.max_model_len, self.config.max_model_len)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """End a request now and free its pages. Unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.finish_reason = request.finish_reason or FinishReason.ABORT
+        self._finish(request)
+        return request
+
+    def _finish(self, request: Request) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        self.block_manager.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._sent_to_runner:
+            self._sent_to_runner.discard(request.request_id)
+            self._finished_ids.append(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_new: dict[str, int] = {}
+        scheduled: list[Request] = []
+        num_preempted = 0
+
+        # Decodes first, then running prefill chunks: a long prompt never stalls decoding.
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decoding + prefilling:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier this step
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate(request, n):
+                victim = self._pick_victim(exclude=scheduled)
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            num_new[request.request_id] = n
+            scheduled.append(request)
+            budget -= n
+
+        # New arrivals and resumed requests, oldest first, when nothing was preempted.
+        while self.waiting and budget > 0 and num_preempted == 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit = self.block_manager.find_cached_prefix(request) if not request.block_table else []
+            num_cached = len(hit) * self.config.block_size
+            n = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if not self.block_manager.allocate(request, n, hit):
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING and request.num_output_tokens == 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens += num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_new[request.request_id] = n
+            scheduled.append(request)
+            budget -= n
+
+        out = SchedulerOutput(
+            requests=tuple(self._describe(r, num_new[r.request_id]) for r in scheduled),
+            finished_request_ids=tuple(self._finished_ids),
+            num_preempted=num_preempted,
+        )
+        self._finished_ids = []
+        return out
+
+    def _pick_victim(self, exclude: Sequence[Request]) -> Request:
+        """The youngest running request not already scheduled this step."""
+        candidates = [r for r in self.running if r not in exclude]
+        assert candidates, "allocation failed with nothing left to preempt"
+        return max(candidates, key=lambda r: r.arrival_time)
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's pages; it waits at the front and resumes by recompute."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _describe(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        new_data = None
+        if request.request_id not in self._sent_to_runner:
+            self._sent_to_runner.add(request.request_id)
+            new_data = NewRequestData(request.params, tuple(request.prompt_token_ids), request.eos_token_ids)
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tuple(request.token_slice(start, start + n)),
+            start_pos=start,
+            block_table=tuple(request.block_table),
+            sample=start + n == request.num_tokens,
+            new_request=new_data,
+        )
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests by the step's results; return those that sampled.
+
+        `sampled` maps request id -> sampled token for the requests with `sample` set.
+        Requests aborted while the step ran are skipped (their pages are already free).
+        """
+        touched: list[Request] = []
+        for sr in output.requests:
+            request = self.requests.get(sr.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += sr.num_new_tokens
+            if not sr.sample:
+                continue
+            token = sampled[sr.request_id]
+            request.output_token_ids.append(token)
+            touched.append(request)
+            if request.check_stop(token):
+                self._finish(request)
+        return touched
+
+    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """End a request for a reason found outside the scheduler (e.g. a stop string)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self._finish(request)
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_used_blocks=bm.num_used_blocks,
+            num_blocks=bm.num_blocks,
+            prefix_cache_queried_tokens=bm.num_queried_tokens,
+            prefix_cache_hit_tokens=bm.num_hit_tokens,
+            num_preemptions=self.num_preemptions,
+        )

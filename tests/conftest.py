@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny checkpoints (built once per session) and engine helpers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Keep test runs from writing into the user's cache; the demo model is built once per machine here.
+os.environ.setdefault("FP4SERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "test"))
+
+from tests.factories import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama", tie=False,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})

@@ -1,0 +1,71 @@
+"""Test factories: tiny seeded random-weight checkpoints of real architectures, saved by
+transformers' `save_pretrained`, with a small word-level tokenizer, and request makers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from scheduler.request import Request, SamplingParams
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+EOS_ID = 511
+
+
+def write_word_tokenizer(dst: Path, vocab_size: int) -> None:
+    """Words w0..w{V-2} and an <eos> special token; decoding joins words with spaces."""
+    vocab = {f"w{i}": i for i in range(vocab_size - 1)}
+    vocab["<eos>"] = vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins with spaces
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(dst / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}"
+    )
+    (dst / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "chat_template": template,
+        "model_max_length": 512,
+    }))
+
+
+def make_checkpoint(
+    dst: Path,
+    arch: str = "qwen3",
+    rope_scaling: dict[str, Any] | None = None,
+    tie: bool = True,
+    seed: int = 0,
+    init_std: float = 0.1,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Path:
+    """A tiny random model of `arch` ("qwen3" | "llama") saved as an HF checkpoint folder."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    dst.mkdir(parents=True, exist_ok=True)
+    kwargs = {**TINY, **overrides, "tie_word_embeddings": tie, "eos_token_id": EOS_ID, "bos_token_id": 0,
+              "initializer_range": init_std, "rms_norm_eps": 1e-6}
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = {**rope_scaling, "rope_theta": 10000.0}
+    cfg = Qwen3Config(**kwargs) if arch == "qwen3" else LlamaConfig(**kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.no_grad():  # non-trivial norm weights, so a wrongly applied norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(dst, safe_serialization=True)
+    write_word_tokenizer(dst, kwargs["vocab_size"])
+    return dst
+
+
+def make_request(request_id: str, prompt: list[int] | int, max_tokens: int = 16, **params: Any) -> Request:
+    prompt_ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else prompt
+    return Request(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens, **params))
