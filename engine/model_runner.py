@@ -47,12 +47,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX512-BF16: without them torch emulates bf16 matmuls, slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
     dtype = _DTYPES.get(checkpoint_dtype, torch.float32)
     if dtype == torch.float32 and device.type == "cuda":
         return torch.bfloat16  # a float32 checkpoint runs in bf16 on GPU
+    if dtype != torch.float32 and device.type == "cpu" and not cpu_has_native_bf16():
+        logger.info("dtype auto: this CPU has no AMX/AVX512-BF16, so %s runs as float32 (faster here)", checkpoint_dtype)
+        return torch.float32
     return dtype
 
 

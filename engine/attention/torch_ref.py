@@ -15,11 +15,16 @@ import torch.nn.functional as F
 from engine.batch import ForwardBatch
 
 
+# NOTE: the cache [P, 2, bs, H, D] is addressed through its flat view [P * 2 * bs, H, D]:
+# K of (page, offset) is row page*2*bs + offset, V is that + bs. index_copy_/index_select on
+# the flat view are ~10x faster than advanced indexing with a slice in the middle.
+
+
 @dataclass(frozen=True)
 class _DecodeGroup:
     rows: torch.Tensor  # [Bd] int64: query rows of the decode requests
-    pages: torch.Tensor  # [Bd, Lmax] int64: page of each key position (padded with 0)
-    offsets: torch.Tensor  # [Bd, Lmax] int64: offset inside the page
+    k_rows: torch.Tensor  # [Bd * Lmax] int64: flat cache rows of each key position (padded)
+    lmax: int
     mask: torch.Tensor  # [Bd, 1, 1, Lmax] bool: True where a key exists
 
 
@@ -27,8 +32,7 @@ class _DecodeGroup:
 class _PrefillItem:
     q_start: int
     q_end: int
-    pages: torch.Tensor  # [num_pages] int64
-    seq_len: int
+    k_rows: torch.Tensor  # [seq_len] int64: flat cache rows of the request's keys
     mask: torch.Tensor  # [q_len, seq_len] bool: causal, offset by the cached tokens
 
 
@@ -41,62 +45,64 @@ class TorchAttentionBackend:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.device = device
-        self._slot_pages: torch.Tensor | None = None
-        self._slot_offsets: torch.Tensor | None = None
+        self._new_k_rows: torch.Tensor | None = None  # [T] int64
+        self._block_size = 0
         self._decode: _DecodeGroup | None = None
         self._prefills: list[_PrefillItem] = []
 
     def plan(self, batch: ForwardBatch) -> None:
         bs = batch.block_size
         dev = self.device
-        self._slot_pages = torch.div(batch.slot_mapping, bs, rounding_mode="floor")
-        self._slot_offsets = batch.slot_mapping % bs
+        self._block_size = bs
+        slots = batch.slot_mapping
+        self._new_k_rows = torch.div(slots, bs, rounding_mode="floor") * (2 * bs) + slots % bs
         # Host copies of the metadata: planning happens once per step, not per layer.
         qo = batch.qo_indptr.tolist()
         kv_ptr = batch.kv_indptr.tolist()
         kv_idx = batch.kv_indices.tolist()
         decode_rows: list[int] = []
-        decode_pages: list[list[int]] = []
+        decode_k_rows: list[torch.Tensor] = []
         decode_lens: list[int] = []
         self._prefills = []
+        offsets = torch.arange(bs)
         for i, (q_len, seq_len) in enumerate(zip(batch.query_lens, batch.seq_lens)):
-            pages = kv_idx[kv_ptr[i] : kv_ptr[i + 1]]
+            pages = torch.tensor(kv_idx[kv_ptr[i] : kv_ptr[i + 1]], dtype=torch.int64)
+            k_rows = ((pages * (2 * bs))[:, None] + offsets[None, :]).flatten()[:seq_len]  # [seq_len]
             if q_len == 1:
                 decode_rows.append(qo[i])
-                decode_pages.append(pages)
+                decode_k_rows.append(k_rows)
                 decode_lens.append(seq_len)
                 continue
             q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
             k_pos = torch.arange(seq_len, device=dev)
-            self._prefills.append(
-                _PrefillItem(qo[i], qo[i + 1], torch.tensor(pages, device=dev), seq_len, k_pos[None, :] <= q_pos[:, None])
-            )
+            self._prefills.append(_PrefillItem(qo[i], qo[i + 1], k_rows.to(dev), k_pos[None, :] <= q_pos[:, None]))
         self._decode = None
         if decode_rows:
             lmax = max(decode_lens)
-            pos = torch.arange(lmax)
-            page_slot = []
-            for pages, n in zip(decode_pages, decode_lens):
-                idx = torch.tensor(pages, dtype=torch.int64)[torch.clamp(pos, max=n - 1) // bs]
-                page_slot.append(idx)
+            padded = torch.zeros(len(decode_rows), lmax, dtype=torch.int64)
+            for j, rows in enumerate(decode_k_rows):
+                padded[j, : len(rows)] = rows
             lens = torch.tensor(decode_lens)
             self._decode = _DecodeGroup(
                 rows=torch.tensor(decode_rows, device=dev),
-                pages=torch.stack(page_slot).to(dev),
-                offsets=(pos % bs).expand(len(decode_rows), lmax).to(dev),
-                mask=(pos[None, :] < lens[:, None]).to(dev)[:, None, None, :],
+                k_rows=padded.flatten().to(dev),
+                lmax=lmax,
+                mask=(torch.arange(lmax)[None, :] < lens[:, None]).to(dev)[:, None, None, :],
             )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        assert self._slot_pages is not None, "plan() must run before forward()"
+        assert self._new_k_rows is not None, "plan() must run before forward()"
+        bs = self._block_size
+        flat = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [P*2*bs, Hkv, D]
         # Write every new K/V of the batch first: same-step prefix hits read them.
-        kv_cache[self._slot_pages, 0, self._slot_offsets] = k.to(kv_cache.dtype)
-        kv_cache[self._slot_pages, 1, self._slot_offsets] = v.to(kv_cache.dtype)
+        flat.index_copy_(0, self._new_k_rows, k.to(flat.dtype))
+        flat.index_copy_(0, self._new_k_rows + bs, v.to(flat.dtype))
         out = torch.empty_like(q)
         if self._decode is not None:
             d = self._decode
-            keys = kv_cache[d.pages, 0, d.offsets]  # [Bd, L, Hkv, D]
-            values = kv_cache[d.pages, 1, d.offsets]
+            num = len(d.rows)
+            keys = flat.index_select(0, d.k_rows).view(num, d.lmax, *flat.shape[1:])  # [Bd, L, Hkv, D]
+            values = flat.index_select(0, d.k_rows + bs).view(num, d.lmax, *flat.shape[1:])
             o = F.scaled_dot_product_attention(
                 q[d.rows][:, :, None, :],  # [Bd, Hq, 1, D]
                 keys.transpose(1, 2).to(q.dtype),
@@ -107,8 +113,8 @@ class TorchAttentionBackend:
             )
             out[d.rows] = o[:, :, 0, :]
         for p in self._prefills:
-            keys = kv_cache[p.pages, 0].flatten(0, 1)[: p.seq_len]  # [L, Hkv, D]
-            values = kv_cache[p.pages, 1].flatten(0, 1)[: p.seq_len]
+            keys = flat.index_select(0, p.k_rows)  # [L, Hkv, D]
+            values = flat.index_select(0, p.k_rows + bs)
             o = F.scaled_dot_product_attention(
                 q[p.q_start : p.q_end].transpose(0, 1)[None],  # [1, Hq, Lq, D]
                 keys.transpose(0, 1)[None].to(q.dtype),
