@@ -1,0 +1,270 @@
+"""`python -m bench {serve,plot,compare,offline}`: flags to configs, runs, tables and files."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import math
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import orjson
+from tqdm import tqdm
+
+from bench.datasets import DATASETS, DatasetSpec, TokenCounter, build_dataset, load_tokenizer
+from bench.report import (Result, format_compare, format_summary, format_sweep, load_results,
+                          result_document, write_results)
+from bench.serve import ENDPOINTS, EndpointError, Load, Target, discover_model, probe_target, \
+    run_load
+from bench.stats import RequestRecord, Slo, summarize
+
+INTERRUPTED_EXIT = 130
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _rates(text: str) -> list[float]:
+    return [math.inf if x.strip() == "inf" else float(x) for x in text.split(",") if x.strip()]
+
+
+def _add_dataset_flags(p: argparse.ArgumentParser, input_len: int, num_requests: int) -> None:
+    p.add_argument("--dataset", choices=DATASETS, default="random")
+    p.add_argument("--dataset-path", help="jsonl: ShareGPT-style conversations or {prompt, "
+                                          "max_tokens} lines (a JSON array also works)")
+    p.add_argument("--num-requests", type=int, default=num_requests,
+                   help="requests per load level (multi-turn: turns)")
+    p.add_argument("--input-len", type=int, default=input_len, help="prompt tokens (per turn)")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="output tokens (default 128; jsonl: each record's answer length)")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="draw lengths uniformly from [L(1-r), L(1+r)]")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: prefix tokens")
+    p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: distinct prefixes")
+    p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration", type=float, default=300.0,
+                   help="seconds per load level; requests still in flight are cancelled")
+    p.add_argument("--out", help="write results as JSON here")
+
+
+def _spec(args: argparse.Namespace, seed: int) -> DatasetSpec:
+    return DatasetSpec(args.dataset, args.num_requests, args.input_len, args.output_len,
+                       args.range_ratio, args.prefix_len, args.num_groups, args.num_turns,
+                       args.dataset_path, seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="load-test an OpenAI-compatible endpoint over HTTP")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    s.add_argument("--model", help="default: the first of GET /models")
+    s.add_argument("--api-key")
+    s.add_argument("--endpoint", choices=ENDPOINTS, default="chat")
+    s.add_argument("--label", help="name of this run in tables and charts")
+    load = s.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=_ints,
+                      help="closed loop: clients in flight; a list (1,4,16) sweeps (default 8)")
+    load.add_argument("--request-rate", type=_rates,
+                      help="open loop: Poisson arrivals per second; a list sweeps; inf: all at 0")
+    s.add_argument("--max-concurrency", type=int, help="open loop: cap on requests in flight")
+    s.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of inter-arrival times (1: Poisson)")
+    s.add_argument("--tokenizer", help="folder with tokenizer.json (or the file) of the model")
+    s.add_argument("--no-ignore-eos", action="store_true",
+                   help="do not send ignore_eos/min_tokens (servers that reject them)")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--extra-body", type=orjson.loads, default={},
+                   help='JSON merged into every request, e.g. \'{"top_k": 20}\'')
+    s.add_argument("--request-timeout", type=float, default=600.0)
+    s.add_argument("--slo", type=Slo.parse, help="goodput objectives: ttft=MS,tpot=MS,e2e=MS")
+    s.add_argument("--no-progress", action="store_true")
+    _add_dataset_flags(s, input_len=1024, num_requests=200)
+
+    p = sub.add_parser("plot", help="draw PNG charts from result files")
+    p.add_argument("results", nargs="+")
+    p.add_argument("--out", default="bench-plots", help="folder for the PNGs")
+
+    c = sub.add_parser("compare", help="side-by-side table of two result files, with b/a")
+    c.add_argument("a")
+    c.add_argument("b")
+
+    o = sub.add_parser("offline", help="drive the engine in-process (no HTTP)")
+    o.add_argument("--model", help="checkpoint folder (default: the embedded demo model)")
+    o.add_argument("--dtype", default="auto")
+    o.add_argument("--device", default="auto")
+    o.add_argument("--max-num-seqs", type=int, default=64)
+    o.add_argument("--max-num-batched-tokens", type=int)
+    o.add_argument("--max-model-len", type=int)
+    o.add_argument("--kv-cache-memory", help='KV cache size: bytes ("2GiB") or a fraction')
+    o.add_argument("--temperature", type=float, default=1.0)
+    _add_dataset_flags(o, input_len=256, num_requests=64)
+    return parser
+
+
+def _config(args: argparse.Namespace, target: Target, load: Load, spec: DatasetSpec,
+            tokenizer: TokenCounter, notes: list[str]) -> dict[str, object]:
+    load_dict = dataclasses.asdict(load)
+    if load.request_rate is not None and math.isinf(load.request_rate):
+        load_dict["request_rate"] = "inf"  # JSON has no infinity
+    return {"label": args.label, "base_url": target.base_url, "model": target.model,
+            "endpoint": target.endpoint, "load_label": load.label, "load": load_dict,
+            "dataset": dataclasses.asdict(spec), "tokenizer": tokenizer.name,
+            "tokenizer_exact": tokenizer.exact, "ignore_eos": target.ignore_eos,
+            "temperature": target.temperature, "extra_body": target.extra_body,
+            "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "notes": list(notes)}
+
+
+async def _serve_levels(args: argparse.Namespace, target: Target, loads: Sequence[Load],
+                        tokenizer: TokenCounter, notes: list[str]) -> tuple[list[Result], bool]:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_sigint() -> None:
+        print("\ninterrupted: finishing with what was measured (Ctrl-C again to quit)",
+              file=sys.stderr)
+        stop.set()
+        loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C ends the process
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    target, note = await probe_target(target)
+    if note:
+        notes.append(note)
+    results: list[Result] = []
+    for i, load in enumerate(loads):
+        # NOTE: a fresh seed per level, so no level reuses another's prompts from the prefix
+        # cache (reruns inflate throughput); jsonl prompts only change order.
+        spec = _spec(args, args.seed + i)
+        conversations = build_dataset(spec, tokenizer)
+        bar = tqdm(total=load.num_requests, desc=load.label, unit="req", file=sys.stderr,
+                   disable=args.no_progress, dynamic_ncols=True)
+        failed = 0
+
+        def on_record(r: RequestRecord) -> None:
+            nonlocal failed
+            failed += not r.ok
+            bar.update(1)
+            if failed:
+                bar.set_postfix(failed=failed, refresh=False)
+
+        run = await run_load(target, load, conversations, on_record=on_record, stop=stop)
+        bar.close()
+        config = _config(args, target, load, spec, tokenizer, notes)
+        config.update(interrupted=run.interrupted, timed_out=run.timed_out)
+        if run.timed_out:
+            config["notes"] = [*notes, f"stopped by --duration {load.duration_s:g}s"]
+        if run.interrupted:
+            config["notes"] = [*notes, "interrupted (Ctrl-C): figures cover what ran"]
+        result = result_document(config, summarize(run.records, run.duration_s, args.slo),
+                                 run.records)
+        results.append(result)
+        print(format_summary(result), flush=True)
+        if run.interrupted:
+            return results, True
+    return results, False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    notes: list[str] = []
+    try:
+        model = args.model or discover_model(args.base_url, args.api_key)
+    except EndpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tokenizer = load_tokenizer(args.tokenizer, args.base_url, model, args.api_key)
+    if not tokenizer.exact:
+        notes.append("no tokenizer (--tokenizer, a local model folder, or the server's "
+                     "/tokenize): prompt lengths are approximate, one token per word")
+        print(f"warning: {notes[-1]}", file=sys.stderr)
+    target = Target(args.base_url, model, args.endpoint, args.api_key, not args.no_ignore_eos,
+                    args.temperature, args.extra_body, args.request_timeout)
+    common = dict(num_requests=args.num_requests, duration_s=args.duration, seed=args.seed)
+    if args.request_rate:
+        loads = [Load(request_rate=r, max_concurrency=args.max_concurrency,
+                      burstiness=args.burstiness, **common) for r in args.request_rate]
+    else:
+        loads = [Load(concurrency=c, **common) for c in (args.concurrency or [8])]
+    try:
+        results, interrupted = asyncio.run(_serve_levels(args, target, loads, tokenizer, notes))
+    except EndpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if len(results) > 1:
+        print(format_sweep(results))
+    if args.out and results:
+        write_results(args.out, results)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return INTERRUPTED_EXIT if interrupted else 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from bench.plot import plot_results  # matplotlib only when charts are asked for
+
+    runs = [(_label(path, results), results)
+            for path in args.results for results in [load_results(path)]]
+    for path in plot_results(runs, args.out):
+        print(path)
+    return 0
+
+
+def _label(path: str, results: list[Result]) -> str:
+    cfg = results[0].get("config")
+    label = cfg.get("label") if isinstance(cfg, dict) else None
+    return str(label) if label else Path(path).stem
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    a, b = load_results(args.a), load_results(args.b)
+    print(format_compare(a, b, _label(args.a, a), _label(args.b, b)))
+    return 0
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from bench.offline import EngineTokenCounter, format_offline, run_offline
+    from engine.config import EngineConfig
+    from engine.offline import OfflineEngine
+    from scheduler.request import SamplingParams
+
+    fields: dict[str, object] = dict(model=args.model, dtype=args.dtype, device=args.device,
+                                     max_num_seqs=args.max_num_seqs)
+    for name in ("max_num_batched_tokens", "max_model_len", "kv_cache_memory"):
+        if getattr(args, name) is not None:  # else EngineConfig's default
+            fields[name] = getattr(args, name)
+    engine = OfflineEngine.from_config(EngineConfig(**fields))
+    counter = EngineTokenCounter(engine)
+    conversations = build_dataset(_spec(args, args.seed), counter)
+    # Warm up outside the measured window: first-call allocations and lazy init.
+    engine.generate([counter.encode("warm up")],
+                    SamplingParams(max_tokens=4, min_tokens=4, ignore_eos=True))
+    bar = tqdm(total=args.num_requests, desc="offline", unit="req", file=sys.stderr)
+    report = run_offline(engine, conversations, counter.encode, num_requests=args.num_requests,
+                         duration_s=args.duration, temperature=args.temperature,
+                         on_finish=lambda: bar.update(1))
+    bar.close()
+    title = f"offline: {args.model or 'demo'} {args.dataset} in={args.input_len} " \
+            f"max_num_seqs={args.max_num_seqs}"
+    print(format_offline(report, title))
+    if args.out:
+        config = {k: v for k, v in vars(args).items() if k != "func"}
+        Path(args.out).write_bytes(orjson.dumps({"config": config, "summary": report.to_dict()},
+                                                option=orjson.OPT_INDENT_2))
+    return INTERRUPTED_EXIT if report.interrupted else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = {"serve": cmd_serve, "plot": cmd_plot, "compare": cmd_compare,
+                "offline": cmd_offline}
+    return commands[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
