@@ -6,13 +6,19 @@ from __future__ import annotations
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
+# A UTF-8 character has at most 4 bytes, and every token at least one: past 4 tokens with no
+# text the bytes are invalid, not incomplete.
+_MAX_CHAR_TOKENS = 4
+
 
 class Detokenizer:
     """Turns a sample's tokens, one step at a time, into text that is safe to show."""
 
     def __init__(self, backend: tokenizers.Tokenizer, stop: tuple[str, ...], skip_special_tokens: bool, include_stop: bool) -> None:
         self._backend = backend
+        self._skip_special = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._undecoded: list[int] = []  # tokens the stream holds (an incomplete character)
         self._stop = stop
         self._include_stop = include_stop
         # Text that might still be the start of a stop string: at most max(len(stop)) - 1 chars.
@@ -27,8 +33,13 @@ class Detokenizer:
         """
         for token_id in token_ids:
             piece = self._stream.step(self._backend, token_id)
-            if piece:
-                self._pending += piece
+            if piece is None:
+                self._undecoded.append(token_id)
+                if len(self._undecoded) > _MAX_CHAR_TOKENS:
+                    self._pending += self._force_decode()
+                continue
+            self._undecoded.clear()
+            self._pending += piece
         if not self._stop:
             out, self._pending = self._pending, ""
             return out, None
@@ -48,7 +59,16 @@ class Detokenizer:
         out, self._pending = self._pending[:cut], self._pending[cut:]
         return out, None
 
+    def _force_decode(self) -> str:
+        """Bytes that can never form a character: show them as U+FFFD (as `decode` would) and
+        restart the stream after them."""
+        text = self._backend.decode(self._undecoded, skip_special_tokens=self._skip_special)
+        self._undecoded.clear()
+        self._stream = DecodeStream(skip_special_tokens=self._skip_special)
+        return text
+
     def flush(self) -> str:
         """The held-back tail, once the sample ended for another reason."""
-        out, self._pending = self._pending, ""
+        out = self._pending + (self._force_decode() if self._undecoded else "")
+        self._pending = ""
         return out
