@@ -1,0 +1,54 @@
+"""API-key check for `/v1/*`: `Authorization: Bearer <key>`, compared in constant time.
+`/health`, `/metrics` and `/version` stay open so probes and scrapers need no secret."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from api.errors import error_response
+
+PROTECTED_PREFIX = "/v1"
+
+
+def bearer_token(authorization: bytes | None) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header (scheme case-insensitive)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    token = token.strip()
+    return token or None
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware (no body buffering, so streaming responses pass straight through)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        assert api_key, "APIKeyMiddleware needs a non-empty key"
+        self.app = app
+        self._key = api_key.encode()
+
+    def is_authorized(self, authorization: bytes | None) -> bool:
+        token = bearer_token(authorization)
+        # NOTE: compare_digest takes the same time whatever prefix matches; comparing with a
+        # dummy on a missing token keeps the two failure paths alike too.
+        return hmac.compare_digest(token if token is not None else b"", self._key) and token is not None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _is_protected(scope["path"]) or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if self.is_authorized(authorization):
+            await self.app(scope, receive, send)
+            return
+        message = "missing API key: send 'Authorization: Bearer <key>'" if authorization is None else "invalid API key"
+        response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+def _is_protected(path: str) -> bool:
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")

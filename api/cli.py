@@ -1,0 +1,239 @@
+"""The `fp4serve` command: `serve` (hypercorn started from code, uvloop where installed) and
+`parse-output` (api/parse_output.py). Flags map one-to-one onto `EngineConfig` and
+`ServerConfig` fields; room is left for more subcommands (e.g. `quantize`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from api.app import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
+from engine.config import ConfigError, EngineConfig
+
+API_KEY_ENV = "FP4SERVE_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# Seconds hypercorn lets open streams finish after SIGTERM before it cuts them.
+GRACEFUL_TIMEOUT_S = 5.0
+
+logger = logging.getLogger("fp4serve")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless its help already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "default:" in help_text or action.default in (None, False, argparse.SUPPRESS):
+            return help_text
+        return super()._get_help_string(action) or help_text
+
+
+def _engine_default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None, metavar="PATH",
+                       help="local HF checkpoint folder (config.json, safetensors, tokenizer); "
+                       "default: the embedded random-weight demo model")
+    model.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model name clients send and /v1/models lists; default: the folder name")
+    model.add_argument("--dtype", default=_engine_default("dtype"), choices=("auto", "float32", "bfloat16", "float16"),
+                       help="activation and weight dtype; auto picks bfloat16 where the device is fast at it")
+    model.add_argument("--quantization", default=_engine_default("quantization"), choices=("nvfp4",),
+                       help="quantize a bf16 checkpoint's linear layers at load time")
+    model.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                       help="context length (prompt + output) in tokens; default: the checkpoint's")
+    model.add_argument("--seed", type=int, default=_engine_default("seed"), help="seed for requests that set none")
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--device", default=_engine_default("device"), choices=("auto", "cpu", "cuda"),
+                        help="where the model runs; auto: cuda when available")
+    engine.add_argument("--attention-backend", default=_engine_default("attention_backend"),
+                        choices=("auto", "torch", "flashinfer"),
+                        help="attention kernels; auto: flashinfer on CUDA, the torch reference on CPU")
+    engine.add_argument("--max-num-seqs", type=int, default=_engine_default("max_num_seqs"), metavar="N",
+                        help="most sequences in one running batch")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=_engine_default("max_num_batched_tokens"),
+                        metavar="N", help="token budget of one step (prefill chunks + decodes)")
+    engine.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                        help="KV cache size: bytes (e.g. 4GiB, 512MiB) or a fraction of free device memory "
+                        "(e.g. 0.9); default: the engine's choice for the device")
+    engine.add_argument("--block-size", type=int, default=_engine_default("block_size"), metavar="N",
+                        help="tokens per KV cache page")
+    engine.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn off reuse of KV pages across requests sharing a prompt prefix")
+
+    http = parser.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 or :: for all)")
+    http.add_argument("--port", type=int, default=8000, help="TCP port")
+    # NOTE: the env value is read in server_config, not used as the default: --help prints defaults.
+    http.add_argument("--api-key", default=None, metavar="KEY",
+                      help=f"require 'Authorization: Bearer KEY' on /v1/* (also read from ${API_KEY_ENV}); "
+                      "default: no key")
+    http.add_argument("--cors-origins", default=None, metavar="ORIGINS",
+                      help="comma-separated origins allowed by CORS, or '*'; default: no CORS headers")
+    http.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+                      help="largest request body accepted (413 above it)")
+    http.add_argument("--tool-parser", default=None, metavar="NAME",
+                      help="parse tool calls out of chat output: qwen3 (alias hermes), qwen3_coder, or auto "
+                      "(chosen from the chat template); default: none")
+    http.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                      help="split <think> reasoning into reasoning_content: qwen3, or auto (from the chat "
+                      "template); default: none")
+    http.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log verbosity")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """Raises ConfigError (one line naming the flag) for a value the server cannot use."""
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "max_request_bytes"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be positive, got {getattr(args, flag)}")
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port: must be in 1..65535, got {args.port}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ConfigError(f"--max-model-len: must be at least 2, got {args.max_model_len}")
+    engine = EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend,
+        device=args.device,
+        quantization=args.quantization,
+        seed=args.seed,
+    )
+    _check_parser_names(args.tool_parser, args.reasoning_parser)
+    origins = tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip())
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        cors_origins=origins,
+        tool_parser=args.tool_parser,
+        reasoning_parser=args.reasoning_parser,
+        max_request_bytes=args.max_request_bytes,
+    )
+
+
+def _check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:
+    """Fail on a misspelt parser before the model loads; `auto` waits for the chat template."""
+    if {tool_parser, reasoning_parser} <= {None, "auto"}:
+        return
+    from api.parsers import UnknownParserError, resolve_reasoning_parser, resolve_tool_parser
+
+    try:
+        if tool_parser != "auto":
+            resolve_tool_parser(tool_parser)
+        if reasoning_parser != "auto":
+            resolve_reasoning_parser(reasoning_parser)
+    except UnknownParserError as e:
+        flag = "--tool-parser" if e.kind == "tool" else "--reasoning-parser"
+        raise ConfigError(f"{flag}: {e}") from None
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = server_config(args)
+        _check_port_free(config.host, config.port)
+    except (ConfigError, OSError) as e:
+        print(f"fp4serve serve: error: {e}", file=sys.stderr)
+        return 2
+    return _event_loop_runner()(_serve(config, args.log_level))
+
+
+def _event_loop_runner() -> Callable[[Coroutine[Any, Any, int]], int]:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before the model loads rather than after: hypercorn binds only once start-up ran."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+async def _serve(config: ServerConfig, log_level: str) -> int:
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config as HypercornConfig
+
+    stop = asyncio.Event()
+    app = build_app(config, on_fatal=stop.set)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def shutdown_trigger() -> None:
+        await stop.wait()
+        app.state.server.begin_shutdown()  # /health turns 503 before connections close
+
+    hc = HypercornConfig()
+    hc.bind = [f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"]
+    hc.accesslog = None  # the engine logs one line per finished request
+    hc.loglevel = log_level.upper()
+    hc.graceful_timeout = GRACEFUL_TIMEOUT_S
+    await hypercorn_serve(app, hc, shutdown_trigger=shutdown_trigger)
+    return 1 if app.state.server.phase == "failed" else 0
+
+
+def _add_parse_output(commands: Any) -> None:
+    # Another module owns this subcommand; the CLI works without it.
+    if importlib.util.find_spec("api.parse_output") is None:
+        return
+    try:
+        module = importlib.import_module("api.parse_output")
+    except ImportError:
+        return
+    parser = commands.add_parser("parse-output", help="parse a saved model output with a tool/reasoning parser",
+                                 formatter_class=_HelpFormatter)
+    module.add_arguments(parser)
+    parser.set_defaults(run=module.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fp4serve", description="An OpenAI-compatible LLM server.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve_parser = commands.add_parser(
+        "serve", help="serve a model over the OpenAI API", formatter_class=_HelpFormatter,
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /metrics, /version).",
+    )
+    add_serve_arguments(serve_parser)
+    serve_parser.set_defaults(run=serve)
+    _add_parse_output(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""OpenAI-style error bodies: `APIError` (what handlers raise) and the Starlette exception
+handlers that turn it, routing errors and unexpected failures into `{"error": {...}}`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import orjson
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from scheduler.request import ParamError
+
+logger = logging.getLogger("fp4serve.api")
+
+CLIENT_CLOSED = 499
+
+# The OpenAI `type` for each status we send; the SDK picks its exception class from the status.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "unavailable_error",
+}
+
+
+class APIError(Exception):
+    """A request the server refuses; carries everything the error body needs."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+@dataclass(frozen=True)
+class ErrorBody:
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+    def as_dict(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> ErrorBody:
+    return ErrorBody(message=message, type=_TYPES.get(status, "invalid_request_error"), param=param, code=code)
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    body = orjson.dumps(error_body(status, message, param, code).as_dict())
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
+
+
+async def handle_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError), f"registered for APIError, got {type(exc).__name__}"
+    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 (no route) and 405 (wrong method), in OpenAI's shape."""
+    assert isinstance(exc, HTTPException), f"registered for HTTPException, got {type(exc).__name__}"
+    if exc.status_code == 404:
+        message, code = f"no route for {request.url.path}", "not_found"
+    elif exc.status_code == 405:
+        message, code = f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
+    else:
+        message, code = str(exc.detail), None
+    return error_response(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+
+
+async def handle_param_error(request: Request, exc: Exception) -> Response:
+    """What the engine and SamplingParams raise for a user mistake (scheduler/request.py)."""
+    assert isinstance(exc, ParamError), f"registered for ParamError, got {type(exc).__name__}"
+    return error_response(400, exc.message, exc.param)
+
+
+async def handle_client_disconnected(request: Request, exc: Exception) -> Response:
+    # Nobody reads this; 499 is the status nginx logs for a client that closed first.
+    return Response(status_code=CLIENT_CLOSED)
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    # NOTE: the body never carries the exception text: it may hold paths or internals. The
+    # traceback goes to the log, where an operator can read it.
+    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal server error; see the server log", code="internal_error")

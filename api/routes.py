@@ -1,0 +1,170 @@
+"""Thin HTTP handlers: read and parse the body, hand the prompt to the engine, stream or
+return the result. Lifecycle lives in api/app.py, shapes in api/chat.py and api/completions.py."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from api.chat import ChatResponder, prompt_opens_reasoning, render_prompt
+from api.completions import CompletionResponder
+from api.errors import APIError, bad_request
+from api.generation import start_outputs, unless_disconnected
+from api.protocol import parse_chat_request, parse_completion_request, resolve_max_tokens
+from api.responses import ResponseHeader
+from api.sse import SSEResponse
+
+if TYPE_CHECKING:
+    from api.app import ServerState
+    from engine.async_engine import AsyncEngine
+
+# NOTE: an oversized body is still read (and dropped) up to this much more: answering while the
+# client is still sending makes the close reset the connection, and the client never sees the 413.
+DRAIN_BYTES = 64 << 20
+
+
+def json_response(payload: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, read with a cap: Content-Length may be absent or wrong."""
+    declared = request.headers.get("content-length")
+    too_big = declared is not None and declared.isdigit() and int(declared) > limit
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        too_big = too_big or size > limit
+        if not too_big:
+            chunks.append(chunk)
+        elif size > limit + DRAIN_BYTES:
+            break
+    if too_big:
+        raise APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
+    body = b"".join(chunks)
+    if not body:
+        raise bad_request("request body is empty; send a JSON object")
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(payload, dict):
+        raise bad_request("request body must be a JSON object")
+    return payload
+
+
+def check_model(requested: str | None, engine: AsyncEngine) -> None:
+    if requested is not None and requested != engine.info.model_name:
+        raise APIError(
+            404, f"model {requested!r} does not exist; this server serves {engine.info.model_name!r}", "model", "model_not_found"
+        )
+
+
+async def chat_completions(request: Request) -> Response:
+    state = server_state(request)
+    engine = state.ready_engine()
+    body = await read_json(request, state.config.max_request_bytes)
+    chat = parse_chat_request(body, engine.tokenizer.vocab_size)
+    check_model(chat.model, engine)
+    prompt = await state.run_blocking(render_prompt, engine.tokenizer, chat)
+    params = resolve_max_tokens(chat.params, chat.max_tokens, len(prompt), engine.info.max_model_len, "messages")
+    opens_reasoning = state.parsers.reasoning_parser is not None and prompt_opens_reasoning(engine.tokenizer, prompt)
+    header = ResponseHeader.new("chatcmpl", engine.info.model_name)
+    responder = ChatResponder(header, chat, prompt, state.parsers, opens_reasoning)
+    outputs = await start_outputs(engine, [prompt], [params], header.id, request.receive)
+    if chat.stream.stream:
+        return SSEResponse(responder.stream(outputs))
+    return await _complete(request, responder.complete(outputs))
+
+
+async def completions(request: Request) -> Response:
+    state = server_state(request)
+    engine = state.ready_engine()
+    body = await read_json(request, state.config.max_request_bytes)
+    req = parse_completion_request(body, engine.tokenizer.vocab_size)
+    check_model(req.model, engine)
+    prompts = [p if isinstance(p, list) else await state.run_blocking(engine.tokenizer.encode, p) for p in req.prompts]
+    if any(not p for p in prompts):
+        raise bad_request("a prompt encodes to no tokens", "prompt")
+    max_len = engine.info.max_model_len
+    params = [resolve_max_tokens(req.params, req.max_tokens, len(p), max_len, "prompt") for p in prompts]
+    header = ResponseHeader.new("cmpl", engine.info.model_name)
+    responder = CompletionResponder(header, req, prompts)
+    outputs = await start_outputs(engine, prompts, params, header.id, request.receive)
+    if req.stream.stream:
+        return SSEResponse(responder.stream(outputs))
+    return await _complete(request, responder.complete(outputs))
+
+
+async def _complete(request: Request, body: Awaitable[dict[str, Any]]) -> Response:
+    """A non-streaming response; a client that leaves meanwhile aborts its request."""
+    return json_response(await unless_disconnected(body, request.receive))
+
+
+async def models(request: Request) -> Response:
+    state = server_state(request)
+    info = state.ready_engine().info
+    card = {
+        "id": info.model_name,
+        "object": "model",
+        "created": state.started_at,
+        "owned_by": "fp4serve",
+        "root": info.model_path,
+        "max_model_len": info.max_model_len,
+    }
+    return json_response({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    state = server_state(request)
+    if state.phase != "ready" or state.engine is None:
+        return json_response(
+            {"status": state.phase, "error": {"message": state.unavailable_reason(), "type": "unavailable_error"}},
+            status=503,
+        )
+    info = state.engine.info
+    return json_response(
+        {
+            "status": "ok",
+            "model": info.model_name,
+            "device": info.device,
+            "attention_backend": info.attention_backend,
+            "dtype": info.dtype,
+            "max_model_len": info.max_model_len,
+            "kv_capacity_tokens": info.kv_capacity_tokens,
+        }
+    )
+
+
+async def version(request: Request) -> Response:
+    try:
+        value = importlib.metadata.version("fp4serve")
+    except importlib.metadata.PackageNotFoundError:
+        value = "unknown"
+    return json_response({"version": value})
+
+
+async def metrics(request: Request) -> Response:
+    engine = server_state(request).ready_engine()
+    return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/version", version, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]
