@@ -37,8 +37,6 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         # Pages with ref count 0, in eviction order. OrderedDict: O(1) removal on revival.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.num_queried_tokens = 0
-        self.num_hit_tokens = 0
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -66,7 +64,8 @@ class BlockManager:
         """Pages holding the longest cached prefix of the request's tokens.
 
         Capped at `num_tokens - 1` tokens: the last token is always recomputed so that it
-        yields logits to sample from.
+        yields logits to sample from. Counts nothing: a request that waits for pages is looked
+        up again every step, so the scheduler counts a lookup only when the request is admitted.
         """
         if not self.enable_prefix_caching:
             return []
@@ -78,8 +77,6 @@ class BlockManager:
             if block is None:
                 break
             hit.append(block)
-        self.num_queried_tokens += request.num_tokens
-        self.num_hit_tokens += len(hit) * self.block_size
         return hit
 
     # ---- allocation ----------------------------------------------------------------------

@@ -54,6 +54,8 @@ class Scheduler:
         self._sent_to_runner: set[str] = set()
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_prefix_queried_tokens = 0  # counted once per admission, not per lookup
+        self.num_prefix_hit_tokens = 0
 
     # ---- intake and removal ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -124,6 +126,9 @@ class Scheduler:
             if not self.block_manager.allocate(request, n, hit):
                 break
             self.waiting.popleft()
+            if self.config.enable_prefix_caching:
+                self.num_prefix_queried_tokens += request.num_tokens
+                self.num_prefix_hit_tokens += num_cached
             if request.status is RequestStatus.WAITING and request.num_output_tokens == 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens += num_cached
@@ -209,7 +214,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             num_used_blocks=bm.num_used_blocks,
             num_blocks=bm.num_blocks,
-            prefix_cache_queried_tokens=bm.num_queried_tokens,
-            prefix_cache_hit_tokens=bm.num_hit_tokens,
+            prefix_cache_queried_tokens=self.num_prefix_queried_tokens,
+            prefix_cache_hit_tokens=self.num_prefix_hit_tokens,
             num_preemptions=self.num_preemptions,
         )

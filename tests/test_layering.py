@@ -1,0 +1,196 @@
+"""Import layering, read from the source with `ast`: api -> engine -> {scheduler, kernels}; nothing
+imports api; scheduler/ and api/ import no torch; bench/ is a client of the server over HTTP."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("api", "engine", "scheduler", "kernels", "bench")
+SERVER = {"api", "engine", "scheduler", "kernels"}
+GPU_STACK = {"torch", "triton", "flashinfer"}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # absolute dotted name, e.g. "engine.config"
+    line: int
+    lazy: bool  # inside a function: only runs when that function is called
+
+    @property
+    def top(self) -> str:
+        return self.module.split(".")[0]
+
+
+def _package_of(path: Path) -> list[str]:
+    """Dotted parts of the package a file's relative imports resolve against."""
+    return list(path.relative_to(ROOT).parts[:-1])  # the same for a package's __init__.py
+
+
+def imports_of(path: Path, source: str | None = None) -> list[Import]:
+    """Every import in a file: top level, nested in functions or TYPE_CHECKING blocks, relative
+    ones resolved, and `importlib.import_module("...")` / `__import__("...")` with a literal name."""
+    tree = ast.parse(source if source is not None else path.read_text(), filename=str(path))
+    package = _package_of(path)
+    found: list[Import] = []
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend(Import(a.name, child.lineno, lazy) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package[: len(package) - child.level + 1]
+                    base_name = ".".join(base + ([child.module] if child.module else []))
+                    if child.module:
+                        found.append(Import(base_name, child.lineno, lazy))
+                    else:  # from . import x: each x is a module of the package
+                        found.extend(Import(f"{base_name}.{a.name}", child.lineno, lazy) for a in child.names)
+                else:
+                    found.append(Import(child.module or "", child.lineno, lazy))
+            elif isinstance(child, ast.Call) and child.args and isinstance(child.args[0], ast.Constant):
+                func = child.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                if name in ("import_module", "__import__") and isinstance(child.args[0].value, str):
+                    found.append(Import(child.args[0].value, child.lineno, lazy))
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def violations(package: str, rule: Callable[[Path, Import], str | None]) -> list[str]:
+    """`rule(path, imp)` returns why an import is not allowed, or None."""
+    bad = []
+    for path in modules(package):
+        for imp in imports_of(path):
+            why = rule(path, imp)
+            if why:
+                bad.append(f"{path.relative_to(ROOT)}:{imp.line} imports {imp.module}: {why}")
+    return bad
+
+
+# ---- the parser itself -------------------------------------------------------------------------------
+def test_import_parser_sees_relative_nested_and_dynamic_imports() -> None:
+    source = (
+        "import torch.nn.functional as F\n"
+        "from . import protocol, sse\n"
+        "from ..engine.config import EngineConfig\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from kernels import nvfp4\n"
+        "def f():\n    import importlib\n    return importlib.import_module('engine.core')\n"
+        "async def g():\n    from scheduler.request import Request\n"
+    )
+    found = imports_of(ROOT / "api" / "parsers" / "x.py", source)
+    assert [(i.module, i.line, i.lazy) for i in found] == [
+        ("torch.nn.functional", 1, False),
+        ("api.parsers.protocol", 2, False),
+        ("api.parsers.sse", 2, False),
+        ("api.engine.config", 3, False),
+        ("typing", 4, False),
+        ("kernels", 6, False),
+        ("importlib", 8, True),
+        ("engine.core", 9, True),
+        ("scheduler.request", 11, True),
+    ]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_package_has_modules_to_check(package: str) -> None:
+    assert len(modules(package)) >= 2, f"{package}/ has no modules: the layering rules would check nothing"
+
+
+# ---- the rules -----------------------------------------------------------------------------------------
+def test_scheduler_imports_only_itself_and_the_standard_library_no_torch() -> None:
+    def rule(path: Path, imp: Import) -> str | None:
+        if imp.top in SERVER - {"scheduler"} or imp.top == "bench":
+            return "the scheduler sits below the engine and knows nothing above it"
+        if imp.top in GPU_STACK:
+            return "the scheduler is pure Python"
+        return None
+
+    assert violations("scheduler", rule) == []
+
+
+def test_api_reaches_the_model_only_through_engine_and_imports_no_torch() -> None:
+    def rule(path: Path, imp: Import) -> str | None:
+        if imp.top in GPU_STACK:
+            return "api/ never touches tensors"
+        if imp.top in ("kernels", "bench"):
+            return "api/ talks to engine/, not to kernels or the benchmark client"
+        if imp.top == "scheduler" and imp.module != "scheduler.request":
+            return "api/ may use only the boundary types of scheduler.request (SamplingParams, ParamError)"
+        return None
+
+    assert violations("api", rule) == []
+
+
+def test_engine_never_imports_api_or_bench() -> None:
+    def rule(path: Path, imp: Import) -> str | None:
+        return "the engine sits below the HTTP layer" if imp.top in ("api", "bench") else None
+
+    assert violations("engine", rule) == []
+
+
+def test_kernels_import_nothing_of_engine_scheduler_api_or_bench() -> None:
+    def rule(path: Path, imp: Import) -> str | None:
+        return "kernels/ are leaves below the engine" if imp.top in SERVER - {"kernels"} | {"bench"} else None
+
+    assert violations("kernels", rule) == []
+
+
+def test_bench_is_an_http_client_except_its_offline_and_kernel_benchmarks() -> None:
+    # NOTE: bench/__main__.py's offline subcommand imports engine lazily inside its function, so
+    # `bench serve` never loads the server; module-level server imports belong to the module that
+    # benchmarks that layer in-process.
+    owners = {"engine": "offline.py", "scheduler": "offline.py", "kernels": "kernels.py"}
+
+    def rule(path: Path, imp: Import) -> str | None:
+        if imp.top == "api":
+            return "bench/ drives the server over HTTP, never through api/"
+        if imp.top in owners and path.name != owners[imp.top] and not imp.lazy:
+            return f"only bench/{owners[imp.top]} may import {imp.top}/ at module level"
+        return None
+
+    assert violations("bench", rule) == []
+
+
+@pytest.mark.parametrize("package", ["engine", "scheduler", "kernels", "bench"])
+def test_nothing_outside_api_imports_api(package: str) -> None:
+    def rule(path: Path, imp: Import) -> str | None:
+        return "nothing imports api/" if imp.top == "api" else None
+
+    assert violations(package, rule) == []
+
+
+# ---- the same rules, as the interpreter sees them ---------------------------------------------------------
+@pytest.mark.parametrize(
+    ("modules_to_import", "must_not_load"),
+    [
+        (["scheduler.scheduler", "scheduler.block_manager", "scheduler.output"], ["torch", "engine", "api"]),
+        (["bench.serve", "bench.stats", "bench.report", "bench.__main__"], ["engine", "scheduler", "api", "torch"]),
+    ],
+)
+def test_importing_a_layer_does_not_load_what_lies_above_or_the_gpu_stack(
+    modules_to_import: list[str], must_not_load: list[str]
+) -> None:
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules_to_import!r}: importlib.import_module(m)\n"
+        f"print(sorted(p for p in {must_not_load!r} if p in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
