@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+# Before torch is imported anywhere (see engine/__init__.py for why).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 # Keep test runs from writing into the user's cache; the demo model is built once per machine here.
 os.environ.setdefault("FP4SERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "test"))
