@@ -1,5 +1,6 @@
 """Weights from a local HF checkpoint (one safetensors file or a sharded index) straight into
-our modules. A missing or mis-shaped tensor fails start-up with one line naming it."""
+our modules: float, or NVFP4 linears packed in the checkpoint or quantized here. A missing or
+mis-shaped tensor fails start-up with one line naming it."""
 
 from __future__ import annotations
 
@@ -7,32 +8,46 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from engine.config import ConfigError, ModelConfig
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.layers import Linear
+from engine.models.layers import Linear, RotaryEmbedding
+from engine.quantization import (
+    LINEAR_SUFFIXES,
+    NVFP4LinearBuilder,
+    QuantizationMethod,
+    check_quantizable,
+    is_packed,
+    is_quantizable,
+    tensor_roles,
+)
+from kernels.nvfp4_matmul import NVFP4Linear
 
 logger = logging.getLogger("fp4serve.loader")
 
+_LINEAR = "(" + "|".join(LINEAR_SUFFIXES) + ")"
 # HF tensor name -> (our parameter path, shard index within a fused Linear or None)
 _LAYER_RULES: list[tuple[re.Pattern[str], str, int | None]] = [
-    (re.compile(r"self_attn\.q_proj\.(weight|bias)$"), "self_attn.qkv_proj.{0}", 0),
-    (re.compile(r"self_attn\.k_proj\.(weight|bias)$"), "self_attn.qkv_proj.{0}", 1),
-    (re.compile(r"self_attn\.v_proj\.(weight|bias)$"), "self_attn.qkv_proj.{0}", 2),
-    (re.compile(r"self_attn\.o_proj\.(weight|bias)$"), "self_attn.o_proj.{0}", 0),
-    (re.compile(r"mlp\.gate_proj\.(weight|bias)$"), "mlp.gate_up_proj.{0}", 0),
-    (re.compile(r"mlp\.up_proj\.(weight|bias)$"), "mlp.gate_up_proj.{0}", 1),
-    (re.compile(r"mlp\.down_proj\.(weight|bias)$"), "mlp.down_proj.{0}", 0),
+    (re.compile(rf"self_attn\.q_proj\.{_LINEAR}$"), "self_attn.qkv_proj.{0}", 0),
+    (re.compile(rf"self_attn\.k_proj\.{_LINEAR}$"), "self_attn.qkv_proj.{0}", 1),
+    (re.compile(rf"self_attn\.v_proj\.{_LINEAR}$"), "self_attn.qkv_proj.{0}", 2),
+    (re.compile(rf"self_attn\.o_proj\.{_LINEAR}$"), "self_attn.o_proj.{0}", 0),
+    (re.compile(rf"mlp\.gate_proj\.{_LINEAR}$"), "mlp.gate_up_proj.{0}", 0),
+    (re.compile(rf"mlp\.up_proj\.{_LINEAR}$"), "mlp.gate_up_proj.{0}", 1),
+    (re.compile(rf"mlp\.down_proj\.{_LINEAR}$"), "mlp.down_proj.{0}", 0),
     (re.compile(r"self_attn\.q_norm\.weight$"), "self_attn.q_norm.weight", None),
     (re.compile(r"self_attn\.k_norm\.weight$"), "self_attn.k_norm.weight", None),
     (re.compile(r"input_layernorm\.weight$"), "input_layernorm.weight", None),
     (re.compile(r"post_attention_layernorm\.weight$"), "post_attention_layernorm.weight", None),
 ]
+_LM_HEAD = re.compile(rf"lm_head\.{_LINEAR}$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
@@ -51,6 +66,15 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def tensor_names(files: list[Path]) -> list[str]:
+    """Every tensor name in the checkpoint, read from the safetensors headers only."""
+    names: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            names.extend(st.keys())
+    return names
+
+
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = checkpoint_files(path)
     for f in files:
@@ -65,8 +89,9 @@ def map_name(name: str) -> tuple[str, int | None] | None:
         return "embed_tokens.weight", None
     if name == "model.norm.weight":
         return "norm.weight", None
-    if name == "lm_head.weight":
-        return "lm_head.weight", 0
+    head = _LM_HEAD.fullmatch(name)
+    if head is not None:
+        return f"lm_head.{head.group(1)}", 0
     m = re.match(r"model\.layers\.(\d+)\.(.+)$", name)
     if m is None or _IGNORED.search(name):
         return None
@@ -78,50 +103,140 @@ def map_name(name: str) -> tuple[str, int | None] | None:
     return None
 
 
-def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int) -> DecoderForCausalLM:
-    # Built directly in the target dtype and device: no float32 copy of a big model.
+@dataclass(frozen=True)
+class WeightBytes:
+    total: int  # every resident weight tensor, tied ones once, NVFP4 scales included
+    nvfp4: int  # of which the NVFP4 linears' packed codes and scales
+    num_nvfp4_linears: int
+
+
+def weight_bytes(model: nn.Module) -> WeightBytes:
+    """Resident weight bytes (not the rotary tables, which are derived, not loaded)."""
+    # NOTE: an NVFP4Linear's prepared operand is deliberately no buffer, so state_dict misses it.
+    tensors = {t.data_ptr(): t.nbytes for t in model.state_dict().values()}
+    linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    nvfp4 = sum(m.weight_nbytes for m in linears)
+    return WeightBytes(sum(tensors.values()) + nvfp4, nvfp4, len(linears))
+
+
+class _Unloaded(nn.Module):
+    """Holds an NVFP4 linear's place until its shards have all streamed in."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("an NVFP4 linear was used before the loader finished it")
+
+
+def _nvfp4_plan(model: DecoderForCausalLM, names: set[str], method: QuantizationMethod | None,
+                dtype: torch.dtype, device: torch.device) -> dict[str, NVFP4LinearBuilder]:
+    """Which of the model's Linears are NVFP4: for a packed checkpoint, those whose tensors say so
+    (exclude lists vary between producers; the tensors do not lie); at load, q/k/v/o, gate/up/down."""
+    if method is None:
+        return {}
+    cfg = model.config
+    if method.quantize_at_load:
+        check_quantizable(cfg, "--quantization nvfp4")
+    plan: dict[str, NVFP4LinearBuilder] = {}
+    for module_path, module in model.named_modules():
+        if not isinstance(module, Linear) or (module_path == "lm_head" and cfg.tie_word_embeddings):
+            continue
+        hf = [_hf_name(f"{module_path}.weight", i).removesuffix(".weight") for i in range(len(module.shard_sizes))]
+        fmt = method.checkpoint_format
+        flags = [is_quantizable(h) if fmt is None else is_packed(fmt, names, h) for h in hf]
+        if any(flags) and not all(flags):
+            raise ConfigError(f"{hf[flags.index(True)]} is NVFP4 but {hf[flags.index(False)]} is not; "
+                              f"the linears fused into {module_path} need one format")
+        if all(flags):
+            bias = None
+            if module.bias is not None:
+                bias = torch.zeros(sum(module.shard_sizes), dtype=dtype, device=device)  # [N]
+            plan[module_path] = NVFP4LinearBuilder(method, hf, module.shard_sizes, module.in_features, bias, device)
+    return plan
+
+
+def _meta_model(cfg: ModelConfig, dtype: torch.dtype, max_len: int) -> DecoderForCausalLM:
+    """The model without storage, so a linear that becomes NVFP4 never allocates a float weight."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
-            model = DecoderForCausalLM(cfg, max_len)
+        with torch.device("meta"):
+            return DecoderForCausalLM(cfg, max_len)
     finally:
         torch.set_default_dtype(default_dtype)
+
+
+def _materialize(model: DecoderForCausalLM, nvfp4_paths: list[str], device: torch.device, max_len: int) -> None:
+    """Uninitialized float tensors on `device` (the checkpoint fills them); placeholders for NVFP4 linears."""
+    for module_path in nvfp4_paths:
+        parent, _, child = module_path.rpartition(".")
+        setattr(model.get_submodule(parent), child, _Unloaded())
+    model.to_empty(device=device)
+    cfg = model.config
+    # NOTE: the meta build left the derived cos/sin tables without values: compute them.
+    with torch.device(device):
+        model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_len)
     assert model.rotary.cos.dtype == torch.float32, "cos/sin tables stay float32, cast at use"
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules())
+
+
+def _expected_tensors(params: dict[str, nn.Parameter], modules: dict[str, nn.Module],
+                      cfg: ModelConfig) -> set[tuple[str, int | None]]:
+    """(parameter path, shard) of every float tensor the checkpoint must provide."""
     expected: set[tuple[str, int | None]] = set()
-    for pname, _ in params.items():
-        module_path, _, leaf = pname.rpartition(".")
-        module = modules[module_path]
+    for pname in params:
+        module = modules[pname.rpartition(".")[0]]
         if isinstance(module, Linear):
             if pname == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
             expected.update((pname, i) for i in range(len(module.shard_sizes)))
         else:
             expected.add((pname, None))
+    return expected
 
+
+def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
+               quantization: QuantizationMethod | None = None) -> DecoderForCausalLM:
+    files = checkpoint_files(path)
+    names = tensor_names(files)
+    model = _meta_model(cfg, dtype, max_len)
+    pending = _nvfp4_plan(model, set(names), quantization, dtype, device)
+    _materialize(model, list(pending), device, max_len)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    expected = _expected_tensors(params, modules, cfg)
+    skipped = tensor_roles(quantization.checkpoint_format)[1] if quantization and quantization.checkpoint_format else ()
     seen: set[tuple[str, int | None]] = set()
     unused: list[str] = []
-    files = checkpoint_files(path)
-    total = sum(len(safe_open(str(f), framework="pt").keys()) for f in files)
+    num_skipped = 0
     with torch.no_grad():
-        for name, tensor in tqdm(iter_checkpoint(path), total=total, desc="loading weights", unit="tensor", disable=None):
+        for name, tensor in tqdm(iter_checkpoint(path), total=len(names), desc="loading weights", unit="tensor",
+                                 disable=None):
             mapped = map_name(name)
-            if mapped is None or (mapped[0] == "lm_head.weight" and cfg.tie_word_embeddings):
+            if mapped is None or (mapped[0].startswith("lm_head.") and cfg.tie_word_embeddings):
                 unused.append(name)
                 continue
             pname, shard = mapped
+            module_path, _, leaf = pname.rpartition(".")
+            if module_path in pending and leaf in skipped:
+                num_skipped += 1  # W4A4 activation scales: NVFP4 runs weight-only here
+                continue
+            if module_path in pending:
+                assert shard is not None, f"{name}: a linear's tensor without a shard"
+                try:
+                    pending[module_path].add(shard, leaf, tensor)
+                except ConfigError as e:
+                    raise ConfigError(f"{path}: {e}") from None
+                continue
+            if leaf not in ("weight", "bias") and isinstance(modules.get(module_path), Linear):
+                unused.append(name)  # a quantization tensor of a linear the checkpoint keeps in float
+                continue
             if pname not in params:
                 raise ConfigError(f"{path}: tensor '{name}' does not fit this model's configuration")
-            param = params[pname]
-            target = param
+            target = params[pname]
             if shard is not None:
-                module = modules[pname.rpartition(".")[0]]
+                module = modules[module_path]
                 assert isinstance(module, Linear)
-                target = param[module.shard_slice(shard)]
+                target = target[module.shard_slice(shard)]
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ConfigError(f"{path}: tensor '{name}' has shape {list(tensor.shape)}, expected {list(target.shape)}")
             target.copy_(tensor.to(dtype))
@@ -130,6 +245,16 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     if missing:
         pname, shard = missing[0]
         raise ConfigError(f"{path}: missing tensor for '{_hf_name(pname, shard)}' ({len(missing)} missing in all)")
+    for module_path, builder in pending.items():
+        try:
+            finished = builder.build()
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        parent, _, child = module_path.rpartition(".")
+        setattr(model.get_submodule(parent), child, finished)
+    if num_skipped:
+        logger.info("skipped %d W4A4 activation scales (%s): weight-only NVFP4, activations stay in %s",
+                    num_skipped, "/".join(skipped), str(dtype).removeprefix("torch."))
     if unused:
         logger.warning("ignored %d checkpoint tensors (e.g. %s)", len(unused), unused[0])
     return model.eval()

@@ -14,8 +14,9 @@ from engine.attention.backend import AttentionBackend, kv_cache_shape
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import build_forward_batch
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
-from engine.loader import load_model
+from engine.loader import load_model, weight_bytes
 from engine.outputs import SampledToken
+from engine.quantization import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
 from scheduler.output import SchedulerOutput
 
@@ -24,6 +25,7 @@ logger = logging.getLogger("fp4serve.runner")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: the tiny demo model holds ~500k tokens in it
 _DEFAULT_GPU_KV_FRACTION = 0.85
+_MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,19 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        self.model = load_model(model_path, model_config, self.dtype, self.device, max_model_len)
+        self.quantization: QuantizationMethod | None = detect_quantization(
+            model_path, model_config.quantization, config.quantization)
+        if self.quantization is not None:
+            logger.info("quantization: %s", self.quantization.describe())
+        self.model = load_model(model_path, model_config, self.dtype, self.device, max_model_len, self.quantization)
+        if self.device.type == "cuda":
+            # Quantize-at-load temporaries sit in torch's cache, which mem_get_info counts as used.
+            torch.cuda.empty_cache()
+        footprint = weight_bytes(self.model)
+        self.weight_nbytes = footprint.total  # resident weights, NVFP4 packed codes and scales included
+        self.nvfp4_weight_nbytes = footprint.nvfp4
+        logger.info("weights: %.2f MiB (nvfp4 linears: %.2f MiB in %d layers)", footprint.total / _MIB,
+                    footprint.nvfp4 / _MIB, footprint.num_nvfp4_linears)
         self.num_kv_pages = self._num_kv_pages()
         shape = kv_cache_shape(self.num_kv_pages, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         # one [num_pages, 2, block_size, Hkv, D] tensor per layer, model dtype, on the device

@@ -2,7 +2,8 @@
 and in optional biases): embeddings, N x (attention + SwiGLU MLP), final norm, lm_head.
 
 Everything is passed explicitly: token ids, positions, the per-layer KV caches and the
-attention backend planned for this step. q/k/v and gate/up are fused linears.
+attention backend planned for this step. q/k/v and gate/up are fused linears; the loader swaps
+any linear for an `NVFP4Linear` (kernels/), so forwards use only `linear(x)`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_sizes = [q_size, kv_size, kv_size]  # kept here: qkv_proj may be swapped for NVFP4
         self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias)
         self.o_proj = Linear(q_size, [cfg.hidden_size], bias=cfg.attention_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -37,7 +39,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
