@@ -1,0 +1,149 @@
+"""`OutputParser`: one request's reasoning parser and tool parser chained over its streamed
+text (reasoning first; tool calls are read only from content), plus `assemble` (deltas ->
+whole answer, exactly as the OpenAI SDK accumulates a stream) and the finish-reason rule.
+
+The non-streaming path is the streaming one run to the end (`parse_text`), so both paths
+give the same answer by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from api.parsers.base import (
+    EMPTY_DELTA,
+    CallIdFactory,
+    ParsedDelta,
+    ParsedOutput,
+    ReasoningParser,
+    ToolCall,
+    ToolParser,
+    coalesce_tool_deltas,
+    new_call_id,
+)
+from api.parsers.factory import make_reasoning_parser, make_tool_parser
+
+
+class OutputParser:
+    """Splits one sample's generated text into content, reasoning and tool-call deltas.
+
+    `tool_parser` / `reasoning_parser`: a name (see `api.parsers`) or None for none; resolve
+    "auto" first with `choose_tool_parser`. `tools`: the request's OpenAI `tools` list; when
+    it names functions, calls to other names stay content. `starts_in_reasoning`: the prompt
+    ends inside an open `<think>` block. `parallel_tool_calls=False` keeps only the first
+    call; later ones are parsed and dropped (they do not become content).
+    """
+
+    def __init__(
+        self,
+        tool_parser: str | None,
+        reasoning_parser: str | None,
+        tools: list[dict] | None,
+        starts_in_reasoning: bool,
+        parallel_tool_calls: bool = True,
+        *,
+        call_id_factory: CallIdFactory = new_call_id,
+    ) -> None:
+        self._reasoning: ReasoningParser | None = (
+            make_reasoning_parser(reasoning_parser, starts_in_reasoning) if reasoning_parser else None
+        )
+        self._tools: ToolParser | None = (
+            make_tool_parser(tool_parser, tools, call_id_factory) if tool_parser else None
+        )
+        self._parallel_tool_calls = parallel_tool_calls
+        self._finished = False
+
+    @property
+    def tool_calls_made(self) -> bool:
+        """Whether at least one tool call was announced (and so sent to the client)."""
+        return self._tools is not None and self._tools.num_calls > 0
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        """Why some text did not become a tool call, for logs and `parse-output`."""
+        return tuple(self._tools.problems) if self._tools is not None else ()
+
+    def feed(self, text: str) -> ParsedDelta:
+        assert not self._finished, "feed after finish"
+        if self._reasoning is None:
+            return self._route(ParsedDelta(content=text), final=False)
+        return self._route(self._reasoning.feed(text), final=False)
+
+    def finish(self) -> ParsedDelta:
+        """Flush what was held back (partial tags, whitespace, an unclosed block)."""
+        assert not self._finished, "finish twice"
+        self._finished = True
+        split = self._reasoning.finish() if self._reasoning is not None else EMPTY_DELTA
+        return self._route(split, final=True)
+
+    def finish_reason(self, engine_finish_reason: str) -> str:
+        return resolve_finish_reason(engine_finish_reason, self.tool_calls_made)
+
+    def _route(self, split: ParsedDelta, final: bool) -> ParsedDelta:
+        if self._tools is None:
+            return split
+        parsed = self._tools.feed(split.content) if split.content else EMPTY_DELTA
+        content, calls = parsed.content, parsed.tool_calls
+        if final:
+            tail = self._tools.finish()
+            content += tail.content
+            calls = coalesce_tool_deltas([*calls, *tail.tool_calls])
+        if not self._parallel_tool_calls:
+            calls = tuple(c for c in calls if c.index == 0)
+        if not (content or split.reasoning or calls):
+            return EMPTY_DELTA
+        return ParsedDelta(content=content, reasoning=split.reasoning, tool_calls=calls)
+
+
+def resolve_finish_reason(engine_finish_reason: str, tool_calls_made: bool) -> str:
+    """`tool_calls` only when a call was made and generation stopped on its own; a `length`
+    cut (or an abort) is reported as such even mid-call (vllm#53269)."""
+    if tool_calls_made and engine_finish_reason == "stop":
+        return "tool_calls"
+    return engine_finish_reason
+
+
+def assemble(deltas: Iterable[ParsedDelta]) -> ParsedOutput:
+    """The whole answer from a stream of deltas, merged the way the OpenAI SDK's
+    `accumulate_delta` does: strings concatenate, tool-call fragments join by index."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, str]] = []
+    for delta in deltas:
+        content.append(delta.content)
+        reasoning.append(delta.reasoning)
+        for d in delta.tool_calls:
+            if d.index == len(calls):
+                calls.append({"id": "", "name": "", "arguments": ""})
+            assert d.index < len(calls), f"tool call index {d.index} skips an index"
+            call = calls[d.index]
+            call["id"] += d.id or ""
+            call["name"] += d.name or ""
+            call["arguments"] += d.arguments
+    return ParsedOutput(
+        content="".join(content) or None,
+        reasoning="".join(reasoning) or None,
+        tool_calls=tuple(ToolCall(c["id"], c["name"], c["arguments"]) for c in calls),
+    )
+
+
+def parse_text(
+    text: str,
+    tool_parser: str | None,
+    reasoning_parser: str | None,
+    tools: list[dict] | None,
+    starts_in_reasoning: bool,
+    parallel_tool_calls: bool = True,
+    *,
+    call_id_factory: CallIdFactory = new_call_id,
+) -> ParsedOutput:
+    """Non-streaming: the whole text through the streaming parser, then `assemble`."""
+    parser = OutputParser(
+        tool_parser,
+        reasoning_parser,
+        tools,
+        starts_in_reasoning,
+        parallel_tool_calls,
+        call_id_factory=call_id_factory,
+    )
+    return assemble([parser.feed(text), parser.finish()])
