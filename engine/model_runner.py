@@ -23,7 +23,7 @@ from scheduler.output import SchedulerOutput
 logger = logging.getLogger("fp4serve.runner")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB: the tiny demo model holds ~500k tokens in it
+_DEFAULT_CPU_KV_BYTES = 256 << 20  # the demo model (float32) holds 65k tokens: 16 full contexts
 _DEFAULT_GPU_KV_FRACTION = 0.85
 _MIB = 1 << 20
 
