@@ -183,6 +183,7 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | torch | flashinfer
+    enforce_eager: bool = False  # decode without CUDA graphs
     device: str = "auto"  # auto | cpu | cuda
     quantization: str | None = None  # None | "nvfp4" (quantize a bf16 checkpoint at load)
     seed: int = 0

@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 
 from engine.attention.backend import AttentionBackend, kv_cache_shape
-from engine.attention.torch_ref import TorchAttentionBackend
+from engine.attention.select import choose_backend, flashinfer_import_error, make_backend
 from engine.batch import build_forward_batch
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
+from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason
 from engine.loader import load_model, weight_bytes
 from engine.outputs import SampledToken
 from engine.quantization import QuantizationMethod, detect_quantization
@@ -30,8 +31,8 @@ _MIB = 1 << 20
 
 @dataclass(frozen=True)
 class StepTimings:
-    prepare: float  # build the batch tensors and plan attention
-    forward: float
+    prepare: float  # build the batch tensors
+    forward: float  # attention planning, the forward and the logits
     sample: float
 
 
@@ -96,20 +97,22 @@ class ModelRunner:
         logger.info("weights: %.2f MiB (nvfp4 linears: %.2f MiB in %d layers)", footprint.total / _MIB,
                     footprint.nvfp4 / _MIB, footprint.num_nvfp4_linears)
         self.num_kv_pages = self._num_kv_pages()
-        shape = kv_cache_shape(self.num_kv_pages, self.block_size, model_config.num_kv_heads, model_config.head_dim)
-        # one [num_pages, 2, block_size, Hkv, D] tensor per layer, model dtype, on the device
+        # One page more than the scheduler gets: the scratch page padded CUDA-graph rows write to.
+        scratch_page = self.num_kv_pages
+        shape = kv_cache_shape(self.num_kv_pages + 1, self.block_size, model_config.num_kv_heads, model_config.head_dim)
+        # one [num_pages + 1, 2, block_size, Hkv, D] tensor per layer, model dtype, on the device
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_layers)]
-        self.backend: AttentionBackend = self._make_backend()
+        name = choose_backend(config.attention_backend, self.device, flashinfer_import_error(self.device) is None,
+                              dtype=self.dtype, head_dim=model_config.head_dim)
+        self.backend: AttentionBackend = make_backend(name, model_config, self.dtype, self.device, self.block_size)
+        self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.backend, DecodeBuckets.up_to(config.max_num_seqs),
+                                      scratch_page=scratch_page, max_pages_per_seq=-(-max_model_len // self.block_size))
+        why_not = graphs_disabled_reason(config.enforce_eager, self.device, self.backend)
+        if why_not is None:
+            self.graphs.capture()
+        else:
+            logger.info("decode CUDA graphs off: %s", why_not)
         self.sampler = Sampler(model_config.vocab_size, self.device)
-
-    def _make_backend(self) -> AttentionBackend:
-        choice = self.config.attention_backend
-        if choice == "flashinfer" or (choice == "auto" and self.device.type == "cuda"):
-            if choice == "flashinfer":
-                raise ConfigError("--attention-backend flashinfer: not available in this build yet; use torch")
-            logger.warning("FlashInfer backend not available yet: using the torch reference backend on CUDA")
-        cfg = self.model_config
-        return TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.device)
 
     def _num_kv_pages(self) -> int:
         per_page = kv_bytes_per_token(self.model_config, self.dtype) * self.block_size
@@ -144,9 +147,8 @@ class ModelRunner:
         if out.is_empty:
             return StepResult({}, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
         batch = build_forward_batch(out, self.block_size, self.device)
-        self.backend.plan(batch)
         t1 = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.backend)
+        hidden = self.graphs.forward(batch)  # plans attention, then a graph replay or the eager forward
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab] float32
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward
