@@ -1,6 +1,6 @@
 """The Starlette app: `ServerConfig`, the server's lifecycle (`ServerState`: loading → ready →
-stopping, or failed), and the lifespan that loads the engine in a thread so /health can
-answer 503 meanwhile."""
+stopping, or failed — a failed load, or an engine that died), and the lifespan that loads the
+engine in a thread so /health can answer 503 meanwhile."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -19,18 +19,25 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
+from api.admission import Admission
 from api.auth import APIKeyMiddleware
 from api.chat import ParserSettings
 from api.errors import (
     APIError,
     handle_api_error,
     handle_client_disconnected,
+    handle_engine_dead,
+    handle_engine_overloaded,
     handle_http_exception,
     handle_param_error,
     handle_unexpected,
 )
 from api.generation import ClientDisconnected
+from api.inflight import InFlight, InFlightMiddleware
+from api.limits import RequestLimits
+from api.metrics import ServerMetrics
 from api.routes import ROUTES
+from engine.async_engine import EngineDeadError, EngineOverloadedError, QueueLimits
 from engine.config import ConfigError, EngineConfig
 from scheduler.request import ParamError
 
@@ -42,6 +49,8 @@ logger = logging.getLogger("fp4serve")
 T = TypeVar("T")
 Phase = Literal["loading", "ready", "failed", "stopping"]
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -51,14 +60,20 @@ class ServerConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # NOTE: never in a repr, so never in a log
     cors_origins: tuple[str, ...] = ()
     tool_parser: str | None = None  # a name from api/parsers, or "auto" (from the chat template)
     reasoning_parser: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    limits: RequestLimits = RequestLimits()
+    queue: QueueLimits = QueueLimits(max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS)
+    request_timeout_s: float | None = None  # from arrival to the last byte; None: no limit
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # how long a drain waits for in-flight requests
 
     def __post_init__(self) -> None:
         assert self.max_request_bytes > 0, "max_request_bytes must be positive"
+        assert self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s must be positive"
+        assert self.shutdown_timeout_s >= 0, "shutdown_timeout_s must not be negative"
 
     @property
     def url(self) -> str:
@@ -84,8 +99,11 @@ class ServerState:
         self.config = config
         self.phase: Phase = "loading"
         self.engine: AsyncEngine | None = None
-        self.load_error: str | None = None
+        self.load_error: str | None = None  # why the phase is "failed"
         self.parsers = ParserSettings()
+        self.metrics = ServerMetrics()
+        self.admission = Admission(config.queue, self.metrics)
+        self.in_flight = InFlight(config.request_timeout_s, self.metrics)
         self.started_at = int(time.time())
         self._loader = loader
         self._on_fatal = on_fatal
@@ -102,6 +120,8 @@ class ServerState:
         return self.engine
 
     def unavailable_reason(self) -> str:
+        if self.phase == "failed" and self.engine is not None:
+            return f"the engine stopped ({self.load_error}); the server is exiting so that it can be restarted"
         return {
             "loading": "the model is still loading",
             "failed": f"the model failed to load: {self.load_error}",
@@ -116,7 +136,7 @@ class ServerState:
         try:
             engine = await asyncio.to_thread(self._loader, self.config.engine)
             self.parsers = _resolve_parsers(self.config, engine.tokenizer.chat_template)
-            await engine.start()
+            await engine.start(self.config.queue, on_dead=self._engine_died)
         except Exception as e:
             self._fail(e)
             return
@@ -132,6 +152,15 @@ class ServerState:
         else:
             logger.error("start-up failed", exc_info=error)
             self.load_error = f"{type(error).__name__}: {error}"
+        self.phase = "failed"
+        if self._on_fatal is not None:
+            self._on_fatal()
+
+    def _engine_died(self, reason: str) -> None:
+        """The engine cannot serve any more: /health turns 503 and the process exits non-zero,
+        so a supervisor restarts it (every in-flight request has had its error already)."""
+        logger.critical("the engine stopped (%s): exiting so that a supervisor can restart the server", reason)
+        self.load_error = reason
         self.phase = "failed"
         if self._on_fatal is not None:
             self._on_fatal()
@@ -204,7 +233,7 @@ def build_app(
                 loading.cancel()
             await state.close()
 
-    middleware = []
+    middleware = [Middleware(InFlightMiddleware, in_flight=state.in_flight)]
     if config.cors_origins:
         middleware.append(
             Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"])
@@ -218,6 +247,8 @@ def build_app(
         exception_handlers={
             APIError: handle_api_error,
             ParamError: handle_param_error,
+            EngineOverloadedError: handle_engine_overloaded,
+            EngineDeadError: handle_engine_dead,
             ClientDisconnected: handle_client_disconnected,
             HTTPException: handle_http_exception,
             Exception: handle_unexpected,

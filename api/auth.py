@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -29,13 +30,14 @@ class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         assert api_key, "APIKeyMiddleware needs a non-empty key"
         self.app = app
-        self._key = api_key.encode()
+        self._key_digest = _digest(api_key.encode())
 
     def is_authorized(self, authorization: bytes | None) -> bool:
         token = bearer_token(authorization)
-        # NOTE: compare_digest takes the same time whatever prefix matches; comparing with a
-        # dummy on a missing token keeps the two failure paths alike too.
-        return hmac.compare_digest(token if token is not None else b"", self._key) and token is not None
+        # NOTE: compare_digest takes the same time whatever prefix matches, but may leak a length
+        # difference; comparing fixed-size digests leaks neither. Comparing a dummy for a missing
+        # token keeps the two failure paths alike too.
+        return hmac.compare_digest(_digest(token or b""), self._key_digest) and token is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _is_protected(scope["path"]) or scope["method"] == "OPTIONS":
@@ -48,6 +50,10 @@ class APIKeyMiddleware:
         message = "missing API key: send 'Authorization: Bearer <key>'" if authorization is None else "invalid API key"
         response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
+
+
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
 
 
 def _is_protected(path: str) -> bool:

@@ -177,6 +177,8 @@ class ChatResponder:
                         yield encode_event({**base, "choices": [], "usage": usage.usage()})
         except asyncio.CancelledError:
             raise
+        except APIError as e:  # its deadline: --request-timeout, or a shutdown that stopped waiting
+            yield encode_error_event(e.message, e.type, e.code)
         except Exception:
             # NOTE: the 200 is already sent; the error goes in-band and the trace to the log.
             logger.exception("chat stream %s failed", self.header.id)

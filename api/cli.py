@@ -11,19 +11,19 @@ import importlib
 import importlib.util
 import logging
 import os
-import signal
 import socket
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from api.app import DEFAULT_MAX_REQUEST_BYTES, ServerConfig, build_app
+from api.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig
+from api.errors import OVERLOADED_RETRY_AFTER_S
+from api.limits import HARD_MAX_LOGPROBS, RequestLimits
+from engine.async_engine import MAX_CONSECUTIVE_FAILURES, QueueLimits
 from engine.config import ConfigError, EngineConfig
 
 API_KEY_ENV = "FP4SERVE_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# Seconds hypercorn lets open streams finish after SIGTERM before it cuts them.
-GRACEFUL_TIMEOUT_S = 5.0
 
 logger = logging.getLogger("fp4serve")
 
@@ -40,6 +40,20 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _engine_default(name: str) -> Any:
     return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+
+
+def _limit_default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(RequestLimits) if f.name == name)
+
+
+def _count_or_none(text: str) -> int | None:
+    """A bound that can be switched off: an integer, or `none`."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +94,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--port", type=int, default=8000, help="TCP port")
     # NOTE: the env value is read in server_config, not used as the default: --help prints defaults.
     http.add_argument("--api-key", default=None, metavar="KEY",
-                      help=f"require 'Authorization: Bearer KEY' on /v1/* (also read from ${API_KEY_ENV}); "
+                      help=f"require 'Authorization: Bearer KEY' on /v1/* (also read from ${API_KEY_ENV}, which "
+                      "is safer: a command line is visible to every user of the machine); never logged; "
                       "default: no key")
     http.add_argument("--cors-origins", default=None, metavar="ORIGINS",
                       help="comma-separated origins allowed by CORS, or '*'; default: no CORS headers")
@@ -93,13 +108,65 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="split <think> reasoning into reasoning_content: qwen3, or auto (from the chat "
                       "template); default: none")
     http.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log verbosity")
+    _add_robustness_arguments(parser)
+
+
+def _add_robustness_arguments(parser: argparse.ArgumentParser) -> None:
+    limits = parser.add_argument_group(
+        "limits", "what one request may ask (above a limit: 400 naming the parameter and the flag)"
+    )
+    limits.add_argument("--max-n", type=int, default=_limit_default("max_n"), metavar="N",
+                        help="most choices (n) per prompt")
+    limits.add_argument("--max-output-tokens", type=int, default=None, metavar="N",
+                        help="most tokens one request may generate: a larger max_tokens is a 400, an absent one "
+                        "means this many; default: the rest of the context")
+    limits.add_argument("--max-logprobs", type=int, default=_limit_default("max_logprobs"), metavar="N",
+                        help=f"most top_logprobs (chat) / logprobs (completions), at most {HARD_MAX_LOGPROBS}")
+    limits.add_argument("--max-stop", type=int, default=_limit_default("max_stop"), metavar="N",
+                        help="most stop strings, and most stop_token_ids, per request")
+    limits.add_argument("--max-stop-length", type=int, default=_limit_default("max_stop_length"), metavar="CHARS",
+                        help="longest stop string")
+    limits.add_argument("--max-tools", type=int, default=_limit_default("max_tools"), metavar="N",
+                        help="most tools per chat request")
+    limits.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                        help="end a request running longer than this after it arrived, and free its KV pages: a "
+                        "stream gets an SSE error event (type timeout_error, code request_timeout), a "
+                        "non-streaming request a 504 with that body and x-should-retry: false; default: no limit")
+
+    load = parser.add_argument_group(
+        "load and lifecycle",
+        f"A full queue answers 503 with Retry-After: {OVERLOADED_RETRY_AFTER_S} and the body "
+        '{"error": {"type": "overloaded_error", "code": "server_overloaded", ...}}; the OpenAI SDK retries it '
+        "(max_retries, 2 by default), honouring Retry-After. Admitted requests are never affected. If the "
+        f"engine fails {MAX_CONSECUTIVE_FAILURES} steps in a row (or its loop dies), every in-flight request gets "
+        "an error, /health turns 503 and the process exits with status 1 so that a supervisor restarts it.",
+    )
+    load.add_argument("--max-queued-requests", type=_count_or_none, default=DEFAULT_MAX_QUEUED_REQUESTS,
+                      metavar="N", help="most requests waiting for a batch slot: admitted (being tokenized or in the "
+                      "engine's queue) but not running, beyond the free slots of --max-num-seqs the next step "
+                      "fills; each of n samples counts; or none")
+    load.add_argument("--max-queued-tokens", type=_count_or_none, default=None, metavar="T",
+                      help="most prompt tokens waiting for a batch slot, or none; default: none")
+    load.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                      help="on SIGTERM or SIGINT, /health turns 503 and new requests get 503 while in-flight ones "
+                      "finish, for up to this long; then those left end with an error (an SSE error event with "
+                      "code server_stopping, or a 503). A second signal stops the wait at once. Exit status 0")
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """Raises ConfigError (one line naming the flag) for a value the server cannot use."""
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "max_request_bytes"):
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "max_request_bytes", "max_n", "max_stop_length"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')}: must be positive, got {getattr(args, flag)}")
+    for flag in ("max_output_tokens", "max_queued_requests", "max_queued_tokens", "request_timeout"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be positive, got {value}")
+    for flag in ("max_stop", "max_tools", "shutdown_timeout"):
+        if getattr(args, flag) < 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must not be negative, got {getattr(args, flag)}")
+    if not 0 <= args.max_logprobs <= HARD_MAX_LOGPROBS:
+        raise ConfigError(f"--max-logprobs: must be in 0..{HARD_MAX_LOGPROBS}, got {args.max_logprobs}")
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port: must be in 1..65535, got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -130,6 +197,17 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tool_parser=args.tool_parser,
         reasoning_parser=args.reasoning_parser,
         max_request_bytes=args.max_request_bytes,
+        limits=RequestLimits(
+            max_n=args.max_n,
+            max_output_tokens=args.max_output_tokens,
+            max_logprobs=args.max_logprobs,
+            max_stop=args.max_stop,
+            max_stop_length=args.max_stop_length,
+            max_tools=args.max_tools,
+        ),
+        queue=QueueLimits(max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens),
+        request_timeout_s=args.request_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
 
 
@@ -157,7 +235,9 @@ def serve(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as e:
         print(f"fp4serve serve: error: {e}", file=sys.stderr)
         return 2
-    return _event_loop_runner()(_serve(config, args.log_level))
+    from api.server import Server
+
+    return _event_loop_runner()(Server(config, log_level=args.log_level).run())
 
 
 def _event_loop_runner() -> Callable[[Coroutine[Any, Any, int]], int]:
@@ -177,29 +257,6 @@ def _check_port_free(host: str, port: int) -> None:
             probe.bind((host, port))
         except OSError as e:
             raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-
-
-async def _serve(config: ServerConfig, log_level: str) -> int:
-    from hypercorn.asyncio import serve as hypercorn_serve
-    from hypercorn.config import Config as HypercornConfig
-
-    stop = asyncio.Event()
-    app = build_app(config, on_fatal=stop.set)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-    async def shutdown_trigger() -> None:
-        await stop.wait()
-        app.state.server.begin_shutdown()  # /health turns 503 before connections close
-
-    hc = HypercornConfig()
-    hc.bind = [f"[{config.host}]:{config.port}" if ":" in config.host else f"{config.host}:{config.port}"]
-    hc.accesslog = None  # the engine logs one line per finished request
-    hc.loglevel = log_level.upper()
-    hc.graceful_timeout = GRACEFUL_TIMEOUT_S
-    await hypercorn_serve(app, hc, shutdown_trigger=shutdown_trigger)
-    return 1 if app.state.server.phase == "failed" else 0
 
 
 def _add_parse_output(commands: Any) -> None:

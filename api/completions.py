@@ -73,6 +73,8 @@ class CompletionResponder:
                         yield encode_event({**base, "choices": [], "usage": usage.usage()})
         except asyncio.CancelledError:
             raise
+        except APIError as e:  # its deadline: --request-timeout, or a shutdown that stopped waiting
+            yield encode_error_event(e.message, e.type, e.code)
         except Exception:
             logger.exception("completion stream %s failed", self.header.id)
             yield encode_error_event("generation failed; see the server log")

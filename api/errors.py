@@ -1,5 +1,6 @@
 """OpenAI-style error bodies: `APIError` (what handlers raise) and the Starlette exception
-handlers that turn it, routing errors and unexpected failures into `{"error": {...}}`."""
+handlers that turn it, the engine's refusals, routing errors and unexpected failures into
+`{"error": {"message", "type", "param", "code"}}`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine.async_engine import EngineDeadError, EngineOverloadedError
 from scheduler.request import ParamError
 
 logger = logging.getLogger("fp4serve.api")
@@ -26,7 +28,14 @@ _TYPES = {
     413: "invalid_request_error",
     500: "server_error",
     503: "unavailable_error",
+    504: "timeout_error",
 }
+
+# A full queue: 503 with Retry-After, which the OpenAI SDK retries (twice by default), and a
+# `type` of its own so clients and dashboards can tell shedding from an outage.
+OVERLOADED_TYPE = "overloaded_error"
+OVERLOADED_CODE = "server_overloaded"
+OVERLOADED_RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
@@ -39,6 +48,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        type_: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -46,6 +56,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.type = type_ or _TYPES.get(status, "invalid_request_error")
 
 
 @dataclass(frozen=True)
@@ -59,12 +70,24 @@ class ErrorBody:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> ErrorBody:
-    return ErrorBody(message=message, type=_TYPES.get(status, "invalid_request_error"), param=param, code=code)
+def overloaded(why: str) -> APIError:
+    return APIError(
+        503,
+        f"the server is overloaded: {why}; retry after {OVERLOADED_RETRY_AFTER_S} s",
+        code=OVERLOADED_CODE,
+        headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)},
+        type_=OVERLOADED_TYPE,
+    )
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None, type_: str | None = None
+) -> ErrorBody:
+    return ErrorBody(message=message, type=type_ or _TYPES.get(status, "invalid_request_error"), param=param, code=code)
 
 
 def error_response(
@@ -73,14 +96,31 @@ def error_response(
     param: str | None = None,
     code: str | None = None,
     headers: dict[str, str] | None = None,
+    type_: str | None = None,
 ) -> Response:
-    body = orjson.dumps(error_body(status, message, param, code).as_dict())
+    body = orjson.dumps(error_body(status, message, param, code, type_).as_dict())
     return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
 async def handle_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError), f"registered for APIError, got {type(exc).__name__}"
-    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers, exc.type)
+
+
+async def handle_engine_overloaded(request: Request, exc: Exception) -> Response:
+    """The queue filled between the early check and the engine's own (engine/async_engine.py)."""
+    assert isinstance(exc, EngineOverloadedError), f"registered for EngineOverloadedError, got {type(exc).__name__}"
+    server = getattr(request.app.state, "server", None)
+    if server is not None:
+        server.metrics.rejected.labels(reason="overloaded").inc()
+    return await handle_api_error(request, overloaded(str(exc)))
+
+
+async def handle_engine_dead(request: Request, exc: Exception) -> Response:
+    """The engine died between the ready check and the request's admission."""
+    assert isinstance(exc, EngineDeadError), f"registered for EngineDeadError, got {type(exc).__name__}"
+    # The process is on its way out (api/app.py); a retry lands on its restarted successor.
+    return error_response(503, f"{exc}; see the server log", code="engine_dead", headers={"Retry-After": "5"})
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> Response:

@@ -1,6 +1,7 @@
 """Engine requests on behalf of one HTTP request: the first output is awaited before the
-response starts (parameter errors become 400s; a client that leaves while queued is aborted),
-several prompts' streams are merged, and every engine generator is closed when we stop."""
+response starts (parameter errors become 400s, a full queue a 503; a client that leaves while
+queued is aborted), several prompts' streams are merged, the request's deadline is enforced, and
+every engine generator is closed when we stop."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Protocol, TypeVar
 
+from starlette.types import Receive
+
+from api.deadline import Deadline, until_deadline
 from engine.outputs import RequestOutput
 from scheduler.request import SamplingParams
-from starlette.types import Receive
 
 T = TypeVar("T")
 
@@ -60,16 +63,22 @@ async def start_outputs(
     params: list[SamplingParams],
     request_id: str,
     receive: Receive,
+    deadline: Deadline | None = None,
 ) -> Outputs:
     """Submit every prompt and wait for the first output; returns the whole stream.
 
-    Raises what the engine raises before its first output (ParamError) and
-    ClientDisconnected. The returned generator must be closed (SSEResponse does it)."""
+    Raises what the engine raises before its first output (ParamError, EngineOverloadedError),
+    the deadline's APIError, and ClientDisconnected; once the deadline passes, the stream raises
+    it. The returned generator must be closed (SSEResponse does it)."""
     assert prompts and len(prompts) == len(params), "one SamplingParams per prompt"
+    if deadline is not None:
+        deadline.check()  # e.g. it passed while the prompt waited for the tokenizer
     if len(prompts) == 1:
         source = _single(engine.generate(prompts[0], params[0], request_id))
     else:
         source = _merged(engine, prompts, params, request_id)
+    if deadline is not None:
+        source = until_deadline(source, deadline)
     try:
         first = await unless_disconnected(anext(source), receive)
     except BaseException:

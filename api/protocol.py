@@ -1,6 +1,7 @@
 """OpenAI request parsing: JSON bodies of /v1/chat/completions and /v1/completions become
-frozen `ChatRequest` / `CompletionRequest` with validated `SamplingParams`. Every user
-mistake is an `APIError` (400) naming the parameter; unknown fields are ignored."""
+frozen `ChatRequest` / `CompletionRequest` with validated `SamplingParams`, within the server's
+`RequestLimits`. Every user mistake is an `APIError` (400) naming the parameter; unknown fields
+are ignored."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from api.errors import bad_request
+from api.limits import RequestLimits, check_max_tokens, check_stop, too_many
 from api.messages import parse_messages, parse_tool_choice, parse_tools
 from scheduler.request import ParamError, SamplingParams
 
-MAX_N = 128  # OpenAI's own cap on `n`
-MAX_LOGPROBS = 20
+DEFAULT_LIMITS = RequestLimits()
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 # Arguments the server itself passes to the template (or that would swap the template out).
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "add_generation_prompt", "tokenize", "chat_template"})
@@ -51,9 +53,11 @@ class CompletionRequest:
     return_token_ids: bool
 
 
-def parse_chat_request(body: dict[str, Any], vocab_size: int) -> ChatRequest:
+def parse_chat_request(body: dict[str, Any], vocab_size: int, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     _refuse_response_format(body)
     tools = parse_tools(body.get("tools"))
+    if tools and len(tools) > limits.max_tools:
+        raise too_many("tools", len(tools), limits.max_tools, "--max-tools")
     template_kwargs = _optional(body, "chat_template_kwargs", dict) or {}
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
     if reserved:
@@ -62,11 +66,13 @@ def parse_chat_request(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     if enable_thinking is not None:
         template_kwargs = {"enable_thinking": enable_thinking, **template_kwargs}
     logprobs = _optional(body, "logprobs", bool) or False
-    top_logprobs = _int_in(body, "top_logprobs", 0, MAX_LOGPROBS)
+    top_logprobs = _capped(body, "top_logprobs", 0, limits.max_logprobs, "--max-logprobs")
     if top_logprobs is not None and not logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     wanted = (top_logprobs or 0) if logprobs else None
+    max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(body, "max_completion_tokens") or _max_tokens(body, "max_tokens")
+    check_max_tokens(max_tokens, limits, max_tokens_param)
     return ChatRequest(
         model=_optional(body, "model", str),
         messages=parse_messages(body.get("messages")),
@@ -75,7 +81,7 @@ def parse_chat_request(body: dict[str, Any], vocab_size: int) -> ChatRequest:
         parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
         template_kwargs=template_kwargs,
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
-        params=_sampling_params(body, vocab_size, max_tokens, wanted),
+        params=_sampling_params(body, vocab_size, max_tokens, wanted, limits),
         max_tokens=max_tokens,
         top_logprobs=wanted,
         stream=_stream_options(body),
@@ -83,17 +89,20 @@ def parse_chat_request(body: dict[str, Any], vocab_size: int) -> ChatRequest:
     )
 
 
-def parse_completion_request(body: dict[str, Any], vocab_size: int) -> CompletionRequest:
+def parse_completion_request(
+    body: dict[str, Any], vocab_size: int, limits: RequestLimits = DEFAULT_LIMITS
+) -> CompletionRequest:
     for unsupported in ("echo", "suffix"):
         if body.get(unsupported):
             raise bad_request(f"{unsupported} is not supported by this server", unsupported)
     _refuse_response_format(body)
-    logprobs = _int_in(body, "logprobs", 0, MAX_LOGPROBS)
+    logprobs = _capped(body, "logprobs", 0, limits.max_logprobs, "--max-logprobs")
     max_tokens = _max_tokens(body, "max_tokens")
+    check_max_tokens(max_tokens, limits, "max_tokens")
     return CompletionRequest(
         model=_optional(body, "model", str),
         prompts=parse_prompts(body.get("prompt"), vocab_size),
-        params=_sampling_params(body, vocab_size, max_tokens, logprobs),
+        params=_sampling_params(body, vocab_size, max_tokens, logprobs, limits),
         max_tokens=max_tokens,
         logprobs=logprobs,
         stream=_stream_options(body),
@@ -122,14 +131,21 @@ def parse_prompts(raw: Any, vocab_size: int) -> list[str | list[int]]:
 
 
 def resolve_max_tokens(
-    params: SamplingParams, requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str
+    params: SamplingParams,
+    requested: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    prompt_param: str,
+    cap: int | None = None,
 ) -> SamplingParams:
-    """The request's parameters with max_tokens fixed: absent means the rest of the context."""
+    """The request's parameters with max_tokens fixed: absent means the rest of the context, or
+    `cap` (--max-output-tokens) if that is less."""
     if num_prompt_tokens >= max_model_len:
         raise bad_request(
             f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
             f"{num_prompt_tokens} tokens (at least one token must be left to generate)",
             prompt_param,
+            CONTEXT_LENGTH_EXCEEDED,
         )
     room = max_model_len - num_prompt_tokens
     if requested is not None and requested > room:
@@ -137,18 +153,26 @@ def resolve_max_tokens(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has "
             f"{num_prompt_tokens} tokens and max_tokens asks for {requested} more",
             "max_tokens",
+            CONTEXT_LENGTH_EXCEEDED,
         )
-    return replace(params, max_tokens=requested if requested is not None else room)
+    if requested is None:
+        requested = room if cap is None else min(room, cap)
+    return replace(params, max_tokens=requested)
 
 
-def _sampling_params(body: dict[str, Any], vocab_size: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(
+    body: dict[str, Any], vocab_size: int, max_tokens: int | None, logprobs: int | None, limits: RequestLimits
+) -> SamplingParams:
     min_tokens = _int_in(body, "min_tokens", 0, None) or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
     seed = _int_in(body, "seed", *_INT64)
+    stop = _stop(body.get("stop"))
+    stop_token_ids = _token_ids(body.get("stop_token_ids") or [], vocab_size, "stop_token_ids", allow_empty=True)
+    check_stop(stop, stop_token_ids, limits)
     try:
         return SamplingParams(
-            n=_int_in(body, "n", 1, MAX_N) or 1,
+            n=_capped(body, "n", 1, limits.max_n, "--max-n") or 1,
             max_tokens=max_tokens,
             min_tokens=min_tokens,
             temperature=_number(body, "temperature", 1.0),
@@ -160,8 +184,8 @@ def _sampling_params(body: dict[str, Any], vocab_size: int, max_tokens: int | No
             repetition_penalty=_number(body, "repetition_penalty", 1.0),
             logit_bias=_logit_bias(body.get("logit_bias"), vocab_size),
             seed=seed,
-            stop=_stop(body.get("stop")),
-            stop_token_ids=tuple(_token_ids(body.get("stop_token_ids") or [], vocab_size, "stop_token_ids", allow_empty=True)),
+            stop=stop,
+            stop_token_ids=tuple(stop_token_ids),
             ignore_eos=_bool(body, "ignore_eos", False),
             logprobs=logprobs,
             skip_special_tokens=_bool(body, "skip_special_tokens", True),
@@ -273,6 +297,14 @@ def _int_in(body: dict[str, Any], name: str, low: int | None, high: int | None) 
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"at least {low}" if high is None else f"between {low} and {high}"
         raise bad_request(f"{name} must be {bounds}, got {value}", name)
+    return value
+
+
+def _capped(body: dict[str, Any], name: str, low: int, cap: int, flag: str) -> int | None:
+    """An integer at least `low` and at most the server's `cap` (set by `flag`)."""
+    value = _int_in(body, name, low, None)
+    if value is not None and value > cap:
+        raise bad_request(f"{name} must be between {low} and {cap} on this server ({flag}), got {value}", name)
     return value
 
 

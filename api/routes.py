@@ -1,5 +1,6 @@
-"""Thin HTTP handlers: read and parse the body, hand the prompt to the engine, stream or
-return the result. Lifecycle lives in api/app.py, shapes in api/chat.py and api/completions.py."""
+"""Thin HTTP handlers: read and parse the body, admit the request (api/admission.py), hand the
+prompt to the engine, stream or return the result before its deadline (api/deadline.py).
+Lifecycle lives in api/app.py, shapes in api/chat.py and api/completions.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from api.chat import ChatResponder, prompt_opens_reasoning, render_prompt
 from api.completions import CompletionResponder
 from api.errors import APIError, bad_request
 from api.generation import start_outputs, unless_disconnected
+from api.inflight import request_deadline
 from api.protocol import parse_chat_request, parse_completion_request, resolve_max_tokens
 from api.responses import ResponseHeader
 from api.sse import SSEResponse
@@ -75,14 +77,18 @@ async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     engine = state.ready_engine()
     body = await read_json(request, state.config.max_request_bytes)
-    chat = parse_chat_request(body, engine.tokenizer.vocab_size)
+    limits = state.config.limits
+    chat = parse_chat_request(body, engine.tokenizer.vocab_size, limits)
     check_model(chat.model, engine)
-    prompt = await state.run_blocking(render_prompt, engine.tokenizer, chat)
-    params = resolve_max_tokens(chat.params, chat.max_tokens, len(prompt), engine.info.max_model_len, "messages")
+    with state.admission.preparing(engine):
+        prompt = await state.run_blocking(render_prompt, engine.tokenizer, chat)
+    params = resolve_max_tokens(
+        chat.params, chat.max_tokens, len(prompt), engine.info.max_model_len, "messages", limits.max_output_tokens
+    )
     opens_reasoning = state.parsers.reasoning_parser is not None and prompt_opens_reasoning(engine.tokenizer, prompt)
     header = ResponseHeader.new("chatcmpl", engine.info.model_name)
     responder = ChatResponder(header, chat, prompt, state.parsers, opens_reasoning)
-    outputs = await start_outputs(engine, [prompt], [params], header.id, request.receive)
+    outputs = await start_outputs(engine, [prompt], [params], header.id, request.receive, request_deadline(request.scope))
     if chat.stream.stream:
         return SSEResponse(responder.stream(outputs))
     return await _complete(request, responder.complete(outputs))
@@ -92,16 +98,18 @@ async def completions(request: Request) -> Response:
     state = server_state(request)
     engine = state.ready_engine()
     body = await read_json(request, state.config.max_request_bytes)
-    req = parse_completion_request(body, engine.tokenizer.vocab_size)
+    limits = state.config.limits
+    req = parse_completion_request(body, engine.tokenizer.vocab_size, limits)
     check_model(req.model, engine)
-    prompts = [p if isinstance(p, list) else await state.run_blocking(engine.tokenizer.encode, p) for p in req.prompts]
+    with state.admission.preparing(engine):
+        prompts = [p if isinstance(p, list) else await state.run_blocking(engine.tokenizer.encode, p) for p in req.prompts]
     if any(not p for p in prompts):
         raise bad_request("a prompt encodes to no tokens", "prompt")
-    max_len = engine.info.max_model_len
-    params = [resolve_max_tokens(req.params, req.max_tokens, len(p), max_len, "prompt") for p in prompts]
+    max_len, cap = engine.info.max_model_len, limits.max_output_tokens
+    params = [resolve_max_tokens(req.params, req.max_tokens, len(p), max_len, "prompt", cap) for p in prompts]
     header = ResponseHeader.new("cmpl", engine.info.model_name)
     responder = CompletionResponder(header, req, prompts)
-    outputs = await start_outputs(engine, prompts, params, header.id, request.receive)
+    outputs = await start_outputs(engine, prompts, params, header.id, request.receive, request_deadline(request.scope))
     if req.stream.stream:
         return SSEResponse(responder.stream(outputs))
     return await _complete(request, responder.complete(outputs))
@@ -156,8 +164,12 @@ async def version(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    engine = server_state(request).ready_engine()
-    return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    state = server_state(request)
+    # NOTE: served during a drain and after an engine failure too, when scrapes matter most; only
+    # before the engine exists is it a 503 (ready_engine raises it).
+    engine = state.engine or state.ready_engine()
+    text = generate_latest(engine.metrics.registry) + generate_latest(state.metrics.registry)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
 ROUTES = [

@@ -1,4 +1,4 @@
-"""`python -m bench {serve,plot,compare,offline}`: flags to configs, runs, tables and files."""
+"""`python -m bench {serve,plot,compare,offline,soak}`: flags to configs, runs, tables and files."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from bench.report import (Result, format_compare, format_summary, format_sweep, 
                           result_document, write_results)
 from bench.serve import ENDPOINTS, EndpointError, Load, Target, discover_model, probe_target, \
     run_load
+from bench.soak import add_arguments as add_soak_arguments
+from bench.soak import cmd_soak
 from bench.stats import RequestRecord, Slo, summarize
 
 INTERRUPTED_EXIT = 130
@@ -106,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--kv-cache-memory", help='KV cache size: bytes ("2GiB") or a fraction')
     o.add_argument("--temperature", type=float, default=1.0)
     _add_dataset_flags(o, input_len=256, num_requests=64)
+
+    k = sub.add_parser("soak", help="mixed valid, invalid and disconnecting clients for a while; then "
+                                    "check nothing leaked (exit 1 if anything did)")
+    add_soak_arguments(k)
     return parser
 
 
@@ -262,7 +268,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"serve": cmd_serve, "plot": cmd_plot, "compare": cmd_compare,
-                "offline": cmd_offline}
+                "offline": cmd_offline, "soak": cmd_soak}
     return commands[args.command](args)
 
 

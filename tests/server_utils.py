@@ -1,29 +1,67 @@
 """A real fp4serve server for tests: `python -m api.cli serve ...` as a subprocess on
-127.0.0.1 and a free port, ready once /health answers 200, stopped with SIGTERM."""
+127.0.0.1 and a free port, ready once /health answers 200, stopped with SIGTERM; or the same
+`api.server.Server` run in a thread of the test process (`InProcessServer`), for tests that
+reach into the engine through its loader (fault injection)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import orjson
 
 if TYPE_CHECKING:
     import openai
 
+    from api.app import ServerConfig
+    from api.server import Server
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
 REPO = Path(__file__).resolve().parents[1]
+DONE = "[DONE]"
 START_TIMEOUT_S = 180.0  # first use builds the demo model and its tokenizer (~15 s); CI is slow
 EXIT_USAGE = 2  # what `fp4serve serve` returns for a bad flag or a busy port
+
+
+def sse_event(line: str) -> Any | None:
+    """The JSON of one `data:` line, DONE for the sentinel, None for anything else."""
+    if not line.startswith("data: "):
+        return None
+    data = line[len("data: "):]
+    return DONE if data == DONE else orjson.loads(data)
+
+
+async def read_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[int, list[Any]]:
+    """Status and every event of a streamed POST (a JSON error body counts as one event)."""
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            return response.status_code, [orjson.loads(await response.aread())]
+        events = [e async for line in response.aiter_lines() if (e := sse_event(line)) is not None]
+    return 200, events
+
+
+def metric(text: str, name: str, default: float | None = None) -> float:
+    """One sample of a Prometheus exposition by its exact name and labels, e.g. `x{reason="a"}`;
+    `default` for a labelled sample not yet counted."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    assert default is not None, f"{name} not in /metrics"
+    return default
 
 
 def free_port() -> int:
@@ -133,3 +171,86 @@ def _wait_ready(server: RunningServer, timeout: float) -> None:
                 pass
             time.sleep(0.25)
     raise TimeoutError(f"server not ready after {timeout:.0f} s:\n{server.log()[-4000:]}")
+
+
+class InProcessServer:
+    """`api.server.Server` on 127.0.0.1 in a daemon thread with its own event loop. `stop()` does
+    what SIGTERM does; `exit_code` is what the process would exit with."""
+
+    def __init__(self, server: Server, port: int) -> None:
+        self.server = server
+        self.port = port
+        self.exit_code: int | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fp4serve-in-process", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.exit_code = asyncio.run(self.server.run(handle_signals=False))
+        except BaseException as e:  # surfaced by wait_exit / start
+            self.error = e
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    @property
+    def engine(self) -> AsyncEngine:
+        engine = self.server.state.engine
+        assert engine is not None, "the engine has not loaded"
+        return engine
+
+    def wait_exit(self, timeout: float) -> int | None:
+        self._thread.join(timeout)
+        if self.error is not None:
+            raise RuntimeError("the in-process server crashed") from self.error
+        return None if self._thread.is_alive() else self.exit_code
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self._thread.is_alive():
+            self.server.stop()
+        return self.wait_exit(timeout)
+
+
+def start_in_process(
+    config: ServerConfig, loader: Callable[[EngineConfig], AsyncEngine] | None = None,
+    timeout: float = START_TIMEOUT_S,
+) -> InProcessServer:
+    """`config`'s host and port are replaced by 127.0.0.1 and a free port."""
+    from dataclasses import replace
+
+    from api.app import load_engine
+    from api.server import Server
+
+    port = free_port()
+    server = Server(replace(config, host="127.0.0.1", port=port), loader or load_engine, log_level="warning")
+    running = InProcessServer(server, port)
+    running._thread.start()
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if not running._thread.is_alive() or server.state.phase == "failed":
+                running.stop()
+                raise RuntimeError(f"in-process server did not start: {server.state.load_error or running.error}")
+            try:
+                if client.get(running.url("/health")).status_code == 200:
+                    return running
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+    running.stop()
+    raise TimeoutError(f"in-process server not ready after {timeout:.0f} s")
+
+
+@contextmanager
+def in_process_server(
+    config: ServerConfig, loader: Callable[[EngineConfig], AsyncEngine] | None = None
+) -> Iterator[InProcessServer]:
+    server = start_in_process(config, loader)
+    try:
+        yield server
+    finally:
+        server.stop()
