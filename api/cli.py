@@ -88,6 +88,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV cache page")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off reuse of KV pages across requests sharing a prompt prefix")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="decode without CUDA graphs (graphs are captured at start-up on CUDA otherwise)")
 
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 or :: for all)")
@@ -181,6 +183,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         device=args.device,
         quantization=args.quantization,
@@ -273,7 +276,26 @@ def _add_parse_output(commands: Any) -> None:
     parser.set_defaults(run=module.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Subcommands whose modules import torch: loaded only when chosen, so `fp4serve --help` is quick.
+_ENGINE_COMMANDS = {
+    "quantize": ("engine.quantize", "write an NVFP4 checkpoint (ModelOpt or compressed-tensors layout) from a "
+                 "bf16/fp32 one"),
+    "bundle": ("engine.bundle", "build an offline GPU bundle: trimmed FlashInfer and the wheels it needs, with "
+               "prebuilt kernels, for air-gapped GPU servers"),
+}
+
+
+def _add_engine_commands(commands: Any, chosen: str | None) -> None:
+    for name, (module_name, text) in _ENGINE_COMMANDS.items():
+        parser = commands.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(parser)
+            parser.set_defaults(run=module.run)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """`argv` (the arguments to parse) tells which subcommand's module to load."""
     parser = argparse.ArgumentParser(prog="fp4serve", description="An OpenAI-compatible LLM server.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve_parser = commands.add_parser(
@@ -284,11 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve_parser)
     serve_parser.set_defaults(run=serve)
     _add_parse_output(commands)
+    _add_engine_commands(commands, next((a for a in argv or () if not a.startswith("-")), None))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return args.run(args)
 
 
