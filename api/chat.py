@@ -238,6 +238,13 @@ def render_prompt(tokenizer: Any, request: ChatRequest) -> list[int]:
     )
 
 
+def prompt_closes_reasoning(tokenizer: Any, prompt_token_ids: list[int]) -> bool:
+    """Whether the template already wrote a closed think block (enable_thinking=false): the
+    output has none."""
+    tail = tokenizer.decode(prompt_token_ids[-8:], skip_special_tokens=False)
+    return tail.rstrip().endswith("</think>")
+
+
 def prompt_opens_reasoning(tokenizer: Any, prompt_token_ids: list[int]) -> bool:
     """Whether the template left a `<think>` block open, so the output starts as reasoning."""
     tail = tokenizer.decode(prompt_token_ids[-8:], skip_special_tokens=False)

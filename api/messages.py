@@ -121,8 +121,8 @@ def parse_tools(raw: Any) -> list[dict[str, Any]] | None:
 
 
 def parse_tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> str | dict[str, Any] | None:
-    """Checked for shape and against `tools`. NOTE: "required" and a named function are not
-    enforced while decoding (no constrained decoding yet); the model is only prompted."""
+    """Checked for shape and against `tools`. "required" and a named function are enforced while
+    decoding by a grammar (api/tool_grammar.py, wired in api/routes.py)."""
     if raw is None or raw in ("none", "auto", "required"):
         if raw == "required" and not tools:
             raise bad_request("tool_choice 'required' needs tools", "tool_choice")

@@ -5,6 +5,7 @@ Lifecycle lives in api/app.py, shapes in api/chat.py and api/completions.py."""
 from __future__ import annotations
 
 import importlib.metadata
+from dataclasses import replace
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api.chat import ChatResponder, prompt_opens_reasoning, render_prompt
+from api.chat import ChatResponder, prompt_closes_reasoning, prompt_opens_reasoning, render_prompt
 from api.completions import CompletionResponder
 from api.errors import APIError, bad_request
 from api.generation import start_outputs, unless_disconnected
@@ -22,6 +23,7 @@ from api.inflight import request_deadline
 from api.protocol import parse_chat_request, parse_completion_request, resolve_max_tokens
 from api.responses import ResponseHeader
 from api.sse import SSEResponse
+from api.tool_grammar import tool_call_grammar
 
 if TYPE_CHECKING:
     from api.app import ServerState
@@ -86,12 +88,31 @@ async def chat_completions(request: Request) -> Response:
         chat.params, chat.max_tokens, len(prompt), engine.info.max_model_len, "messages", limits.max_output_tokens
     )
     opens_reasoning = state.parsers.reasoning_parser is not None and prompt_opens_reasoning(engine.tokenizer, prompt)
+    params = replace(params, grammar=_tool_choice_grammar(chat, state, engine.tokenizer, prompt, opens_reasoning))
     header = ResponseHeader.new("chatcmpl", engine.info.model_name)
     responder = ChatResponder(header, chat, prompt, state.parsers, opens_reasoning)
     outputs = await start_outputs(engine, [prompt], [params], header.id, request.receive, request_deadline(request.scope))
     if chat.stream.stream:
         return SSEResponse(responder.stream(outputs))
     return await _complete(request, responder.complete(outputs))
+
+
+def _tool_choice_grammar(chat: Any, state: Any, tokenizer: Any, prompt: list[int], opens_reasoning: bool) -> str | None:
+    """The grammar that enforces tool_choice "required" or a named function (None otherwise)."""
+    if not chat.tools or chat.tool_choice in (None, "auto", "none"):
+        return None
+    if state.parsers.tool_parser is None:
+        raise bad_request(
+            "tool_choice 'required' or a named function needs the server to run with --tool-parser", "tool_choice"
+        )
+    return tool_call_grammar(
+        chat.tools,
+        chat.tool_choice,
+        state.parsers.tool_parser,
+        reasoning=state.parsers.reasoning_parser is not None and not prompt_closes_reasoning(tokenizer, prompt),
+        starts_in_reasoning=opens_reasoning,
+        parallel_tool_calls=chat.parallel_tool_calls,
+    )
 
 
 async def completions(request: Request) -> Response:

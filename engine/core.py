@@ -15,6 +15,7 @@ from engine.detokenizer import Detokenizer
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import RequestOutput, SampledToken, TokenLogprob, TopLogprob
+from engine.structured import StructuredOutputs
 from engine.tokenizer import Tokenizer
 from scheduler.output import SchedulerOutput
 from scheduler.request import FinishReason, ParamError, Request, SamplingParams
@@ -78,7 +79,7 @@ class EngineCore:
         mc = self.model_config
         max_model_len = config.max_model_len or mc.max_position_embeddings
         self.tokenizer = Tokenizer(path, mc.eos_token_ids)
-        self.runner = ModelRunner(path, mc, config, max_model_len)
+        self.runner = ModelRunner(path, mc, config, max_model_len, StructuredOutputs(self.tokenizer.hf, mc.vocab_size))
         capacity = self.runner.num_kv_pages * config.block_size
         if max_model_len > capacity:
             logger.warning("max_model_len %d > KV capacity %d tokens: lowered to %d", max_model_len, capacity, capacity)
@@ -135,6 +136,8 @@ class EngineCore:
                 f"Reduce the prompt or max_tokens.",
                 "max_tokens",
             )
+        if params.grammar is not None:
+            StructuredOutputs.check(params.grammar)
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:

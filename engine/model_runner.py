@@ -19,6 +19,7 @@ from engine.loader import load_model, weight_bytes
 from engine.outputs import SampledToken
 from engine.quantization import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
+from engine.structured import StructuredOutputs
 from scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("fp4serve.runner")
@@ -76,7 +77,16 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model_path: Path, model_config: ModelConfig, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        max_model_len: int,
+        structured: StructuredOutputs | None = None,
+    ) -> None:
+        """`structured`: grammar state for requests with `SamplingParams.grammar`; None when the
+        caller never sends one."""
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
@@ -113,6 +123,7 @@ class ModelRunner:
         else:
             logger.info("decode CUDA graphs off: %s", why_not)
         self.sampler = Sampler(model_config.vocab_size, self.device)
+        self.structured = structured
 
     def _num_kv_pages(self) -> int:
         per_page = kv_bytes_per_token(self.model_config, self.dtype) * self.block_size
@@ -140,19 +151,32 @@ class ModelRunner:
         t0 = time.perf_counter()
         for request_id in out.finished_request_ids:
             self.sampler.remove_request(request_id)
+            if self.structured is not None:
+                self.structured.remove_request(request_id)
         for r in out.requests:
             if r.new_request is not None:
                 nr = r.new_request
                 self.sampler.add_request(r.request_id, nr.params, nr.prompt_token_ids, nr.eos_token_ids)
+                if nr.params.grammar is not None:
+                    assert self.structured is not None, "a grammar request reached a runner without StructuredOutputs"
+                    # Compiles in the background while this request's prompt runs.
+                    self.structured.add_request(r.request_id, nr.params.grammar, nr.eos_token_ids + nr.params.stop_token_ids)
         if out.is_empty:
             return StepResult({}, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
         batch = build_forward_batch(out, self.block_size, self.device)
         t1 = time.perf_counter()
         hidden = self.graphs.forward(batch)  # plans attention, then a graph replay or the eager forward
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab] float32
+        # Host work that overlaps the GPU's forward: the grammar bitmask of constrained rows.
+        ids = batch.sample_request_ids
+        grammar_mask = self.structured.mask(ids, self.device) if self.structured is not None and ids else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward
         t2 = time.perf_counter()
-        sampled = self.sampler.sample(logits, batch.sample_request_ids) if batch.sample_request_ids else []
+        if grammar_mask is None or self.structured is None:
+            sampled = self.sampler.sample(logits, ids) if ids else []
+        else:
+            sampled = self.sampler.sample(logits, ids, grammar_mask)
+            self.structured.accept(ids, [tok.token_id for tok in sampled])
         t3 = time.perf_counter()
         return StepResult(dict(zip(batch.sample_request_ids, sampled)), StepTimings(t1 - t0, t2 - t1, t3 - t2))

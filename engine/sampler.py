@@ -7,11 +7,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.outputs import SampledToken
 from scheduler.request import ParamError, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarMask
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / 1e-7 overflow float32.
 _SAMPLING_EPS = 1e-5
@@ -147,11 +151,19 @@ class Sampler:
         if state is not None and state.penalty_slot is not None:
             self._free_slots.append(state.penalty_slot)
 
-    def sample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> list[SampledToken]:
-        """logits [num_rows, vocab_size] f32 or bf16, row i for request_ids[i]; one token each."""
+    def sample(
+        self, logits: torch.Tensor, request_ids: Sequence[str], grammar_mask: GrammarMask | None = None
+    ) -> list[SampledToken]:
+        """logits [num_rows, vocab_size] f32 or bf16, row i for request_ids[i]; one token each.
+
+        `grammar_mask` (engine/structured.py) goes first: its rows get -inf at every token their
+        grammar forbids, and everything after (penalties, filters, the draw, logprobs) sees the
+        masked rows, as in vLLM. A step without one pays nothing for it."""
         states = self._states_of(logits, request_ids)
         if not states:
             return []
+        if grammar_mask is not None:
+            logits = grammar_mask.apply(logits)  # [B, V] f32, a masked copy
         processed = self._process(logits, states)
         token_ids = self._draw(processed, states)  # [B] int64, device
         self._record(token_ids, states)
@@ -179,7 +191,9 @@ class Sampler:
         bias_values: list[float] = []
         penalty_rows: list[int] = []
         for i, s in enumerate(states):
-            if s.num_output_tokens < s.params.min_tokens:
+            # NOTE: not for a grammar's rows: once the grammar is complete its stop tokens are
+            # all it allows, and masking them too would leave nothing to sample.
+            if s.num_output_tokens < s.params.min_tokens and s.params.grammar is None:
                 mask_rows += [i] * len(s.min_tokens_ids)
                 mask_cols += s.min_tokens_ids
             for token_id, bias in s.params.logit_bias:
@@ -253,8 +267,11 @@ class Sampler:
             if s.params.seed is not None:
                 self._generator.manual_seed(noise_seed(s.params.seed, s.num_output_tokens))
                 u[i].uniform_(generator=self._generator)
-        token_ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
-        return token_ids.clamp_max_(self.vocab_size - 1)
+        total = cdf[:, -1:]  # [R, 1]
+        # NOTE: u * total can round up to total itself, which no bucket holds; just below it
+        # lands in the last token with probability > 0 (a masked token must never be drawn).
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True)[:, 0]
 
     def _record(self, token_ids: torch.Tensor, states: list[_RequestState]) -> None:
         penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]

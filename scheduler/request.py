@@ -49,6 +49,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token's only; N: plus top N
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # EBNF (xgrammar's dialect) the output must match, e.g. api/tool_grammar.py's for tool_choice
+    # "required"; the request stops when it is complete (engine/structured.py). Kept out of the
+    # repr: a grammar for many tools runs to kilobytes.
+    grammar: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,0 +1,208 @@
+"""Grammar-constrained decoding with xgrammar: compiles requests' EBNF grammars (cached by text,
+off the step thread), owns one matcher per constrained request, builds the token bitmask of a
+step's constrained rows (`GrammarMask`), and advances the matchers with the sampled tokens.
+
+A grammar's end allows only the request's stop tokens (EOS, stop_token_ids), so a request ends
+with finish_reason "stop" exactly when its grammar is complete. xgrammar is imported on first use:
+a server that never constrains pays nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from scheduler.request import ParamError
+
+if TYPE_CHECKING:
+    import xgrammar
+
+logger = logging.getLogger("fp4serve.structured")
+
+DEFAULT_CACHE_SIZE = 64  # compiled grammars kept (LRU); one is ~MBs against a 150k vocabulary
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per row of a token bitmask: bit j of word w allows token 32 * w + j."""
+    return (vocab_size + 31) // 32
+
+
+@dataclass(frozen=True)
+class GrammarMask:
+    """Which tokens the constrained rows of one step may sample."""
+
+    rows: tuple[int, ...]  # rows of the step's logits that are constrained, ascending
+    bitmask: torch.Tensor  # [len(rows), bitmask_words(V)] int32, on the logits' device
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        assert self.rows and self.bitmask.shape == (len(self.rows), bitmask_words(self.vocab_size)), (
+            f"bitmask {tuple(self.bitmask.shape)} for rows {self.rows}, vocab {self.vocab_size}"
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] (not written) -> a float32 copy whose constrained rows hold -inf at every
+        token the grammar does not allow. Unconstrained rows are copied, never touched."""
+        from xgrammar import apply_token_bitmask_inplace  # a CPU kernel, or Triton/CUDA on GPU
+
+        out = logits.to(torch.float32, copy=True)  # [B, V] f32
+        if len(self.rows) == out.shape[0]:
+            apply_token_bitmask_inplace(out, self.bitmask, vocab_size=self.vocab_size)
+            return out
+        index = torch.tensor(self.rows, dtype=torch.int64, device=out.device)
+        constrained = out[index]  # [R, V] f32, a gathered copy
+        apply_token_bitmask_inplace(constrained, self.bitmask, vocab_size=self.vocab_size)
+        out[index] = constrained
+        return out
+
+
+@dataclass(eq=False)
+class _Constrained:
+    """One request's grammar state (mutable; owned by StructuredOutputs, runner thread only)."""
+
+    compiled: Future[Any]  # -> xgrammar.CompiledGrammar
+    stop_token_ids: tuple[int, ...]
+    matcher: Any = None  # xgrammar.GrammarMatcher, made when the request first samples
+    failed: bool = False  # its grammar did not compile: only stop tokens are allowed
+
+
+class StructuredOutputs:
+    """Grammar state for every constrained request of one engine (one tokenizer).
+
+    Called from the runner's thread only; compilation runs on one worker thread of its own, so a
+    new request's grammar compiles while its prompt runs through the model.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        """`tokenizer`: the checkpoint's transformers tokenizer; `vocab_size`: the model's (padded)
+        logits width, which may exceed the tokenizer's."""
+        assert vocab_size > 0 and cache_size > 0, f"vocab_size {vocab_size}, cache_size {cache_size}"
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._cache_size = cache_size
+        self._compiler: xgrammar.GrammarCompiler | None = None  # built on first compile, by the worker
+        self._executor: ThreadPoolExecutor | None = None
+        self._compiled: OrderedDict[str, Future[Any]] = OrderedDict()  # grammar text -> compiled, LRU
+        self._requests: dict[str, _Constrained] = {}
+        # [rows, words] int32, cpu (pinned for an async copy when the logits are on a GPU)
+        self._host_bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
+
+    # ---- requests ------------------------------------------------------------------------------
+    @staticmethod
+    def check(grammar: str) -> None:
+        """Raise ParamError unless `grammar` is valid EBNF (syntax and rule names; no tokenizer
+        needed, about a millisecond): lets a caller refuse a bad grammar before it is queued."""
+        import xgrammar
+
+        try:
+            xgrammar.Grammar.from_ebnf(grammar)
+        except RuntimeError as e:
+            raise ParamError(f"invalid grammar: {str(e).splitlines()[-1][:300]}", "grammar") from None
+
+    def add_request(self, request_id: str, grammar: str, stop_token_ids: Sequence[int]) -> None:
+        assert request_id not in self._requests, f"request {request_id!r} is already constrained"
+        assert stop_token_ids, f"{request_id}: a grammar needs a stop token to end on"
+        self._requests[request_id] = _Constrained(self._compile(grammar), tuple(dict.fromkeys(stop_token_ids)))
+
+    def remove_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def is_terminated(self, request_id: str) -> bool:
+        """Whether the request's grammar is complete and a stop token was accepted after it (or
+        its grammar did not compile): from here on only stop tokens are allowed."""
+        state = self._requests.get(request_id)
+        return state is not None and (state.failed or (state.matcher is not None and state.matcher.is_terminated()))
+
+    # ---- a step -------------------------------------------------------------------------------
+    def mask(self, request_ids: Sequence[str], device: torch.device) -> GrammarMask | None:
+        """The bitmask for the constrained rows of a step that samples `request_ids` (row i for
+        request_ids[i]), on the logits' `device`; None when no row is constrained. Blocks on a
+        grammar still compiling."""
+        if not self._requests:
+            return None  # the common step: nothing constrained anywhere
+        rows = tuple(i for i, r in enumerate(request_ids) if r in self._requests)
+        if not rows:
+            return None
+        host = self._host_rows(len(rows), pin=device.type == "cuda")  # [R, words] int32, cpu
+        for k, i in enumerate(rows):
+            state = self._requests[request_ids[i]]
+            matcher = self._matcher(request_ids[i], state)
+            if matcher is None or matcher.is_terminated():
+                # A finished grammar (or one that failed): only its stop tokens, so the request
+                # ends even when min_tokens or ignore_eos kept it going past the first one.
+                host[k] = self._stop_row(state.stop_token_ids)
+            else:
+                matcher.fill_next_token_bitmask(host, k)
+        # NOTE: non_blocking reads the pinned buffer after this returns; the next step rewrites it
+        # only after the sampler's read-back has synchronized the stream.
+        bitmask = host if device.type == "cpu" else host.to(device, non_blocking=True)
+        return GrammarMask(rows, bitmask, self.vocab_size)
+
+    def accept(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        """Advance the constrained requests' matchers by the tokens this step sampled."""
+        for request_id, token_id in zip(request_ids, token_ids, strict=True):
+            state = self._requests.get(request_id)
+            if state is None or state.matcher is None or state.matcher.is_terminated():
+                continue
+            if not state.matcher.accept_token(token_id):
+                # Unreachable while the sampler honours the mask; the text would break the grammar.
+                logger.error("%s: sampled token %d is not allowed by its grammar", request_id, token_id)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _compile(self, grammar: str) -> Future[Any]:
+        future = self._compiled.get(grammar)
+        if future is not None:
+            self._compiled.move_to_end(grammar)
+            return future
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4serve-grammar")
+        future = self._executor.submit(self._compile_now, grammar)
+        self._compiled[grammar] = future
+        while len(self._compiled) > self._cache_size:
+            self._compiled.popitem(last=False)  # requests holding it keep their own reference
+        return future
+
+    def _compile_now(self, grammar: str) -> Any:
+        """On the worker thread: the compiler (built once, ~2 s for a 150k vocabulary) compiles."""
+        import xgrammar
+
+        if self._compiler is None:
+            info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size)
+            # One thread: the machine's cores belong to the model; xgrammar's own cache is off
+            # because this class keeps a bounded one.
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler.compile_grammar(grammar)
+
+    def _matcher(self, request_id: str, state: _Constrained) -> Any:
+        if state.matcher is None and not state.failed:
+            import xgrammar
+
+            try:
+                compiled = state.compiled.result()
+            except Exception:
+                # NOTE: failing the step would fail every request in the batch; this request
+                # alone ends at once ("stop", no text). check() keeps bad grammars out earlier.
+                logger.exception("%s: its grammar did not compile; the request ends", request_id)
+                state.failed = True
+                return None
+            state.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=list(state.stop_token_ids))
+        return state.matcher
+
+    def _host_rows(self, num_rows: int, pin: bool) -> torch.Tensor:
+        if self._host_bitmask.shape[0] < num_rows:
+            size = max(num_rows, 2 * self._host_bitmask.shape[0], 8)
+            self._host_bitmask = torch.empty(size, self._host_bitmask.shape[1], dtype=torch.int32, pin_memory=pin)
+        return self._host_bitmask[:num_rows]
+
+    def _stop_row(self, stop_token_ids: tuple[int, ...]) -> torch.Tensor:
+        words = [0] * bitmask_words(self.vocab_size)
+        for t in stop_token_ids:
+            words[t // 32] |= 1 << (t % 32)
+        # int32 holds bit 31 as the sign: the same 32 bits.
+        return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
