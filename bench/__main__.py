@@ -36,7 +36,9 @@ def _rates(text: str) -> list[float]:
 
 
 def _add_dataset_flags(p: argparse.ArgumentParser, input_len: int, num_requests: int) -> None:
-    p.add_argument("--dataset", choices=DATASETS, default="random")
+    p.add_argument("--dataset", choices=DATASETS, default="random",
+                   help="random prompts of --input-len tokens; shared-prefix groups (prefix-cache workload); "
+                   "multi-turn conversations; jsonl: your own file")
     p.add_argument("--dataset-path", help="jsonl: ShareGPT-style conversations or {prompt, "
                                           "max_tokens} lines (a JSON array also works)")
     p.add_argument("--num-requests", type=int, default=num_requests,
@@ -49,7 +51,7 @@ def _add_dataset_flags(p: argparse.ArgumentParser, input_len: int, num_requests:
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: prefix tokens")
     p.add_argument("--num-groups", type=int, default=4, help="shared-prefix: distinct prefixes")
     p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the dataset and the arrival times")
     p.add_argument("--duration", type=float, default=300.0,
                    help="seconds per load level; requests still in flight are cancelled")
     p.add_argument("--out", help="write results as JSON here")
@@ -66,10 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="load-test an OpenAI-compatible endpoint over HTTP")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the endpoint's OpenAI base URL")
     s.add_argument("--model", help="default: the first of GET /models")
-    s.add_argument("--api-key")
-    s.add_argument("--endpoint", choices=ENDPOINTS, default="chat")
+    s.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    s.add_argument("--endpoint", choices=ENDPOINTS, default="chat",
+                   help="/v1/chat/completions or /v1/completions")
     s.add_argument("--label", help="name of this run in tables and charts")
     load = s.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=_ints,
@@ -82,31 +85,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", help="folder with tokenizer.json (or the file) of the model")
     s.add_argument("--no-ignore-eos", action="store_true",
                    help="do not send ignore_eos/min_tokens (servers that reject them)")
-    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     s.add_argument("--extra-body", type=orjson.loads, default={},
                    help='JSON merged into every request, e.g. \'{"top_k": 20}\'')
-    s.add_argument("--request-timeout", type=float, default=600.0)
+    s.add_argument("--request-timeout", type=float, default=600.0, help="seconds before one request counts as failed")
     s.add_argument("--slo", type=Slo.parse, help="goodput objectives: ttft=MS,tpot=MS,e2e=MS")
-    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-progress", action="store_true", help="no live progress bar (for logs)")
     _add_dataset_flags(s, input_len=1024, num_requests=200)
 
     p = sub.add_parser("plot", help="draw PNG charts from result files")
-    p.add_argument("results", nargs="+")
+    p.add_argument("results", nargs="+", help="result files of `bench serve --out` (one line per file)")
     p.add_argument("--out", default="bench-plots", help="folder for the PNGs")
 
     c = sub.add_parser("compare", help="side-by-side table of two result files, with b/a")
-    c.add_argument("a")
-    c.add_argument("b")
+    c.add_argument("a", help="the baseline result file")
+    c.add_argument("b", help="the result file compared with it (ratios are b/a)")
 
     o = sub.add_parser("offline", help="drive the engine in-process (no HTTP)")
     o.add_argument("--model", help="checkpoint folder (default: the embedded demo model)")
-    o.add_argument("--dtype", default="auto")
-    o.add_argument("--device", default="auto")
-    o.add_argument("--max-num-seqs", type=int, default=64)
-    o.add_argument("--max-num-batched-tokens", type=int)
-    o.add_argument("--max-model-len", type=int)
+    o.add_argument("--dtype", default="auto", help="as fp4serve serve --dtype")
+    o.add_argument("--device", default="auto", help="as fp4serve serve --device")
+    o.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one running batch")
+    o.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step (default: the engine's)")
+    o.add_argument("--max-model-len", type=int, help="context length (default: the checkpoint's)")
     o.add_argument("--kv-cache-memory", help='KV cache size: bytes ("2GiB") or a fraction')
-    o.add_argument("--temperature", type=float, default=1.0)
+    o.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of every request")
     _add_dataset_flags(o, input_len=256, num_requests=64)
 
     k = sub.add_parser("soak", help="mixed valid, invalid and disconnecting clients for a while; then "
