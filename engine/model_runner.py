@@ -173,10 +173,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward
         t2 = time.perf_counter()
-        if grammar_mask is None or self.structured is None:
-            sampled = self.sampler.sample(logits, ids) if ids else []
-        else:
-            sampled = self.sampler.sample(logits, ids, grammar_mask)
+        sampled = self.sampler.sample(logits, ids, grammar_mask) if ids else []
+        if grammar_mask is not None and self.structured is not None:
             self.structured.accept(ids, [tok.token_id for tok in sampled])
         t3 = time.perf_counter()
         return StepResult(dict(zip(batch.sample_request_ids, sampled)), StepTimings(t1 - t0, t2 - t1, t3 - t2))

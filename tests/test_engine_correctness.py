@@ -65,10 +65,10 @@ def capture_logits(engine: OfflineEngine) -> dict[str, list[torch.Tensor]]:
     sampler = engine.core.runner.sampler
     original = sampler.sample
 
-    def sample(logits: torch.Tensor, request_ids: list[str]) -> Any:
+    def sample(logits: torch.Tensor, request_ids: list[str], *args: Any) -> Any:
         for row, rid in enumerate(request_ids):
             seen.setdefault(rid, []).append(logits[row].clone())
-        return original(logits, request_ids)
+        return original(logits, request_ids, *args)
 
     sampler.sample = sample  # type: ignore[method-assign]
     return seen
