@@ -6,6 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from engine.detokenizer import Detokenizer
+from engine.tokenizer import _byte_decoder
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_invalid_utf8_is_shown_as_replacement_characters_not_dropped(byte_tokeni
     # 0xEF 0xB3 repeated never completes a character; then plain text must still flow.
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {c: i for i, c in enumerate(sorted(alphabet))}
-    byte_char = {b: c for b, c in zip(range(256), _byte_chars())}
+    byte_char = {b: c for c, b in _byte_decoder().items()}
     bad = [vocab[byte_char[0xEF]], vocab[byte_char[0xB3]]] * 3
     good = byte_tokenizer.encode("ok").ids
     d = Detokenizer(byte_tokenizer, (), skip_special_tokens=True, include_stop=False)
@@ -73,16 +74,3 @@ def test_invalid_utf8_is_shown_as_replacement_characters_not_dropped(byte_tokeni
     assert "".join(tail.step([i])[0] for i in bad[:2]) == ""  # may still complete...
     assert tail.flush() == byte_tokenizer.decode(bad[:2])  # ...until the sample ends
 
-
-def _byte_chars() -> list[str]:
-    """GPT-2's printable stand-in character of each byte value, in byte order."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
