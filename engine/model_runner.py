@@ -101,6 +101,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             # Quantize-at-load temporaries sit in torch's cache, which mem_get_info counts as used.
             torch.cuda.empty_cache()
+        if self.device.type == "cpu":
+            self.model.keep_transposed_lm_head()
         footprint = weight_bytes(self.model)
         self.weight_nbytes = footprint.total  # resident weights, NVFP4 packed codes and scales included
         self.nvfp4_weight_nbytes = footprint.nvfp4

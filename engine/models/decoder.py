@@ -91,6 +91,7 @@ class DecoderForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_len)
         # With tied embeddings lm_head shares embed_tokens' weight (set by the loader).
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size])
+        self.lm_head_t: torch.Tensor | None = None  # see keep_transposed_lm_head
 
     def forward(
         self,
@@ -105,6 +106,18 @@ class DecoderForCausalLM(nn.Module):
             x = layer(x, positions, self.rotary, kv_cache, backend)
         return self.norm(x)
 
+    def keep_transposed_lm_head(self) -> None:
+        """Keep a contiguous [hidden, vocab] copy of the lm_head weight for compute_logits.
+
+        NOTE: for CPUs. The [S, hidden] x [hidden, vocab] matmul dominates a small model's
+        step, and MKL runs it ~1.5x faster from the transposed copy than from W.T (74 vs 114 ms
+        for the demo model at S=32 on an AVX2 CPU). Costs one more copy of the weight."""
+        head = self.lm_head
+        if isinstance(head, Linear) and head.bias is None:
+            self.lm_head_t = head.weight.detach().t().contiguous()  # [hidden, vocab], model dtype
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, vocab] float32."""
+        if self.lm_head_t is not None:
+            return (hidden @ self.lm_head_t).float()
         return self.lm_head(hidden).float()
