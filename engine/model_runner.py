@@ -106,8 +106,11 @@ class ModelRunner:
         footprint = weight_bytes(self.model)
         self.weight_nbytes = footprint.total  # resident weights, NVFP4 packed codes and scales included
         self.nvfp4_weight_nbytes = footprint.nvfp4
-        logger.info("weights: %.2f MiB (nvfp4 linears: %.2f MiB in %d layers)", footprint.total / _MIB,
-                    footprint.nvfp4 / _MIB, footprint.num_nvfp4_linears)
+        if footprint.num_nvfp4_linears:
+            logger.info("weights: %.2f MiB resident (nvfp4 linears: %.2f MiB in %d layers)", footprint.total / _MIB,
+                        footprint.nvfp4 / _MIB, footprint.num_nvfp4_linears)
+        else:
+            logger.info("weights: %.2f MiB resident (%s)", footprint.total / _MIB, str(self.dtype).removeprefix("torch."))
         self.num_kv_pages = self._num_kv_pages()
         # One page more than the scheduler gets: the scratch page padded CUDA-graph rows write to.
         scratch_page = self.num_kv_pages

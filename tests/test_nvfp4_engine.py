@@ -180,7 +180,7 @@ def test_resident_weights_are_packed_codes_scales_and_the_float_excludes(
     assert runner.nvfp4_weight_nbytes == expected_nvfp4
     assert runner.weight_nbytes == expected_float + expected_nvfp4
     mib = 1 << 20
-    assert (f"weights: {runner.weight_nbytes / mib:.2f} MiB (nvfp4 linears: {expected_nvfp4 / mib:.2f} MiB "
+    assert (f"weights: {runner.weight_nbytes / mib:.2f} MiB resident (nvfp4 linears: {expected_nvfp4 / mib:.2f} MiB "
             f"in {len(linears)} layers)") in caplog.messages
 
 
