@@ -111,6 +111,9 @@ class ModelRunner:
                         footprint.nvfp4 / _MIB, footprint.num_nvfp4_linears)
         else:
             logger.info("weights: %.2f MiB resident (%s)", footprint.total / _MIB, str(self.dtype).removeprefix("torch."))
+        if self.model.lm_head_t is not None:
+            logger.info("plus %.2f MiB: a transposed lm_head copy for the CPU logits matmul",
+                        self.model.lm_head_t.nbytes / _MIB)
         self.num_kv_pages = self._num_kv_pages()
         # One page more than the scheduler gets: the scratch page padded CUDA-graph rows write to.
         scratch_page = self.num_kv_pages
