@@ -1,7 +1,8 @@
 """OpenAI request parsing: JSON bodies of /v1/chat/completions and /v1/completions become
 frozen `ChatRequest` / `CompletionRequest` with validated `SamplingParams`, within the server's
-`RequestLimits`. Every user mistake is an `APIError` (400) naming the parameter; unknown fields
-are ignored."""
+`RequestLimits`; those of /tokenize and /detokenize (vLLM's shapes) become `TokenizeRequest` /
+`DetokenizeRequest`. Every user mistake is an `APIError` (400) naming the parameter; unknown
+fields are ignored."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from api.errors import bad_request
 from api.limits import RequestLimits, check_max_tokens, check_stop, too_many
 from api.messages import parse_messages, parse_tool_choice, parse_tools
+from api.response_format import ResponseFormat, parse_response_format, refuse_with_tool_choice
 from scheduler.request import ParamError, SamplingParams
 
 DEFAULT_LIMITS = RequestLimits()
@@ -40,6 +42,7 @@ class ChatRequest:
     top_logprobs: int | None  # None: no logprobs; else how many alternatives per token
     stream: StreamOptions
     return_token_ids: bool
+    response_format: ResponseFormat | None = None  # None: free text
 
 
 @dataclass(frozen=True)
@@ -51,20 +54,38 @@ class CompletionRequest:
     logprobs: int | None
     stream: StreamOptions
     return_token_ids: bool
+    response_format: ResponseFormat | None = None
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """A prompt as it is, or chat messages through the chat template as /v1/chat/completions
+    renders them (exactly one of `prompt` and `messages`)."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    tools: list[dict[str, Any]] | None
+    add_generation_prompt: bool
+    template_kwargs: dict[str, Any]
+    add_special_tokens: bool  # the tokenizer's own BOS/EOS; a chat template writes its own
+    return_token_strs: bool
+
+    def __post_init__(self) -> None:
+        assert (self.prompt is None) != (self.messages is None), "a prompt or messages, not both"
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    model: str | None
+    token_ids: list[int]
 
 
 def parse_chat_request(body: dict[str, Any], vocab_size: int, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
-    _refuse_response_format(body)
-    tools = parse_tools(body.get("tools"))
-    if tools and len(tools) > limits.max_tools:
-        raise too_many("tools", len(tools), limits.max_tools, "--max-tools")
-    template_kwargs = _optional(body, "chat_template_kwargs", dict) or {}
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
-    if reserved:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-    enable_thinking = _optional(body, "enable_thinking", bool)
-    if enable_thinking is not None:
-        template_kwargs = {"enable_thinking": enable_thinking, **template_kwargs}
+    tools = _tools(body, limits)
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+    response_format = parse_response_format(body.get("response_format"))
+    refuse_with_tool_choice(response_format, tool_choice)
     logprobs = _optional(body, "logprobs", bool) or False
     top_logprobs = _capped(body, "top_logprobs", 0, limits.max_logprobs, "--max-logprobs")
     if top_logprobs is not None and not logprobs:
@@ -77,15 +98,16 @@ def parse_chat_request(body: dict[str, Any], vocab_size: int, limits: RequestLim
         model=_optional(body, "model", str),
         messages=parse_messages(body.get("messages")),
         tools=tools,
-        tool_choice=parse_tool_choice(body.get("tool_choice"), tools),
+        tool_choice=tool_choice,
         parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
-        template_kwargs=template_kwargs,
+        template_kwargs=_template_kwargs(body),
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
         params=_sampling_params(body, vocab_size, max_tokens, wanted, limits),
         max_tokens=max_tokens,
         top_logprobs=wanted,
         stream=_stream_options(body),
         return_token_ids=_bool(body, "return_token_ids", False),
+        response_format=response_format,
     )
 
 
@@ -95,7 +117,7 @@ def parse_completion_request(
     for unsupported in ("echo", "suffix"):
         if body.get(unsupported):
             raise bad_request(f"{unsupported} is not supported by this server", unsupported)
-    _refuse_response_format(body)
+    response_format = parse_response_format(body.get("response_format"))
     logprobs = _capped(body, "logprobs", 0, limits.max_logprobs, "--max-logprobs")
     max_tokens = _max_tokens(body, "max_tokens")
     check_max_tokens(max_tokens, limits, "max_tokens")
@@ -107,6 +129,35 @@ def parse_completion_request(
         logprobs=logprobs,
         stream=_stream_options(body),
         return_token_ids=_bool(body, "return_token_ids", False),
+        response_format=response_format,
+    )
+
+
+def parse_tokenize_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> TokenizeRequest:
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if prompt is None and messages is None:
+        raise bad_request("send a prompt (a string) or messages (a chat) to tokenize", "messages")
+    if prompt is not None and messages is not None:
+        raise bad_request("send a prompt or messages, not both", "prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise bad_request(f"prompt must be a string, got {_json_type(prompt)}", "prompt")
+    return TokenizeRequest(
+        model=_optional(body, "model", str),
+        prompt=prompt,
+        messages=None if messages is None else parse_messages(messages),
+        tools=None if messages is None else _tools(body, limits),
+        add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        template_kwargs=_template_kwargs(body),
+        # vLLM's defaults: a prompt gets the tokenizer's special tokens, a rendered chat does not.
+        add_special_tokens=_bool(body, "add_special_tokens", messages is None),
+        return_token_strs=_bool(body, "return_token_strs", False),
+    )
+
+
+def parse_detokenize_request(body: dict[str, Any], vocab_size: int) -> DetokenizeRequest:
+    return DetokenizeRequest(
+        model=_optional(body, "model", str),
+        token_ids=_token_ids(body.get("tokens"), vocab_size, "tokens", allow_empty=True),
     )
 
 
@@ -195,12 +246,23 @@ def _sampling_params(
         raise bad_request(e.message, e.param) from None
 
 
-def _refuse_response_format(body: dict[str, Any]) -> None:
-    """Refused rather than ignored: a client asking for JSON would get free text otherwise."""
-    fmt = body.get("response_format")
-    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-    if fmt is not None and kind != "text":
-        raise bad_request(f"response_format {kind!r} is not supported (no constrained decoding yet)", "response_format")
+def _tools(body: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any]] | None:
+    tools = parse_tools(body.get("tools"))
+    if tools and len(tools) > limits.max_tools:
+        raise too_many("tools", len(tools), limits.max_tools, "--max-tools")
+    return tools
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs, plus a top-level enable_thinking (which they override)."""
+    template_kwargs = _optional(body, "chat_template_kwargs", dict) or {}
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    enable_thinking = _optional(body, "enable_thinking", bool)
+    if enable_thinking is not None:
+        template_kwargs = {"enable_thinking": enable_thinking, **template_kwargs}
+    return template_kwargs
 
 
 def _stream_options(body: dict[str, Any]) -> StreamOptions:

@@ -1,6 +1,7 @@
 """Thin HTTP handlers: read and parse the body, admit the request (api/admission.py), hand the
-prompt to the engine, stream or return the result before its deadline (api/deadline.py).
-Lifecycle lives in api/app.py, shapes in api/chat.py and api/completions.py."""
+prompt to the engine, stream or return the result before its deadline (api/deadline.py); and
+/tokenize, /detokenize with the server's own tokenizer. Lifecycle lives in api/app.py, shapes
+in api/chat.py and api/completions.py."""
 
 from __future__ import annotations
 
@@ -15,12 +16,22 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from api.auth import APIKeyMiddleware
 from api.chat import ChatResponder, prompt_closes_reasoning, prompt_opens_reasoning, render_prompt
 from api.completions import CompletionResponder
 from api.errors import APIError, bad_request
 from api.generation import start_outputs, unless_disconnected
 from api.inflight import request_deadline
-from api.protocol import parse_chat_request, parse_completion_request, resolve_max_tokens
+from api.protocol import (
+    ChatRequest,
+    TokenizeRequest,
+    parse_chat_request,
+    parse_completion_request,
+    parse_detokenize_request,
+    parse_tokenize_request,
+    resolve_max_tokens,
+)
+from api.response_format import response_format_grammar
 from api.responses import ResponseHeader
 from api.sse import SSEResponse
 from api.tool_grammar import tool_call_grammar
@@ -88,7 +99,7 @@ async def chat_completions(request: Request) -> Response:
         chat.params, chat.max_tokens, len(prompt), engine.info.max_model_len, "messages", limits.max_output_tokens
     )
     opens_reasoning = state.parsers.reasoning_parser is not None and prompt_opens_reasoning(engine.tokenizer, prompt)
-    params = replace(params, grammar=_tool_choice_grammar(chat, state, engine.tokenizer, prompt, opens_reasoning))
+    params = replace(params, grammar=_grammar(chat, state, engine.tokenizer, prompt, opens_reasoning))
     header = ResponseHeader.new("chatcmpl", engine.info.model_name)
     responder = ChatResponder(header, chat, prompt, state.parsers, opens_reasoning)
     outputs = await start_outputs(engine, [prompt], [params], header.id, request.receive, request_deadline(request.scope))
@@ -97,10 +108,18 @@ async def chat_completions(request: Request) -> Response:
     return await _complete(request, responder.complete(outputs))
 
 
-def _tool_choice_grammar(chat: Any, state: Any, tokenizer: Any, prompt: list[int], opens_reasoning: bool) -> str | None:
-    """The grammar that enforces tool_choice "required" or a named function (None otherwise)."""
-    if not chat.tools or chat.tool_choice in (None, "auto", "none"):
+def _grammar(
+    chat: ChatRequest, state: ServerState, tokenizer: Any, prompt: list[int], opens_reasoning: bool
+) -> str | None:
+    """The grammar that enforces response_format, or tool_choice "required" or a named function
+    (api/protocol.py refuses both at once); None when the output is free."""
+    forces_call = bool(chat.tools) and chat.tool_choice not in (None, "auto", "none")
+    if chat.response_format is None and not forces_call:
         return None
+    # A think block may come first unless the prompt closed it (enable_thinking=false).
+    reasoning = state.parsers.reasoning_parser is not None and not prompt_closes_reasoning(tokenizer, prompt)
+    if chat.response_format is not None:
+        return response_format_grammar(chat.response_format, reasoning, starts_in_reasoning=opens_reasoning)
     if state.parsers.tool_parser is None:
         raise bad_request(
             "tool_choice 'required' or a named function needs the server to run with --tool-parser", "tool_choice"
@@ -109,7 +128,7 @@ def _tool_choice_grammar(chat: Any, state: Any, tokenizer: Any, prompt: list[int
         chat.tools,
         chat.tool_choice,
         state.parsers.tool_parser,
-        reasoning=state.parsers.reasoning_parser is not None and not prompt_closes_reasoning(tokenizer, prompt),
+        reasoning=reasoning,
         starts_in_reasoning=opens_reasoning,
         parallel_tool_calls=chat.parallel_tool_calls,
     )
@@ -127,7 +146,11 @@ async def completions(request: Request) -> Response:
     if any(not p for p in prompts):
         raise bad_request("a prompt encodes to no tokens", "prompt")
     max_len, cap = engine.info.max_model_len, limits.max_output_tokens
-    params = [resolve_max_tokens(req.params, req.max_tokens, len(p), max_len, "prompt", cap) for p in prompts]
+    grammar = None if req.response_format is None else response_format_grammar(req.response_format, reasoning=False)
+    params = [
+        replace(resolve_max_tokens(req.params, req.max_tokens, len(p), max_len, "prompt", cap), grammar=grammar)
+        for p in prompts
+    ]
     header = ResponseHeader.new("cmpl", engine.info.model_name)
     responder = CompletionResponder(header, req, prompts)
     outputs = await start_outputs(engine, prompts, params, header.id, request.receive, request_deadline(request.scope))
@@ -139,6 +162,55 @@ async def completions(request: Request) -> Response:
 async def _complete(request: Request, body: Awaitable[dict[str, Any]]) -> Response:
     """A non-streaming response; a client that leaves meanwhile aborts its request."""
     return json_response(await unless_disconnected(body, request.receive))
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's POST /tokenize: `tokens`, `count` and `max_model_len` (and `token_strs` on request)."""
+    state = server_state(request)
+    _check_api_key(request, state)
+    engine = state.ready_engine()
+    req = parse_tokenize_request(await read_json(request, state.config.max_request_bytes), state.config.limits)
+    check_model(req.model, engine)
+    token_ids = await state.run_blocking(_tokenize, engine.tokenizer, req)
+    body: dict[str, Any] = {"tokens": token_ids, "count": len(token_ids), "max_model_len": engine.info.max_model_len}
+    if req.return_token_strs:
+        body["token_strs"] = [engine.tokenizer.backend.id_to_token(t) for t in token_ids]
+    return json_response(body)
+
+
+def _tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
+    """Blocking (run it off the loop). NOTE: messages go through the same calls as render_prompt
+    (api/chat.py), so the count equals a chat request's usage.prompt_tokens."""
+    if req.messages is None:
+        assert req.prompt is not None, "TokenizeRequest holds a prompt or messages"
+        return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    text = tokenizer.render_chat(req.messages, req.tools, req.add_generation_prompt, **req.template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+
+
+async def detokenize(request: Request) -> Response:
+    """vLLM's POST /detokenize: token ids back to text, special tokens included."""
+    state = server_state(request)
+    _check_api_key(request, state)
+    engine = state.ready_engine()
+    body = await read_json(request, state.config.max_request_bytes)
+    req = parse_detokenize_request(body, engine.tokenizer.vocab_size)
+    check_model(req.model, engine)
+    text = await state.run_blocking(engine.tokenizer.decode, req.token_ids, False)
+    return json_response({"prompt": text})
+
+
+def _check_api_key(request: Request, state: ServerState) -> None:
+    """NOTE: api/auth.py's middleware guards /v1/* only, and these routes live at the root as in
+    vLLM: they check the same key, the same way, themselves."""
+    key = state.config.api_key
+    if not key:
+        return
+    authorization = next((v for k, v in request.scope["headers"] if k == b"authorization"), None)
+    if APIKeyMiddleware(request.app, key).is_authorized(authorization):
+        return
+    message = "missing API key: send 'Authorization: Bearer <key>'" if authorization is None else "invalid API key"
+    raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 async def models(request: Request) -> Response:
@@ -197,6 +269,8 @@ ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
     Route("/version", version, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),

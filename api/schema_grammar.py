@@ -10,6 +10,13 @@ from typing import Any
 
 # Schemas nested deeper than this take any JSON value there (bounds the grammar's size).
 MAX_SCHEMA_DEPTH = 24
+# minLength / maxLength up to this many characters are enforced. NOTE: each enforced character is
+# one grammar rule (a chain of right-recursive rules: a bounded repetition `{0,n}` made in-string
+# masks take up to ~350 ms each), and xgrammar compiles each rule against the whole vocabulary,
+# 25-40 ms on a 150k vocabulary. Larger bounds are not enforced: there the grammar allows more.
+MAX_STRING_LENGTH_BOUND = 32
+# One string character: anything but a quote, a backslash or a control character, or an escape.
+_CHAR_THEN = r'[^"\\\x00-\x1f] {next} | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{{4}} ) {next}'
 
 # NOTE: whitespace is bounded on purpose. With unbounded whitespace between JSON tokens a masked
 # model can emit newlines forever (why vLLM grew --disable-any-whitespace); 20 characters still
@@ -41,10 +48,11 @@ _BASE_DEPENDS = {
 class SchemaGrammar:
     """One JSON schema as EBNF rules. Covers type (and type lists), properties/required,
     additionalProperties, items/minItems/maxItems, enum, const, anyOf/oneOf, allOf of one,
-    $ref into $defs/definitions (recursive ones too), nullable and a non-negative minimum.
-    Other keywords (pattern, format, lengths, numeric ranges) are not enforced: there the
-    grammar allows more than the schema. NOTE: it allows less in one way, as xgrammar's strict
-    mode does: properties come in the schema's order and undeclared ones are refused."""
+    $ref into $defs/definitions (recursive ones too), nullable, a non-negative minimum, and
+    minLength/maxLength up to MAX_STRING_LENGTH_BOUND. Other keywords (pattern, format, numeric
+    ranges, uniqueItems, ...) are not enforced: there the grammar allows more than the schema.
+    NOTE: it allows less in one way, as xgrammar's strict mode does: properties come in the
+    schema's order and undeclared ones are refused."""
 
     def __init__(self, rules: Rules, root: Any) -> None:
         self.rules = rules
@@ -95,7 +103,7 @@ class SchemaGrammar:
         if kind == "array":
             return self._array(schema, depth)
         if kind == "string":
-            return base("json_string")
+            return self._string(schema)
         if kind in ("integer", "number"):
             rule = base("json_integer" if kind == "integer" else "json_number")
             floor = schema.get("minimum", schema.get("exclusiveMinimum"))
@@ -107,6 +115,22 @@ class SchemaGrammar:
         if kind == "null":
             return '"null"'
         return base("json_value")
+
+    def _string(self, schema: dict[str, Any]) -> str:
+        """A string of minLength..maxLength characters (an escape counts as one), each bound
+        enforced up to MAX_STRING_LENGTH_BOUND."""
+        lo, hi = _count(schema, "minLength") or 0, _count(schema, "maxLength")
+        lo = lo if lo <= MAX_STRING_LENGTH_BOUND else 0
+        hi = hi if hi is not None and lo <= hi <= MAX_STRING_LENGTH_BOUND else None
+        if lo == 0 and hi is None:
+            return self.rules.base("json_string")
+        # rest: the string after its opening quote, closing quote included; built from its end.
+        rest = self.rules.base("json_string_rest") if hi is None else '"\\""'
+        for k in range(hi - lo if hi is not None else 0):  # up to hi - lo more characters
+            rest = self.rules.add(f"string_max_{k + 1}", f'"\\"" | {_CHAR_THEN.format(next=rest)}')
+        for k in range(lo):  # then lo characters that must come first
+            rest = self.rules.add(f"string_min_{k + 1}", _CHAR_THEN.format(next=rest))
+        return f'( "\\"" {rest} )'
 
     def _object(self, schema: dict[str, Any], depth: int) -> str:
         properties = schema.get("properties")

@@ -123,7 +123,7 @@ def test_unknown_fields_and_plain_text_format_are_ignored() -> None:
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         ({"enable_thinking": "no"}, "enable_thinking"),
         ({"model": 3}, "model"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ],
 )
 def test_chat_rejects_bad_parameter_naming_it(fields: dict[str, Any], param: str) -> None:
