@@ -79,7 +79,8 @@ class EngineCore:
         mc = self.model_config
         max_model_len = config.max_model_len or mc.max_position_embeddings
         self.tokenizer = Tokenizer(path, mc.eos_token_ids)
-        self.runner = ModelRunner(path, mc, config, max_model_len, StructuredOutputs(self.tokenizer.hf, mc.vocab_size))
+        self.structured = StructuredOutputs(self.tokenizer.hf, mc.vocab_size)
+        self.runner = ModelRunner(path, mc, config, max_model_len, self.structured)
         capacity = self.runner.num_kv_pages * config.block_size
         if max_model_len > capacity:
             logger.warning("max_model_len %d > KV capacity %d tokens: lowered to %d", max_model_len, capacity, capacity)
@@ -116,6 +117,8 @@ class EngineCore:
         )
         self.metrics = EngineMetrics(self.info.model_name)
         self._samples: dict[str, _Sample] = {}
+        # Constrained requests held out of the scheduler while their grammar compiles.
+        self._compiling: list[Request] = []
         self._children: dict[str, list[str]] = {}
 
     # ---- requests ----------------------------------------------------------------------------
@@ -166,9 +169,11 @@ class EngineCore:
                 num_prompt_tokens=len(prompt_token_ids),
                 prompt_token_ids=tuple(prompt_token_ids),
             )
-            self.scheduler.add_request(
-                Request(child_id, list(prompt_token_ids), child_params, self.tokenizer.eos_token_ids, arrival_time=now)
-            )
+            request = Request(child_id, list(prompt_token_ids), child_params, self.tokenizer.eos_token_ids, arrival_time=now)
+            if child_params.grammar is not None and not self.structured.prepare(child_params.grammar).done():
+                self._compiling.append(request)  # joins the scheduler once its grammar compiled
+            else:
+                self.scheduler.add_request(request)
             children.append(child_id)
         self._children[request_id] = children
         self.metrics.prompt_tokens.inc(len(prompt_token_ids) * params.n)
@@ -181,6 +186,7 @@ class EngineCore:
             if sample is None or sample.finished:
                 continue
             req = self.scheduler.abort_request(child_id)
+            self._compiling = [r for r in self._compiling if r.request_id != child_id]
             num_cached = req.num_cached_tokens if req else 0
             outputs.append(self._finish_output(child_id, sample, (), "", FinishReason.ABORT, None, None, num_cached))
         self._forget(request_id)
@@ -196,7 +202,7 @@ class EngineCore:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def _forget(self, request_id: str) -> None:
         for child_id in self._children.pop(request_id, []):
@@ -204,6 +210,11 @@ class EngineCore:
 
     # ---- a step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self._compiling:  # constrained requests whose grammar is now ready join, oldest first
+            ready = [r for r in self._compiling if self.structured.prepare(r.params.grammar or "").done()]
+            for request in ready:
+                self.scheduler.add_request(request)
+            self._compiling = [r for r in self._compiling if r not in ready]
         return self.scheduler.schedule()
 
     def execute(self, out: SchedulerOutput) -> StepResult:

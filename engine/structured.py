@@ -10,6 +10,7 @@ a server that never constrains pays nothing.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -75,8 +76,8 @@ class _Constrained:
 class StructuredOutputs:
     """Grammar state for every constrained request of one engine (one tokenizer).
 
-    Called from the runner's thread only; compilation runs on one worker thread of its own, so a
-    new request's grammar compiles while its prompt runs through the model.
+    Called from the runner's thread, except `prepare` (the event loop); compilation runs on one
+    worker thread of its own.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
@@ -90,6 +91,7 @@ class StructuredOutputs:
         self._executor: ThreadPoolExecutor | None = None
         self._compiled: OrderedDict[str, Future[Any]] = OrderedDict()  # grammar text -> compiled, LRU
         self._requests: dict[str, _Constrained] = {}
+        self._lock = threading.Lock()  # guards _compiled and _executor
         # [rows, words] int32, cpu (pinned for an async copy when the logits are on a GPU)
         self._host_bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
 
@@ -155,18 +157,27 @@ class StructuredOutputs:
                 logger.error("%s: sampled token %d is not allowed by its grammar", request_id, token_id)
 
     # ---- internals ----------------------------------------------------------------------------
+    def prepare(self, grammar: str) -> Future[Any]:
+        """Start compiling `grammar` (or find it compiled); done() tells when it is ready.
+
+        Called from the event loop when a request arrives, so the engine can keep the request out
+        of the batch until then: a new grammar (up to ~1 s) never stalls other users' steps."""
+        return self._compile(grammar)
+
     def _compile(self, grammar: str) -> Future[Any]:
-        future = self._compiled.get(grammar)
-        if future is not None:
-            self._compiled.move_to_end(grammar)
+        # NOTE: the event loop (prepare) and the runner thread (add_request) both get here.
+        with self._lock:
+            future = self._compiled.get(grammar)
+            if future is not None:
+                self._compiled.move_to_end(grammar)
+                return future
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4serve-grammar")
+            future = self._executor.submit(self._compile_now, grammar)
+            self._compiled[grammar] = future
+            while len(self._compiled) > self._cache_size:
+                self._compiled.popitem(last=False)  # requests holding it keep their own reference
             return future
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4serve-grammar")
-        future = self._executor.submit(self._compile_now, grammar)
-        self._compiled[grammar] = future
-        while len(self._compiled) > self._cache_size:
-            self._compiled.popitem(last=False)  # requests holding it keep their own reference
-        return future
 
     def _compile_now(self, grammar: str) -> Any:
         """On the worker thread: the compiler (built once, ~2 s for a 150k vocabulary) compiles."""

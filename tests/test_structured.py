@@ -189,3 +189,34 @@ def test_the_grammar_mask_sets_forbidden_tokens_to_minus_inf_on_its_rows_only(
         expected[row] = original[row].masked_fill(~allowed, float("-inf"))
     assert torch.equal(masked, expected)
     assert torch.equal(logits, original)  # the input is not written
+
+
+def test_a_grammar_still_compiling_never_stalls_other_requests(
+    engine: OfflineEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The constrained request waits outside the batch; everyone else keeps decoding."""
+    import threading
+    import time
+
+    release = threading.Event()
+    structured = engine.core.structured
+    original = structured._compile_now
+
+    def slow_compile(grammar: str) -> Any:
+        release.wait(timeout=30)
+        return original(grammar)
+
+    monkeypatch.setattr(structured, "_compile_now", slow_compile)
+    slow = engine.add_request(engine.tokenizer.encode(PROMPTS[0]),
+                              SamplingParams(max_tokens=4, temperature=0.0, grammar='root ::= "ok" [0-9]'))
+    other = engine.add_request(engine.tokenizer.encode(PROMPTS[1]), SamplingParams(max_tokens=4, temperature=0.0))
+    finished: dict[str, float] = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        for out in engine.step():
+            if out.finish_reason is not None:
+                finished[out.request_id] = time.monotonic()
+        if other in finished:
+            release.set()
+    assert other in finished and slow in finished
+    assert finished[other] < finished[slow]
