@@ -124,7 +124,9 @@ class BlockManager:
         """
         num_full = min(num_tokens // self.block_size, len(request.block_table))
         self._extend_hashes(request, num_full * self.block_size)
-        for i in range(num_full):
+        # Only pages not looked at before: a step's cost must not grow with the context length.
+        # (A page skipped as a duplicate stays unregistered even if the copy is evicted later.)
+        for i in range(request.num_registered_blocks, num_full):
             block = request.block_table[i]
             if self.block_hash[block] is not None:
                 continue
@@ -133,6 +135,7 @@ class BlockManager:
                 continue
             self.block_hash[block] = h
             self.cached[h] = block
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
     def free(self, request: Request) -> None:
         """Drop the request's references; pages that reach 0 join the free queue's back."""
@@ -142,6 +145,7 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None
         request.block_table.clear()
+        request.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after a failed forward left pages undefined)."""

@@ -134,7 +134,9 @@ class Request:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # Chained prefix-cache hashes of this request's full pages, in order (grows lazily).
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Leading pages of block_table already offered to the prefix cache (block_manager's cursor).
+    num_registered_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

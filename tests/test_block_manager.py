@@ -387,3 +387,26 @@ def test_random_operations_keep_ref_counts_and_page_contents_consistent(
     assert model.bm.num_used_blocks == 0
     assert sorted(model.bm.free_queue) == list(range(num_blocks))
     assert model.bm.ref_counts == [0] * num_blocks
+
+
+class _CountingTable(list):  # type: ignore[type-arg]
+    """A block table that counts how many of its entries are read."""
+
+    reads = 0
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        _CountingTable.reads += 1
+        return super().__getitem__(index)
+
+
+def test_a_decode_step_looks_only_at_new_pages_not_the_whole_context() -> None:
+    bm = BlockManager(num_blocks=80, block_size=4)
+    request = make_request("long", list(range(256)))  # 64 full pages
+    assert compute(bm, request, 256)
+    request.block_table = _CountingTable(request.block_table)
+    _CountingTable.reads = 0
+    for token in range(8):  # two more full pages, one token per step
+        request.output_token_ids.append(1000 + token)
+        assert compute(bm, request, 1)
+    assert _CountingTable.reads <= 2 * 2, f"{_CountingTable.reads} page reads for 2 new pages"
+    assert len(bm.cached) == 66
