@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 from api.errors import bad_request
 from api.schema_grammar import Rules, SchemaGrammar
-from api.tool_grammar import THINK_CLOSE, THINK_OPEN
 
 JSON_OBJECT, JSON_SCHEMA = "json_object", "json_schema"
 KINDS = ("text", JSON_OBJECT, JSON_SCHEMA)
@@ -105,14 +104,7 @@ def response_format_grammar(fmt: ResponseFormat, reasoning: bool, starts_in_reas
     else:
         converter = SchemaGrammar(rules, fmt.schema)
         value = converter.value(fmt.schema if isinstance(fmt.schema, dict) else {}, 0)
-    if starts_in_reasoning:
-        think = rules.text_without((THINK_CLOSE,), "think")
-        return rules.grammar(f'{think} "{THINK_CLOSE}" {rules.base("blank")} {value}')
-    if reasoning:
-        think = rules.text_without((THINK_CLOSE,), "think")
-        blank = rules.base("blank")
-        return rules.grammar(f'{blank} ( "{THINK_OPEN}" {think} "{THINK_CLOSE}" {blank} )? {value}')
-    return rules.grammar(value)
+    return rules.with_reasoning(value, reasoning, starts_in_reasoning)
 
 
 def check_schema(schema: Any) -> None:

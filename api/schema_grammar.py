@@ -8,6 +8,8 @@ import json
 import re
 from typing import Any
 
+from api.parsers.reasoning import THINK_CLOSE, THINK_OPEN
+
 # Schemas nested deeper than this take any JSON value there (bounds the grammar's size).
 MAX_SCHEMA_DEPTH = 24
 # minLength / maxLength up to this many characters are enforced. NOTE: each enforced character is
@@ -252,6 +254,19 @@ class Rules:
         150k vocabulary took seconds, this takes milliseconds."""
         excludes = ", ".join(literal(s) for s in stops)
         return self.add(hint, f"TagDispatch(loop_after_dispatch=false, excludes=({excludes}))")
+
+    def with_reasoning(self, body: str, reasoning: bool, starts_in_reasoning: bool, blank_first: bool = False) -> str:
+        """The whole grammar: `body`, after a `<think>...</think>` block that the output must
+        close first (the prompt left it open) or may open itself (`reasoning`). `blank_first`:
+        whitespace may also lead when there is no think block."""
+        blank = self.base("blank")
+        if starts_in_reasoning:
+            think = self.text_without((THINK_CLOSE,), "think")
+            return self.grammar(f'{think} "{THINK_CLOSE}" {blank} {body}')
+        if reasoning:
+            think = self.text_without((THINK_CLOSE,), "think")
+            return self.grammar(f'{blank} ( "{THINK_OPEN}" {think} "{THINK_CLOSE}" {blank} )? {body}')
+        return self.grammar(f"{blank} {body}" if blank_first else body)
 
     def grammar(self, root: str) -> str:
         """The whole grammar text, `root` being the start rule's body."""

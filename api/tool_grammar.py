@@ -13,7 +13,6 @@ from api.schema_grammar import Rules, SchemaGrammar, escape, literal, required_k
 
 JSON_FORMAT = "qwen3"  # <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
 XML_FORMAT = "qwen3_coder"  # <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n...
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Where a Qwen3-Coder value ends for the parser (api/parsers/qwen3_coder_tool.py): a value must not
 # contain any of them, or the parser would cut it there.
 XML_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>", "</tool_call>")
@@ -57,13 +56,7 @@ def tool_call_grammar(
     call_of = _json_call if tool_parser == JSON_FORMAT else _xml_call
     call = rules.add("call", " | ".join(call_of(rules, f) for f in functions))
     calls = f"{call} ( blank {call} )*" if many else call
-    if starts_in_reasoning:
-        think = rules.text_without((THINK_CLOSE,), "think")
-        return rules.grammar(f'{think} "{THINK_CLOSE}" blank {calls}')
-    if reasoning:
-        think = rules.text_without((THINK_CLOSE,), "think")
-        return rules.grammar(f'blank ( "{THINK_OPEN}" {think} "{THINK_CLOSE}" blank )? {calls}')
-    return rules.grammar(f"blank {calls}")
+    return rules.with_reasoning(calls, reasoning, starts_in_reasoning, blank_first=True)
 
 
 def _json_call(rules: Rules, function: dict[str, Any]) -> str:
