@@ -129,12 +129,12 @@ class AsyncEngine:
     def num_queued_requests(self, arriving: int = 0) -> int:
         """Requests that will still wait after the next step fills the free batch slots, with
         `arriving` more: a burst at an idle server starts at once, so it is not a queue."""
-        return max(0, len(self.core.scheduler.waiting) + arriving - self._free_slots())
+        return max(0, len(self.core.waiting_requests()) + arriving - self._free_slots())
 
     def num_queued_tokens(self) -> int:
         """Prompt tokens still to compute of the requests counted by num_queued_requests (the
         scheduler starts the oldest first). O(waiting requests)."""
-        waiting = itertools.islice(self.core.scheduler.waiting, self._free_slots(), None)
+        waiting = itertools.islice(self.core.waiting_requests(), self._free_slots(), None)
         return sum(r.num_tokens - r.num_computed_tokens for r in waiting)
 
     def stats(self) -> EngineStats:

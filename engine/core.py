@@ -201,6 +201,11 @@ class EngineCore:
         self.scheduler.block_manager.reset_prefix_cache()
         return outputs
 
+    def waiting_requests(self) -> list[Request]:
+        """Requests not yet running, oldest first: the scheduler's waiting queue, then those
+        held while their grammar compiles."""
+        return [*self.scheduler.waiting, *self._compiling]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
 
