@@ -278,9 +278,9 @@ def _add_parse_output(commands: Any) -> None:
 
 # Subcommands whose modules import torch: loaded only when chosen, so `fp4serve --help` is quick.
 _ENGINE_COMMANDS = {
-    "quantize": ("engine.quantize", "write an NVFP4 checkpoint (ModelOpt or compressed-tensors layout) from a "
+    "quantize": ("fp4serve_tools.quantize", "write an NVFP4 checkpoint (ModelOpt or compressed-tensors layout) from a "
                  "bf16/fp32 one"),
-    "bundle": ("engine.bundle", "build an offline GPU bundle: trimmed FlashInfer and the wheels it needs, with "
+    "bundle": ("fp4serve_tools.bundle", "build an offline GPU bundle: trimmed FlashInfer and the wheels it needs, with "
                "prebuilt kernels, for air-gapped GPU servers"),
 }
 

@@ -1,38 +1,38 @@
-"""`AsyncEngine`: what api/ talks to. The step loop is an asyncio task on the server's event
-loop: schedule on the loop, forward + sampling in one worker thread (HTTP keeps flowing), then
-update request state and hand each request its outputs on its own queue. A request arriving
-during step N joins the batch at step N+1.
+"""`AsyncEngine`: what api/ talks to, the front half of the engine in the server's process. It
+validates and fans out each request (engine/input_processor.py), hands token ids to the engine
+core (in its own process, or on a thread: engine/core_client.py), and turns the core's token ids
+back into each request's stream of `RequestOutput`s on the event loop
+(engine/output_processor.py). A request arriving during step N joins the batch at step N+1.
 
 It also guards the engine: a bounded waiting queue (`QueueLimits`, checked where a request enters
-the scheduler) and failures: a failed step ends its in-flight requests with an error and the
-engine goes on; repeated failures, or a crash of the loop itself, mark it dead.
+the engine) and failures: a failed step ends its in-flight requests with an error and the engine
+goes on; repeated failures, a crashed loop or a dead engine process mark it dead.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from engine.core_proc import MAX_CONSECUTIVE_FAILURES
+from engine.core_types import EngineCoreOutputs, EngineCoreRequest
 from engine.outputs import RequestOutput
 from scheduler.request import SamplingParams
+from scheduler.scheduler import SchedulerStats
 
 # NOTE: no torch here (EngineCore loads it): api/ imports this module's types and errors at
 # start-up, before the model loads, and a test keeps it that way.
 if TYPE_CHECKING:
-    from engine.core import EngineCore
+    from engine.core_client import CoreClient
+
+__all__ = ["MAX_CONSECUTIVE_FAILURES", "AsyncEngine", "EngineDeadError", "EngineOverloadedError", "EngineStats",
+           "QueueLimits"]
 
 logger = logging.getLogger("fp4serve.engine")
-
-# Failed steps in a row after which the engine is declared dead: one failure may be a transient
-# (an out-of-memory on an odd batch); three in a row mean every batch fails.
-MAX_CONSECUTIVE_FAILURES = 3
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class QueueLimits:
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_queued_tokens"):
             value = getattr(self, name)
-            assert value is None or value >= 1, f"{name} must be positive or None, got {value}"
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be positive or None, got {value}")
 
 
 @dataclass(frozen=True)
@@ -71,74 +72,87 @@ class EngineOverloadedError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
-        self.tokenizer = core.tokenizer
-        self.info = core.info
-        self.metrics = core.metrics
+    def __init__(self, core: Any = None, client: CoreClient | None = None) -> None:
+        """`core`: an EngineCore (or a test's proxy of one) to run on a thread of this process;
+        or `client`: a started core elsewhere (engine/core_client.py)."""
+        from engine.input_processor import InputProcessor
+        from engine.metrics import EngineMetrics
+        from engine.output_processor import OutputProcessor
+        from engine.tokenizer import Tokenizer
+
+        if client is None:
+            from engine.core_client import InprocClient
+
+            assert core is not None, "an EngineCore or a client"
+            client = InprocClient(core)
+        self.client = client
+        self.info = info = client.info
+        self.tokenizer = Tokenizer(info.model_path, info.eos_token_ids)
+        self.metrics = EngineMetrics(info.model_name)
+        self.input_processor = InputProcessor(info.vocab_size, info.max_model_len, self.tokenizer.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics, info.max_num_seqs)
         self.limits = QueueLimits()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4serve-step")
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._on_dead: Callable[[str], None] | None = None
+        self._stats = SchedulerStats(0, 0, 0, max(info.num_kv_pages, 1), 0, 0, 0)
         self._num_steps = 0
-        self._num_failures = 0  # consecutive failed steps
+        self._started = False
         self._stopping = False
         self.dead = False
         self.death_reason: str | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        """Load the model (blocking: call it from a thread while /health answers 503)."""
+        """Load the model (blocking: call it from a thread while /health answers 503): in an engine
+        process of its own unless `config.engine_process` is off."""
+        if config.engine_process:
+            from engine.core_client import MPClient
+
+            return cls(client=MPClient(config))
         from engine.core import EngineCore
 
         return cls(EngineCore(config))
 
     @property
+    def core(self) -> Any:
+        """The EngineCore, in in-process mode only (tests and debugging)."""
+        return self.client.core  # type: ignore[attr-defined]
+
+    @property
     def ready(self) -> bool:
-        return self._task is not None and not self._task.done() and not self._stopping and not self.dead
+        return self._started and not self._stopping and not self.dead
 
     async def start(self, limits: QueueLimits | None = None, on_dead: Callable[[str], None] | None = None) -> None:
-        """Start the step loop. `on_dead(reason)` is called (on the loop) if the engine dies."""
-        assert self._task is None, "engine already started"
+        """Start the engine loop. `on_dead(reason)` is called (on the loop) if the engine dies."""
+        assert not self._started, "engine already started"
         self.limits = limits or QueueLimits()
         self._on_dead = on_dead
-        self._wakeup = asyncio.Event()
-        self._task = asyncio.create_task(self._run(), name="fp4serve-step-loop")
+        self._loop = asyncio.get_running_loop()
+        self._started = True
+        self.client.start(self._from_core)
 
     async def shutdown(self) -> None:
         self._stopping = True
-        if self._wakeup is not None:
-            self._wakeup.set()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
         if not self.dead:
             for request_id in list(self._queues):
-                self._deliver(self.core.abort_request(request_id))
-        self._executor.shutdown(wait=True, cancel_futures=True)
+                await self.abort(request_id)
+        if self._started:
+            await asyncio.to_thread(self.client.shutdown)
 
-    def _free_slots(self) -> int:
-        scheduler = self.core.scheduler
-        return max(0, scheduler.config.max_num_seqs - len(scheduler.running))
-
+    # ---- the admission queue ------------------------------------------------------------------------
     def num_queued_requests(self, arriving: int = 0) -> int:
         """Requests that will still wait after the next step fills the free batch slots, with
         `arriving` more: a burst at an idle server starts at once, so it is not a queue."""
-        return max(0, len(self.core.waiting_requests()) + arriving - self._free_slots())
+        return self.output_processor.num_queued_requests(arriving)
 
     def num_queued_tokens(self) -> int:
         """Prompt tokens still to compute of the requests counted by num_queued_requests (the
-        scheduler starts the oldest first). O(waiting requests)."""
-        waiting = itertools.islice(self.core.waiting_requests(), self._free_slots(), None)
-        return sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        scheduler starts the oldest first)."""
+        return self.output_processor.num_queued_tokens()
 
     def stats(self) -> EngineStats:
-        s = self.core.scheduler.stats()
+        s = self._stats
         return EngineStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -161,21 +175,22 @@ class AsyncEngine:
         """
         if self.dead:
             raise EngineDeadError(f"the engine has stopped: {self.death_reason}")
-        self.core.validate(prompt_token_ids, params)
-        return self._stream(list(prompt_token_ids), params, request_id)
+        children = self.input_processor.process(request_id, prompt_token_ids, params)
+        return self._stream(request_id, children)
 
-    async def _stream(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, children: list[EngineCoreRequest]) -> AsyncIterator[RequestOutput]:
         if self.dead:
             raise EngineDeadError(f"the engine has stopped: {self.death_reason}")
+        assert self._started, "engine not started"
         # NOTE: the check and add_request below run with no await between them, so concurrent
         # arrivals cannot all see the same free room.
-        self._admit(len(prompt_token_ids), params.n)
+        self._admit(len(children[0].prompt_token_ids), len(children))
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
-        self.core.add_request(request_id, prompt_token_ids, params)
-        assert self._wakeup is not None, "engine not started"
-        self._wakeup.set()
-        remaining = params.n
+        self.output_processor.add_request(request_id, children)
+        for child in children:
+            self.client.add_request(child)
+        remaining = len(children)
         try:
             while remaining:
                 out = await queue.get()
@@ -187,7 +202,7 @@ class AsyncEngine:
         finally:
             self._queues.pop(request_id, None)
             if remaining and not self.dead:
-                self.core.abort_request(request_id)
+                await self.abort(request_id)
 
     def _admit(self, num_prompt_tokens: int, n: int) -> None:
         """Raises EngineOverloadedError past a bound. An empty queue takes any request, so none is
@@ -208,7 +223,11 @@ class AsyncEngine:
                 )
 
     async def abort(self, request_id: str) -> None:
-        self._deliver(self.core.abort_request(request_id))
+        """End the request now; the core frees its pages when it reads the abort."""
+        outputs, child_ids = self.output_processor.abort(request_id)
+        if child_ids and not self.dead:
+            self.client.abort_requests(child_ids)
+        self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -216,59 +235,39 @@ class AsyncEngine:
             if queue is not None:
                 queue.put_nowait(out)
 
-    # ---- the step loop ------------------------------------------------------------------------------
-    async def _run(self) -> None:
+    # ---- the core's outputs ---------------------------------------------------------------------------
+    def _from_core(self, step: EngineCoreOutputs) -> None:
+        """On the core's side (a thread): hand the message to the event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
         try:
-            await self._loop()
-        except asyncio.CancelledError:
+            loop.call_soon_threadsafe(self._on_core_outputs, step)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    def _on_core_outputs(self, step: EngineCoreOutputs) -> None:
+        if self.dead:
+            return
+        if step.dead is not None:
             if not self._stopping:
-                self._die("the engine loop was cancelled")
-            raise
-        except Exception as e:
-            logger.critical("engine loop crashed", exc_info=e)
-            self._die(f"the engine loop crashed ({type(e).__name__})")
-
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wakeup is not None
-        while not self._stopping:
-            if not self.core.has_unfinished():
-                self._wakeup.clear()
-                self.metrics.observe_scheduler(self.core.scheduler.stats())
-                await self._wakeup.wait()
-                continue
-            t0 = time.perf_counter()
-            out = self.core.schedule()
-            if out.is_empty:
-                # Everything waits for pages that only an abort can free; let the loop breathe.
-                await asyncio.sleep(0.001)
-                continue
-            try:
-                result = await loop.run_in_executor(self._executor, self.core.execute, out)
-            except Exception as e:
-                if not self._step_failed(e):
-                    return
-                continue
-            self._num_failures = 0
-            self._deliver(self.core.process(out, result))
+                self._die(step.dead)
+            return
+        if step.stats is not None:
+            self._stats = step.stats
+        if step.step_time_s is not None:
             self._num_steps += 1
-            self.metrics.step_time.observe(time.perf_counter() - t0)
-            # Yield so HTTP handlers run between steps even when the step was instant.
-            await asyncio.sleep(0)
-
-    def _step_failed(self, error: Exception) -> bool:
-        """Fail every in-flight request (the batch's KV state is suspect); False once dead."""
-        self._num_failures += 1
-        logger.error(
-            "engine step failed (%d in a row); failing %d in-flight requests",
-            self._num_failures, len(self._queues), exc_info=error,
-        )
-        if self._num_failures >= MAX_CONSECUTIVE_FAILURES:
-            self._die(f"{self._num_failures} engine steps failed in a row (last: {type(error).__name__})")
-            return False
-        # NOTE: clients see the exception's type only; its text (paths, sizes) stays in the log.
-        self._deliver(self.core.fail_all(f"the engine failed while running this request ({type(error).__name__}); retry it"))
-        return True
+        if step.error is not None:
+            logger.error("engine step failed; failing %d in-flight requests", len(step.failed_request_ids))
+        try:
+            outputs, finished_by_stop = self.output_processor.process(step)
+        except Exception as e:
+            logger.critical("output processing crashed", exc_info=e)
+            self._die(f"the engine loop crashed ({type(e).__name__})")
+            return
+        if finished_by_stop:
+            self.client.abort_requests(finished_by_stop)
+        self._deliver(outputs)
 
     def _die(self, reason: str) -> None:
         """No request can be served any more: every live stream gets an error, now."""
@@ -279,14 +278,14 @@ class AsyncEngine:
         logger.critical("engine stopped: %s", reason)
         message = f"the engine stopped ({reason}); the server must be restarted"
         try:
-            outputs = self.core.fail_all(message)
+            outputs = self.output_processor.fail_all(message)
         except Exception:
             logger.exception("could not fail the in-flight requests cleanly")
             outputs = []
         self._deliver(outputs)
         told = {out.request_id for out in outputs}
         for request_id, queue in self._queues.items():
-            if request_id not in told:  # the core's own state may be what broke
+            if request_id not in told:  # the front's own state may be what broke
                 queue.put_nowait(RequestOutput(request_id, 0, (), "", "abort", 0, 0, error=message))
         if self._on_dead is not None:
             self._on_dead(reason)

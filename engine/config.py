@@ -187,6 +187,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     quantization: str | None = None  # None | "nvfp4" (quantize a bf16 checkpoint at load)
     seed: int = 0
+    engine_process: bool = True  # the engine core in a process of its own; False: a thread of the server's
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -10,7 +10,11 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.input_processor import InputProcessor
+from engine.metrics import EngineMetrics
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.tokenizer import Tokenizer
 from scheduler.request import SamplingParams
 
 
@@ -45,10 +49,15 @@ class OfflineResult:
 
 
 class OfflineEngine:
+    """The input processor, the engine core and the output processor, in the caller's thread."""
+
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self.tokenizer = core.tokenizer
         self.info = core.info
+        self.tokenizer = Tokenizer(core.model_path, core.info.eos_token_ids)
+        self.metrics = EngineMetrics(core.info.model_name)
+        self.input_processor = InputProcessor(core.info.vocab_size, core.info.max_model_len, self.tokenizer.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics, core.info.max_num_seqs)
         self.timings = PhaseTimings()
         self._ids = itertools.count()
 
@@ -57,12 +66,18 @@ class OfflineEngine:
         return cls(EngineCore(config))
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Validates first (raises ParamError)."""
         request_id = request_id if request_id is not None else f"offline-{next(self._ids)}"
-        self.core.add_request(request_id, list(prompt_token_ids), params)
+        children = self.input_processor.process(request_id, prompt_token_ids, params)
+        self.output_processor.add_request(request_id, children)
+        for child in children:
+            self.core.add_request(child)
         return request_id
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        return self.core.abort_request(request_id)
+        outputs, child_ids = self.output_processor.abort(request_id)
+        self.core.abort_requests(child_ids)
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
@@ -73,7 +88,8 @@ class OfflineEngine:
         t1 = time.perf_counter()
         result = self.core.execute(out)
         t2 = time.perf_counter()
-        outputs = self.core.process(out, result)
+        outputs, finished_by_stop = self.output_processor.process(self.core.update(out, result))
+        self.core.abort_requests(finished_by_stop)
         t3 = time.perf_counter()
         tm = self.timings
         tm.schedule += t1 - t0

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.outputs import SampledToken
-from scheduler.request import ParamError, SamplingParams
+from scheduler.request import SamplingParams
 
 if TYPE_CHECKING:
     from engine.structured import GrammarMask
@@ -137,10 +137,9 @@ class Sampler:
     ) -> None:
         assert request_id not in self._states, f"request {request_id!r} is already in the sampler"
         assert all(0 <= t < self.vocab_size for t in eos_token_ids), f"EOS {eos_token_ids} outside vocab"
-        self._check_user_ids("logit_bias", [token_id for token_id, _ in params.logit_bias])
-        self._check_user_ids("stop_token_ids", params.stop_token_ids)
-        if params.uses_penalties:
-            self._check_user_ids("prompt", prompt_token_ids)
+        # User ids were checked by engine/input_processor.py: here they are invariants.
+        assert all(0 <= t < self.vocab_size for t, _ in params.logit_bias), f"{request_id}: logit_bias outside vocab"
+        assert all(0 <= t < self.vocab_size for t in params.stop_token_ids), f"{request_id}: stop ids outside vocab"
         eos = () if params.ignore_eos else tuple(eos_token_ids)
         min_tokens_ids = tuple(dict.fromkeys(params.stop_token_ids + eos))
         slot = self._take_slot(prompt_token_ids) if params.uses_penalties else None
@@ -329,13 +328,6 @@ class Sampler:
         if prompt_token_ids:
             self._prompt_mask[slot, self._tensor(list(prompt_token_ids))] = True
         return slot
-
-    def _check_user_ids(self, param: str, token_ids: Sequence[int]) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ParamError(
-                f"{param} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", param
-            )
 
     def _on_rows(
         self, x: torch.Tensor, rows: list[int], fn: Callable[[torch.Tensor], torch.Tensor]

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,8 +82,9 @@ class StructuredOutputs:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
-        """`tokenizer`: the checkpoint's transformers tokenizer; `vocab_size`: the model's (padded)
-        logits width, which may exceed the tokenizer's."""
+        """`tokenizer`: the checkpoint's transformers tokenizer, or its folder (loaded on the first
+        compile, so an engine that never constrains never loads it); `vocab_size`: the model's
+        (padded) logits width, which may exceed the tokenizer's."""
         assert vocab_size > 0 and cache_size > 0, f"vocab_size {vocab_size}, cache_size {cache_size}"
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
@@ -184,7 +186,12 @@ class StructuredOutputs:
         import xgrammar
 
         if self._compiler is None:
-            info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size)
+            tokenizer = self._tokenizer
+            if isinstance(tokenizer, (str, Path)):
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
             # One thread: the machine's cores belong to the model; xgrammar's own cache is off
             # because this class keeps a bounded one.
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)

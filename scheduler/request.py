@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 
@@ -75,8 +76,8 @@ class SamplingParams:
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", f"must be non-negative, got {self.temperature}")
+        if not math.isfinite(self.temperature) or not (0.0 <= self.temperature <= 2.0):
+            raise bad("temperature", f"must be in [0, 2], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -114,6 +115,7 @@ class SamplingParams:
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # queued, its grammar still compiling (vLLM's WAITING_FOR_FSM)
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, its KV freed; resumes by recompute
@@ -142,9 +144,14 @@ class Request:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
+    # For a constrained request: whether its grammar has compiled. Until then the request waits
+    # in the queue with status WAITING_FOR_GRAMMAR and the scheduler passes over it.
+    grammar_ready: Callable[[], bool] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"
+        if self.grammar_ready is not None and self.status is RequestStatus.WAITING:
+            self.status = RequestStatus.WAITING_FOR_GRAMMAR
 
     @property
     def num_prompt_tokens(self) -> int:

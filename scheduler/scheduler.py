@@ -25,8 +25,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        assert self.max_num_seqs >= 1, "max_num_seqs must be positive"
-        assert self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive"
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class Scheduler:
     def _finish(self, request: Request) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        elif request.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         self.block_manager.free(request)
@@ -117,9 +119,17 @@ class Scheduler:
             scheduled.append(request)
             budget -= n
 
-        # New arrivals and resumed requests, oldest first, when nothing was preempted.
+        # New arrivals and resumed requests, oldest first, when nothing was preempted. A request
+        # whose grammar still compiles keeps its place and is passed over.
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and num_preempted == 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+                assert request.grammar_ready is not None, f"{request.request_id}: waits for no grammar"
+                if not request.grammar_ready():
+                    skipped.append(self.waiting.popleft())
+                    continue
+                request.status = RequestStatus.WAITING
             hit = self.block_manager.find_cached_prefix(request) if not request.block_table else []
             num_cached = len(hit) * self.config.block_size
             n = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
@@ -137,6 +147,7 @@ class Scheduler:
             num_new[request.request_id] = n
             scheduled.append(request)
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
         out = SchedulerOutput(
             requests=tuple(self._describe(r, num_new[r.request_id]) for r in scheduled),

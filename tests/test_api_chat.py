@@ -4,7 +4,6 @@ parser hook (reasoning, tool calls, finish reasons), and the OpenAI SDK assembli
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,8 +21,6 @@ HEADER = ResponseHeader(id="chatcmpl-test", created=1_700_000_000, model="demo")
 PROMPT = [11, 12, 13]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
-needs_parsers = pytest.mark.skipif(importlib.util.find_spec("api.parsers.output_parser") is None,
-                                   reason="api/parsers not written yet")
 
 
 def responder(parsers: ParserSettings = ParserSettings(), **body: Any) -> ChatResponder:
@@ -103,7 +100,6 @@ REASONING_AND_CALL = ["<thi", "nk>\nLet me look", " it up.\n</th", "ink>\n\nSure
                       'weather", "arguments": {"ci', 'ty": "Oslo"}}\n</tool_call>']
 
 
-@needs_parsers
 def test_reasoning_and_tool_calls_stream_through_the_output_parser() -> None:
     parsers = ParserSettings(tool_parser="qwen3", reasoning_parser="qwen3")
     events = stream_events(responder(parsers, stream=True, tools=TOOLS), outputs(REASONING_AND_CALL))
@@ -126,14 +122,12 @@ def test_reasoning_and_tool_calls_stream_through_the_output_parser() -> None:
     assert [orjson.loads(c["function"]["arguments"]) for c in body["message"]["tool_calls"]] == [{"city": "Oslo"}]
 
 
-@needs_parsers
 def test_a_tool_call_cut_by_max_tokens_finishes_with_length() -> None:
     parsers = ParserSettings(tool_parser="qwen3")
     cut = ['<tool_call>\n{"name": "get_weather", "arguments": {"ci']
     assert complete(responder(parsers, tools=TOOLS), outputs(cut, finish="length"))["choices"][0]["finish_reason"] == "length"
 
 
-@needs_parsers
 def test_tool_choice_none_or_no_tools_leaves_tool_text_as_content() -> None:
     parsers = ParserSettings(tool_parser="qwen3")
     text = ['<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>']

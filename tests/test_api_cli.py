@@ -3,7 +3,6 @@ them with defaults, bad values fail fast (before any model loads), and `parse-ou
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import subprocess
@@ -101,7 +100,6 @@ def test_busy_port_fails_before_the_model_loads(capsys: pytest.CaptureFixture[st
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("api.parse_output") is None, reason="api/parse_output.py not written yet")
 def test_parse_output_subcommand_is_wired(tmp_path: Path) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather",
                                                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]

@@ -14,6 +14,7 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.input_processor import InputProcessor
 from engine.offline import OfflineEngine
 from scheduler.request import SamplingParams
 
@@ -55,7 +56,9 @@ async def collect(engine: AsyncEngine, request_id: str, prompt: list[int], param
 
 def run_async(path: Path, body: Any, **cfg: Any) -> Any:
     async def main() -> Any:
-        engine = AsyncEngine.from_config(EngineConfig(model=str(path), **{**CFG, **cfg}))
+        # In-process, so a test can look at the scheduler's pages (tests/test_engine_proc.py runs
+        # the engine process).
+        engine = AsyncEngine.from_config(EngineConfig(model=str(path), engine_process=False, **{**CFG, **cfg}))
         await engine.start()
         try:
             return await body(engine)
@@ -195,8 +198,9 @@ def test_prompt_longer_than_max_model_len_is_rejected_with_both_numbers(qwen3_ck
     from scheduler.request import ParamError
 
     core = EngineCore(EngineConfig(model=str(qwen3_ckpt), **CFG, max_model_len=64))
+    inputs = InputProcessor(core.info.vocab_size, core.info.max_model_len, core.info.eos_token_ids)
     with pytest.raises(ParamError, match=r"64 tokens.*70 tokens"):
-        core.validate(list(range(70)), SamplingParams())
+        inputs.validate(list(range(70)), SamplingParams())
     with pytest.raises(ParamError) as e:
-        core.validate(list(range(60)), SamplingParams(max_tokens=10))
+        inputs.validate(list(range(60)), SamplingParams(max_tokens=10))
     assert e.value.param == "max_tokens" and "60 in the prompt" in e.value.message

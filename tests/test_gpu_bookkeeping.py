@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import bundle
+from fp4serve_tools import bundle
 from engine.attention.flashinfer import FlashInferAttentionBackend, cache_rows, decode_uses_tensor_cores, \
     host_metadata, prefill_backend_for
 from engine.attention.select import choose_backend, flashinfer_import_error, make_backend

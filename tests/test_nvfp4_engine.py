@@ -21,8 +21,8 @@ from engine.core import EngineCore
 from engine.model_runner import ModelRunner
 from engine.models.layers import Linear
 from engine.offline import OfflineEngine
-from engine.quantize import main as quantize_main
-from engine.quantize import quantize_checkpoint
+from fp4serve_tools.quantize import main as quantize_main
+from fp4serve_tools.quantize import quantize_checkpoint
 from kernels.nvfp4 import NVFP4Weight, dequantize_nvfp4, quantize_nvfp4, to_modelopt
 from kernels.nvfp4_matmul import NVFP4Linear
 from scheduler.output import ScheduledRequest, SchedulerOutput

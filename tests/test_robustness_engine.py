@@ -31,8 +31,8 @@ SECRET = "CUDA out of memory. Tried to allocate 2.00 GiB at /opt/secret/path"
 
 
 class FaultyCore:
-    """An EngineCore whose forward (run in the step thread) can be slowed and made to fail, and
-    whose output processing (run on the event loop, outside the step's error handling) can crash."""
+    """An EngineCore whose forward can be slowed and made to fail, and whose update (run by the
+    engine loop outside the forward's error handling) can crash the loop."""
 
     def __init__(self, core: EngineCore, step_delay_s: float = STEP_DELAY_S) -> None:
         self._core = core
@@ -57,10 +57,10 @@ class FaultyCore:
             raise RuntimeError(SECRET)
         return self._core.execute(out)
 
-    def process(self, out: SchedulerOutput, result: StepResult) -> Any:
+    def update(self, out: SchedulerOutput, result: StepResult) -> Any:
         if self.crash_processing:
             raise KeyError("injected crash in the step loop")
-        return self._core.process(out, result)
+        return self._core.update(out, result)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ they need api/ to pass `tool_call_grammar(...)` into SamplingParams and are skip
 
 from __future__ import annotations
 
-import inspect
 import json
 import threading
 from collections.abc import Iterator
@@ -24,7 +23,8 @@ from api.app import ServerConfig
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.demo import DEMO_MODEL_NAME, EOS_TOKEN_ID
+from engine.tokenizer import Tokenizer
+from fp4serve_tools.demo import DEMO_MODEL_NAME, EOS_TOKEN_ID
 from engine.model_runner import StepResult
 from engine.outputs import SampledToken
 from scheduler.output import SchedulerOutput
@@ -72,6 +72,7 @@ class ScriptedCore:
 
     def __init__(self, core: EngineCore) -> None:
         self._core = core
+        self._tokenizer = Tokenizer(core.model_path)
         self._lock = threading.Lock()  # `expect` runs on the test's thread, `execute` on the step thread
         self._queued: list[list[int]] = []
         self._scripts: dict[str, list[int]] = {}
@@ -82,7 +83,7 @@ class ScriptedCore:
 
     def expect(self, text: str) -> int:
         """Queue `text` + <|im_end|> for the next request; returns its number of tokens."""
-        ids = self._core.tokenizer.encode(text, add_special_tokens=False) + [EOS_TOKEN_ID]
+        ids = self._tokenizer.encode(text, add_special_tokens=False) + [EOS_TOKEN_ID]
         with self._lock:
             self._queued.append(ids)
         return len(ids)
@@ -224,19 +225,6 @@ def test_an_answer_without_a_call_finishes_with_stop(fmt: str, scripted: Scripte
 
 
 # ---- tool_choice enforced by a grammar, on the unscripted random model --------------------------------------
-def grammar_wired() -> bool:
-    import api.chat
-    import api.protocol
-    import api.routes
-
-    return any("tool_call_grammar" in inspect.getsource(m) for m in (api.chat, api.protocol, api.routes))
-
-
-needs_wiring = pytest.mark.skipif(
-    not grammar_wired(),
-    reason="api/ does not pass tool_call_grammar(...) into SamplingParams.grammar yet (the lead's wiring); "
-           "tests/test_structured.py covers the engine side",
-)
 # Arguments the random model cannot run on forever: enums, integers and booleans only.
 MODE = {"type": "function", "function": {"name": "set_mode", "parameters": {
     "type": "object",
@@ -259,7 +247,6 @@ def test_the_random_model_alone_makes_no_call(fmt: str, client: openai.OpenAI) -
     assert not random_model_answer(client, max_tokens=40).message.tool_calls
 
 
-@needs_wiring
 def test_tool_choice_required_makes_the_random_model_call_an_offered_tool(fmt: str, client: openai.OpenAI) -> None:
     choice = random_model_answer(client, tool_choice="required")
     assert choice.finish_reason == "tool_calls"
@@ -272,7 +259,6 @@ def test_tool_choice_required_makes_the_random_model_call_an_offered_tool(fmt: s
         assert arguments == {}
 
 
-@needs_wiring
 def test_a_named_function_is_the_one_the_random_model_calls(fmt: str, client: openai.OpenAI) -> None:
     choice = random_model_answer(client, tool_choice={"type": "function", "function": {"name": "set_mode"}})
     assert choice.finish_reason == "tool_calls"

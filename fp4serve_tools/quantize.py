@@ -151,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The `quantize` subcommand: 0 on success, 2 with one error line for a bad source or flag."""
-    from engine.core import VERSION
+    from engine.core_types import VERSION
     from engine.model_runner import resolve_device
 
     try:

@@ -1,0 +1,146 @@
+"""The engine core's busy loop, and the process that runs it (vLLM v1's EngineCoreProc).
+
+The loop applies the front's messages (new requests, aborts, shutdown), steps while anything is
+unfinished and emits one `EngineCoreOutputs` per step. A failed step ends every live request
+with an error and the loop goes on; MAX_CONSECUTIVE_FAILURES in a row, or a crash of the loop
+itself, end it with a `dead` message. The same loop runs on a thread of the server's process
+(in-process mode) or in a process of its own, behind a pipe (engine/core_client.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.config import ConfigError, EngineConfig
+from engine.core_types import AbortRequests, EngineCoreOutputs, EngineCoreRequest, Shutdown
+
+logger = logging.getLogger("fp4serve.engine")
+
+# Failed steps in a row after which the engine is declared dead: one failure may be a transient
+# (an out-of-memory on an odd batch); three in a row mean every batch fails.
+MAX_CONSECUTIVE_FAILURES = 3
+
+Message = EngineCoreRequest | AbortRequests | Shutdown
+
+
+class EngineCoreLoop:
+    """Runs on one thread; `core` is an engine.core.EngineCore (or a test's proxy of one)."""
+
+    def __init__(self, core: Any, emit: Callable[[EngineCoreOutputs], None]) -> None:
+        self.core = core
+        self.emit = emit
+        self.num_failures = 0  # consecutive failed steps
+
+    def run(self, inbox: queue.SimpleQueue[Message]) -> None:
+        try:
+            self._run(inbox)
+        except Exception as e:
+            logger.critical("engine loop crashed", exc_info=e)
+            try:
+                self.core.fail_all()
+            except Exception:
+                logger.exception("could not end the live requests cleanly")
+            self.emit(EngineCoreOutputs(dead=f"the engine loop crashed ({type(e).__name__})"))
+
+    def _run(self, inbox: queue.SimpleQueue[Message]) -> None:
+        while True:
+            idle = not self.core.has_unfinished()
+            if idle:  # gauges read zero once drained
+                self.emit(EngineCoreOutputs(stats=self.core.scheduler.stats()))
+            # Block only when there is nothing to step; else take what has arrived and go on.
+            messages = [inbox.get()] if idle else []
+            while True:
+                try:
+                    messages.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for message in messages:
+                if isinstance(message, Shutdown):
+                    return
+                if isinstance(message, AbortRequests):
+                    self.core.abort_requests(message.request_ids)
+                else:
+                    self.core.add_request(message)
+            if self.core.has_unfinished() and not self.step():
+                return
+
+    def step(self) -> bool:
+        """One step, its outputs emitted; False once the engine is dead."""
+        t0 = time.perf_counter()
+        out = self.core.schedule()
+        if out.is_empty:
+            # Everything waits for a grammar, or for pages only an abort can free.
+            time.sleep(0.001)
+            return True
+        try:
+            result = self.core.execute(out)
+        except Exception as e:
+            return self._step_failed(e)
+        self.num_failures = 0
+        outputs = self.core.update(out, result)
+        self.emit(EngineCoreOutputs(**{**outputs.__dict__, "step_time_s": time.perf_counter() - t0}))
+        return True
+
+    def _step_failed(self, error: Exception) -> bool:
+        """Fail every live request (the batch's KV state is suspect); False once dead."""
+        self.num_failures += 1
+        logger.error("engine step failed (%d in a row)", self.num_failures, exc_info=error)
+        if self.num_failures >= MAX_CONSECUTIVE_FAILURES:
+            self.core.fail_all()
+            self.emit(EngineCoreOutputs(dead=f"{self.num_failures} engine steps failed in a row (last: {type(error).__name__})"))
+            return False
+        failed = self.core.fail_all()
+        # NOTE: clients see the exception's type only; its text (paths, sizes) stays in the log.
+        message = f"the engine failed while running this request ({type(error).__name__}); retry it"
+        self.emit(EngineCoreOutputs(stats=self.core.scheduler.stats(), failed_request_ids=tuple(failed), error=message))
+        return True
+
+
+# ---- the engine process ---------------------------------------------------------------------------
+def run_engine_core_proc(config: EngineConfig, conn: Connection) -> None:
+    """The engine process's main: load, say ready (EngineInfo) or why not, then loop until the
+    front says shutdown or goes away (its end of the pipe closes)."""
+    # NOTE: the front handles SIGINT/SIGTERM and drains; it stops this process through the pipe,
+    # so a signal to the whole process group must not kill the engine under in-flight requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    try:
+        from engine.core import EngineCore
+
+        core = EngineCore(config)
+    except ConfigError as e:
+        conn.send(("failed", "config", str(e)))
+        return
+    except Exception as e:
+        logger.exception("engine start-up failed")
+        conn.send(("failed", type(e).__name__, str(e)))
+        return
+    conn.send(("ready", core.info))
+    inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+
+    def receive() -> None:
+        try:
+            while True:
+                inbox.put(conn.recv())
+        except (EOFError, OSError):  # the front is gone: stop
+            inbox.put(Shutdown())
+
+    threading.Thread(target=receive, name="fp4serve-engine-inbox", daemon=True).start()
+    lock = threading.Lock()
+
+    def emit(outputs: EngineCoreOutputs) -> None:
+        with lock:
+            try:
+                conn.send(outputs)
+            except (BrokenPipeError, OSError):
+                pass
+
+    EngineCoreLoop(core, emit).run(inbox)

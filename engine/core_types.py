@@ -1,0 +1,84 @@
+"""What crosses the engine-core boundary, both ways: token ids and plain values only, so the
+core can live in another process (engine/core_proc.py) and know no text.
+
+front -> core: `EngineCoreRequest` (one sample; the input processor fans n out), aborts, shutdown.
+core -> front: `EngineCoreOutputs` once per step (each request's new tokens and finish reason, the
+scheduler's gauges), or a failure / death notice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.request import SamplingParams
+from scheduler.scheduler import SchedulerStats
+
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    model_path: str
+    is_demo: bool
+    architecture: str
+    dtype: str
+    device: str
+    attention_backend: str
+    max_model_len: int
+    kv_capacity_tokens: int
+    block_size: int
+    num_kv_pages: int
+    version: str = VERSION
+    vocab_size: int = 0  # the model's logits width: every user token id is checked against it
+    eos_token_ids: tuple[int, ...] = ()  # from config.json and generation_config.json
+    max_num_seqs: int = 128
+
+
+@dataclass(frozen=True)
+class EngineCoreRequest:
+    """One sample to generate, already validated (engine/input_processor.py)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams  # n == 1
+    eos_token_ids: tuple[int, ...]
+    arrival_time: float  # time.monotonic() in the front's process
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one step produced for one request: ids and numbers, no text."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+    logprob: float | None = None  # of the sampled token, when the request asked for logprobs
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineCoreOutputs:
+    """One message from the core: a step's outputs, or a failure that ended requests."""
+
+    outputs: tuple[EngineCoreOutput, ...] = ()
+    stats: SchedulerStats | None = None
+    num_batched_requests: int = 0
+    num_batched_tokens: int = 0
+    step_time_s: float | None = None  # None: not a step (an idle report, a failure)
+    failed_request_ids: tuple[str, ...] = ()  # ended by a failed step, with `error`
+    error: str | None = None
+    dead: str | None = None  # the core stopped for this reason: nothing more will come
+
+
+@dataclass(frozen=True)
+class AbortRequests:
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass

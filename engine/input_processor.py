@@ -1,0 +1,75 @@
+"""The one place user input is checked before it reaches the engine: a request's prompt ids and
+sampling parameters against this model (context length, one vocabulary size, its grammar), then
+split into one `EngineCoreRequest` per sample. Below this, the engine only asserts invariants."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from engine.core_types import EngineCoreRequest
+from scheduler.request import ParamError, SamplingParams
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    """The engine's id for the index-th of a request's n samples."""
+    return f"{request_id}#{index}"
+
+
+class InputProcessor:
+    def __init__(self, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
+        """`vocab_size`: the model's logits width, which every user token id must fall in."""
+        assert vocab_size > 0 and max_model_len > 1, f"vocab {vocab_size}, max_model_len {max_model_len}"
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams, param_name: str = "prompt") -> None:
+        """Raise ParamError (naming the parameter) for anything this model cannot run."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ParamError("the prompt is empty", param_name)
+        if n >= self.max_model_len:
+            raise ParamError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} tokens "
+                f"(it must leave room for at least one generated token)",
+                param_name,
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ParamError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion). "
+                f"Reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
+        if params.grammar is not None:
+            from engine.structured import StructuredOutputs  # xgrammar: only for constrained requests
+
+            StructuredOutputs.check(params.grammar)
+        self._check_ids(param_name, prompt_token_ids)
+        self._check_ids("logit_bias", [token_id for token_id, _ in params.logit_bias])
+        self._check_ids("stop_token_ids", params.stop_token_ids)
+
+    def process(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> list[EngineCoreRequest]:
+        """Validate, then one engine request per sample (seed + index for the i-th of n, as vLLM)."""
+        self.validate(prompt_token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        prompt = tuple(prompt_token_ids)
+        return [
+            EngineCoreRequest(
+                request_id=child_request_id(request_id, i),
+                prompt_token_ids=prompt,
+                params=params.for_sample(i) if params.n > 1 else params,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival,
+            )
+            for i in range(params.n)
+        ]
+
+    def _check_ids(self, param: str, token_ids: Sequence[int]) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            what = "token id" if param in ("prompt", "messages") else f"{param} token id"
+            raise ParamError(f"{what} {bad} is out of range for a vocabulary of {self.vocab_size}", param)

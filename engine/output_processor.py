@@ -1,0 +1,222 @@
+"""Token ids back to what a client sees: incremental detokenization, stop strings, logprob text,
+the n > 1 fan-in (each sample's outputs under its parent request), per-request metrics and the
+request log line. Runs in the server's process, on the event loop, beside the input processor."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from engine.detokenizer import Detokenizer
+from engine.metrics import EngineMetrics
+from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
+from engine.tokenizer import Tokenizer
+
+request_logger = logging.getLogger("fp4serve.request")
+
+
+@dataclass
+class _Sample:
+    """One sample's output state (the engine core owns its token state)."""
+
+    parent_id: str
+    index: int
+    num_logprobs: int | None
+    detokenizer: Detokenizer
+    arrival: float
+    num_prompt_tokens: int
+    prompt_token_ids: tuple[int, ...] | None  # sent with the first output only
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class OutputProcessor:
+    """Touched on the event loop only."""
+
+    def __init__(self, tokenizer: Tokenizer, metrics: EngineMetrics, max_num_seqs: int) -> None:
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.max_num_seqs = max_num_seqs
+        self._samples: dict[str, _Sample] = {}  # live samples, in arrival order
+        self._children: dict[str, list[str]] = {}  # parent request id -> its live samples
+
+    # ---- requests --------------------------------------------------------------------------------
+    def add_request(self, request_id: str, children: list[EngineCoreRequest]) -> None:
+        assert request_id not in self._children, f"duplicate request id {request_id}"
+        for index, child in enumerate(children):
+            params = child.params
+            self._samples[child.request_id] = _Sample(
+                parent_id=request_id,
+                index=index,
+                num_logprobs=params.logprobs,
+                detokenizer=Detokenizer(
+                    self.tokenizer.backend, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+                ),
+                arrival=child.arrival_time,
+                num_prompt_tokens=len(child.prompt_token_ids),
+                prompt_token_ids=child.prompt_token_ids,
+            )
+        self._children[request_id] = [c.request_id for c in children]
+        self.metrics.prompt_tokens.inc(sum(len(c.prompt_token_ids) for c in children))
+
+    def abort(self, request_id: str) -> tuple[list[RequestOutput], list[str]]:
+        """End every live sample of the request: their last outputs, and the ids the core must abort."""
+        outputs = []
+        child_ids = list(self._children.get(request_id, ()))
+        for child_id in child_ids:
+            sample = self._samples.get(child_id)
+            if sample is not None:
+                outputs.append(self._finish(child_id, sample, (), "", "abort", None, None))
+        return outputs, child_ids
+
+    def fail(self, child_ids: tuple[str, ...] | list[str], error: str) -> list[RequestOutput]:
+        """The core ended these samples after a failure: each gets a last output carrying `error`."""
+        outputs = []
+        for child_id in child_ids:
+            sample = self._samples.get(child_id)
+            if sample is not None:
+                out = self._finish(child_id, sample, (), "", "abort", None, None)
+                outputs.append(RequestOutput(**{**out.__dict__, "error": error}))
+        return outputs
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        return self.fail(list(self._samples), error)
+
+    # ---- the admission queue's view ------------------------------------------------------------
+    def num_queued_requests(self, arriving: int = 0) -> int:
+        """Samples that will still wait after the next step fills the free batch slots, with
+        `arriving` more: live samples beyond max_num_seqs (waiting + running - slots)."""
+        return max(0, len(self._samples) + arriving - self.max_num_seqs)
+
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens of the samples counted by num_queued_requests: those with no token yet,
+        oldest first, past the batch slots the running ones leave free. O(live samples)."""
+        waiting = [s for s in self._samples.values() if s.num_output_tokens == 0]
+        free = max(0, self.max_num_seqs - (len(self._samples) - len(waiting)))
+        return sum(s.num_prompt_tokens for s in waiting[free:])
+
+    # ---- a step's outputs -------------------------------------------------------------------------
+    def process(self, step: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
+        """The client-facing outputs of one core message, and the samples a stop string ended
+        (the core must abort them)."""
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for core_out in step.outputs:
+            sample = self._samples.get(core_out.request_id)
+            if sample is None:  # aborted, or ended by a stop string, while the step ran
+                continue
+            out = self._token_output(core_out, sample, now)
+            if out.finish_reason is not None and core_out.finish_reason is None:
+                to_abort.append(core_out.request_id)
+            outputs.append(out)
+        if step.failed_request_ids:
+            outputs.extend(self.fail(step.failed_request_ids, step.error or "the engine failed"))
+        self._observe(step)
+        return outputs, to_abort
+
+    def _observe(self, step: EngineCoreOutputs) -> None:
+        m = self.metrics
+        m.generation_tokens.inc(len(step.outputs))
+        if step.num_batched_requests:
+            m.batch_size.observe(step.num_batched_requests)
+            m.batch_tokens.observe(step.num_batched_tokens)
+        if step.step_time_s is not None:
+            m.step_time.observe(step.step_time_s)
+        if step.stats is not None:
+            m.observe_scheduler(step.stats)
+
+    def _token_output(self, core_out: EngineCoreOutput, sample: _Sample, now: float) -> RequestOutput:
+        if sample.first_token_time is None:
+            sample.first_token_time = now
+            self.metrics.ttft.observe(now - sample.arrival)
+        else:
+            self.metrics.itl.observe(now - (sample.last_token_time or now))
+        sample.last_token_time = now
+        sample.num_output_tokens += len(core_out.new_token_ids)
+        sample.num_cached_tokens = core_out.num_cached_tokens
+        reason: str | None = core_out.finish_reason
+        stop_reason: int | str | None = core_out.stop_reason
+        # The core stops with "stop" only on a token (EOS or a stop id), which ends the text
+        # without showing itself; stop strings are found here.
+        feed = [] if reason == "stop" else list(core_out.new_token_ids)
+        text, stop_str = sample.detokenizer.step(feed)
+        if stop_str is not None and reason is None:
+            reason, stop_reason = "stop", stop_str
+        elif reason is not None:
+            text += sample.detokenizer.flush()
+        logprobs = self._logprobs(core_out, sample.num_logprobs)
+        if reason is not None:
+            return self._finish(core_out.request_id, sample, core_out.new_token_ids, text, reason, stop_reason, logprobs)
+        out = RequestOutput(
+            request_id=sample.parent_id,
+            index=sample.index,
+            new_token_ids=core_out.new_token_ids,
+            text_delta=text,
+            finish_reason=None,
+            num_prompt_tokens=sample.num_prompt_tokens,
+            num_output_tokens=sample.num_output_tokens,
+            num_cached_tokens=sample.num_cached_tokens,
+            logprobs=logprobs,
+            prompt_token_ids=sample.prompt_token_ids,
+        )
+        sample.prompt_token_ids = None
+        return out
+
+    def _finish(
+        self,
+        child_id: str,
+        sample: _Sample,
+        token_ids: tuple[int, ...],
+        text: str,
+        reason: str,
+        stop_reason: int | str | None,
+        logprobs: tuple[TokenLogprob, ...] | None,
+    ) -> RequestOutput:
+        now = time.monotonic()
+        e2e = now - sample.arrival
+        self.metrics.e2e.observe(e2e)
+        self.metrics.requests_finished.labels(finished_reason=reason).inc()
+        ttft = (sample.first_token_time - sample.arrival) if sample.first_token_time else None
+        decode_time = now - (sample.first_token_time or now)
+        tps = (sample.num_output_tokens - 1) / decode_time if decode_time > 0 and sample.num_output_tokens > 1 else 0.0
+        request_logger.info(
+            "%s prompt=%d completion=%d cached=%d ttft=%s tok/s=%.1f e2e=%.3fs finish=%s",
+            child_id, sample.num_prompt_tokens, sample.num_output_tokens, sample.num_cached_tokens,
+            f"{ttft:.3f}s" if ttft is not None else "-", tps, e2e, reason,
+        )
+        out = RequestOutput(
+            request_id=sample.parent_id,
+            index=sample.index,
+            new_token_ids=token_ids,
+            text_delta=text,
+            finish_reason=reason,
+            num_prompt_tokens=sample.num_prompt_tokens,
+            num_output_tokens=sample.num_output_tokens,
+            num_cached_tokens=sample.num_cached_tokens,
+            stop_reason=stop_reason,
+            logprobs=logprobs,
+            prompt_token_ids=sample.prompt_token_ids,
+        )
+        del self._samples[child_id]
+        siblings = self._children.get(sample.parent_id)
+        if siblings is not None:
+            siblings.remove(child_id)
+            if not siblings:
+                del self._children[sample.parent_id]
+        return out
+
+    def _logprobs(self, core_out: EngineCoreOutput, num_top: int | None) -> tuple[TokenLogprob, ...] | None:
+        if num_top is None or core_out.logprob is None:
+            return None
+        token_id = core_out.new_token_ids[-1]
+        text, raw = self.tokenizer.token_text(token_id)
+        top = []
+        for tid, lp in zip(core_out.top_ids[:num_top], core_out.top_logprobs[:num_top]):
+            top_text, top_raw = self.tokenizer.token_text(tid)
+            top.append(TopLogprob(tid, top_text, lp, top_raw))
+        return (TokenLogprob(token_id, text, core_out.logprob, raw, tuple(top)),)

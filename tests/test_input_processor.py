@@ -1,0 +1,54 @@
+"""The input processor is the one place user input is checked against the model: token ids
+against one vocabulary size, the context length, the grammar; and it fans n out into samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.input_processor import InputProcessor, child_request_id
+from scheduler.request import ParamError, SamplingParams
+
+VOCAB = 24
+
+
+def processor(max_model_len: int = 32) -> InputProcessor:
+    return InputProcessor(VOCAB, max_model_len, eos_token_ids=(2,))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "param"),
+    [
+        ([1, 2], {"logit_bias": {VOCAB: 1.0}}, "logit_bias"),
+        ([1, 2], {"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ([1, 2], {"stop_token_ids": (-1,)}, "stop_token_ids"),
+        ([1, VOCAB], {}, "prompt"),
+        ([1, 2], {"grammar": "root ::= undefined_rule"}, "grammar"),
+        (list(range(20)) * 2, {}, "prompt"),
+        ([1] * 20, {"max_tokens": 13}, "max_tokens"),
+        ([], {}, "prompt"),
+    ],
+)
+def test_bad_input_is_a_param_error_naming_the_parameter(prompt: list[int], params: dict[str, object], param: str) -> None:
+    with pytest.raises(ParamError) as excinfo:
+        processor().process("r", prompt, SamplingParams(**params))  # type: ignore[arg-type]
+    assert excinfo.value.param == param
+
+
+def test_the_largest_valid_ids_and_a_prompt_that_leaves_one_token_pass() -> None:
+    [req] = processor().process("r", [VOCAB - 1] * 31, SamplingParams(max_tokens=1, logit_bias={VOCAB - 1: 5.0}))
+    assert req.prompt_token_ids == (VOCAB - 1,) * 31 and req.eos_token_ids == (2,)
+
+
+def test_n_samples_become_one_engine_request_each_with_seed_plus_index() -> None:
+    reqs = processor().process("r", [1, 2, 3], SamplingParams(n=3, seed=10, max_tokens=4), arrival_time=5.0)
+    assert [r.request_id for r in reqs] == [child_request_id("r", i) for i in range(3)] == ["r#0", "r#1", "r#2"]
+    assert [(r.params.n, r.params.seed) for r in reqs] == [(1, 10), (1, 11), (1, 12)]
+    assert {r.arrival_time for r in reqs} == {5.0}
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", 9.0), ("temperature", 2.01), ("top_p", 1.5),
+                                              ("presence_penalty", -2.5), ("frequency_penalty", 3.0)])
+def test_openai_ranges_are_enforced(field: str, value: float) -> None:
+    with pytest.raises(ParamError) as excinfo:
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+    assert excinfo.value.param == field
