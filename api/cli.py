@@ -90,6 +90,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="turn off reuse of KV pages across requests sharing a prompt prefix")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="decode without CUDA graphs (graphs are captured at start-up on CUDA otherwise)")
+    engine.add_argument("--in-process-engine", action="store_true",
+                        help="run the engine core (scheduler and model) on a thread of the HTTP process instead of "
+                        "a process of its own: for debugging; the forward then shares the GIL with HTTP")
 
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 or :: for all)")
@@ -184,6 +187,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        engine_process=not args.in_process_engine,
         attention_backend=args.attention_backend,
         device=args.device,
         quantization=args.quantization,

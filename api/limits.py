@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from api.errors import APIError, bad_request
+from engine.config import ConfigError
 
 HARD_MAX_LOGPROBS = 20  # what the sampler computes (and OpenAI's own cap)
 
@@ -21,10 +22,13 @@ class RequestLimits:
     max_tools: int = 128
 
     def __post_init__(self) -> None:
-        assert self.max_n >= 1, f"max_n must be positive, got {self.max_n}"
-        assert self.max_output_tokens is None or self.max_output_tokens >= 1, "max_output_tokens must be positive"
-        assert 0 <= self.max_logprobs <= HARD_MAX_LOGPROBS, f"max_logprobs must be in [0, {HARD_MAX_LOGPROBS}]"
-        assert self.max_stop >= 0 and self.max_stop_length >= 1 and self.max_tools >= 0, "limits must be positive"
+        for flag, value, low in (("--max-n", self.max_n, 1), ("--max-output-tokens", self.max_output_tokens, 1),
+                                 ("--max-stop", self.max_stop, 0), ("--max-stop-length", self.max_stop_length, 1),
+                                 ("--max-tools", self.max_tools, 0)):
+            if value is not None and value < low:
+                raise ConfigError(f"{flag}: must be at least {low}, got {value}")
+        if not 0 <= self.max_logprobs <= HARD_MAX_LOGPROBS:
+            raise ConfigError(f"--max-logprobs: must be in 0..{HARD_MAX_LOGPROBS}, got {self.max_logprobs}")
 
 
 def too_many(param: str, count: int, limit: int, flag: str) -> APIError:

@@ -37,7 +37,7 @@ from api.sse import SSEResponse
 from api.tool_grammar import tool_call_grammar
 
 if TYPE_CHECKING:
-    from api.app import ServerState
+    from api.state import ServerState
     from engine.async_engine import AsyncEngine
 
 # NOTE: an oversized body is still read (and dropped) up to this much more: answering while the

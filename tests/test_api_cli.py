@@ -38,14 +38,14 @@ def test_every_flag_maps_onto_its_field(monkeypatch: pytest.MonkeyPatch) -> None
         "--model", "/models/qwen", "--served-model-name", "qwen", "--dtype", "float32", "--max-model-len", "2048",
         "--max-num-seqs", "32", "--max-num-batched-tokens", "1024", "--kv-cache-memory", "2GiB", "--block-size", "32",
         "--no-prefix-caching", "--attention-backend", "torch", "--device", "cpu", "--quantization", "nvfp4",
-        "--seed", "5", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k", "--cors-origins", "https://a.b, *",
+        "--seed", "5", "--in-process-engine", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k", "--cors-origins", "https://a.b, *",
         "--tool-parser", "qwen3_coder", "--reasoning-parser", "qwen3", "--max-request-bytes", "1024",
     )
     assert config == ServerConfig(
         engine=EngineConfig(
             model="/models/qwen", served_model_name="qwen", dtype="float32", max_model_len=2048, max_num_seqs=32,
             max_num_batched_tokens=1024, kv_cache_memory="2GiB", block_size=32, enable_prefix_caching=False,
-            attention_backend="torch", device="cpu", quantization="nvfp4", seed=5,
+            attention_backend="torch", device="cpu", quantization="nvfp4", seed=5, engine_process=False,
         ),
         host="0.0.0.0", port=9000, api_key="k", cors_origins=("https://a.b", "*"), tool_parser="qwen3_coder",
         reasoning_parser="qwen3", max_request_bytes=1024,

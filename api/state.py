@@ -1,0 +1,198 @@
+"""The server's configuration (`ServerConfig`) and its lifecycle (`ServerState`: loading → ready →
+stopping, or failed — a failed load, or an engine that died): the one mutable object of the app,
+which the routes read. Its own module, so api/app.py (the Starlette app) and api/routes.py (the
+handlers) both import it and not each other."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from api.admission import Admission
+from api.chat import ParserSettings
+from api.errors import APIError
+from api.inflight import InFlight
+from api.limits import RequestLimits
+from api.metrics import ServerMetrics
+from engine.async_engine import QueueLimits
+from engine.config import ConfigError, EngineConfig
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+logger = logging.getLogger("fp4serve")
+
+T = TypeVar("T")
+Phase = Literal["loading", "ready", "failed", "stopping"]
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the operator chose for the HTTP side; `engine` is handed to the engine as is."""
+
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = field(default=None, repr=False)  # NOTE: never in a repr, so never in a log
+    cors_origins: tuple[str, ...] = ()
+    tool_parser: str | None = None  # a name from api/parsers, or "auto" (from the chat template)
+    reasoning_parser: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    limits: RequestLimits = RequestLimits()
+    queue: QueueLimits = QueueLimits(max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS)
+    request_timeout_s: float | None = None  # from arrival to the last byte; None: no limit
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # how long a drain waits for in-flight requests
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes <= 0:
+            raise ConfigError(f"--max-request-bytes: must be positive, got {self.max_request_bytes}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ConfigError(f"--request-timeout: must be positive, got {self.request_timeout_s}")
+        if self.shutdown_timeout_s < 0:
+            raise ConfigError(f"--shutdown-timeout: must not be negative, got {self.shutdown_timeout_s}")
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def load_engine(config: EngineConfig) -> AsyncEngine:
+    from engine.async_engine import AsyncEngine  # torch and the model: only once we serve
+
+    return AsyncEngine.from_config(config)
+
+
+class ServerState:
+    """The one mutable object of the app, on `app.state.server`; touched on the loop only."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        loader: Callable[[EngineConfig], AsyncEngine] = load_engine,
+        on_fatal: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.phase: Phase = "loading"
+        self.engine: AsyncEngine | None = None
+        self.load_error: str | None = None  # why the phase is "failed"
+        self.parsers = ParserSettings()
+        self.metrics = ServerMetrics()
+        self.admission = Admission(config.queue, self.metrics)
+        self.in_flight = InFlight(config.request_timeout_s, self.metrics)
+        self.started_at = int(time.time())
+        self._loader = loader
+        self._on_fatal = on_fatal
+        # Chat templates and tokenization run here, off the event loop; one worker keeps a
+        # burst of huge prompts from crowding out the engine's own step thread.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4serve-prompt")
+
+    def ready_engine(self) -> AsyncEngine:
+        """The engine, or a 503 the OpenAI SDK retries (it honours Retry-After)."""
+        if self.phase != "ready" or self.engine is None:
+            raise APIError(503, self.unavailable_reason(), code=f"server_{self.phase}", headers={"Retry-After": "2"})
+        if getattr(self.engine, "dead", False):
+            raise APIError(503, "the engine stopped after a failure; see the server log", code="engine_dead")
+        return self.engine
+
+    def unavailable_reason(self) -> str:
+        if self.phase == "failed" and self.engine is not None:
+            return f"the engine stopped ({self.load_error}); the server is exiting so that it can be restarted"
+        return {
+            "loading": "the model is still loading",
+            "failed": f"the model failed to load: {self.load_error}",
+            "stopping": "the server is shutting down",
+        }.get(self.phase, "the server is not ready")
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, partial(fn, *args))
+
+    async def load(self) -> None:
+        logger.info("loading %s; /health answers 503 until it is ready", self.config.engine.model or "the demo model")
+        try:
+            engine = await asyncio.to_thread(self._loader, self.config.engine)
+            self.parsers = _resolve_parsers(self.config, engine.tokenizer.chat_template)
+            await engine.start(self.config.queue, on_dead=self._engine_died)
+        except Exception as e:
+            self._fail(e)
+            return
+        self.engine = engine
+        if self.phase == "loading":  # not if shutdown began meanwhile
+            self.phase = "ready"
+        _log_ready(engine, self.config, self.parsers)
+
+    def _fail(self, error: Exception) -> None:
+        if isinstance(error, ConfigError):  # a bad checkpoint or flag: its one line says it all
+            logger.error("start-up failed: %s", error)
+            self.load_error = str(error)
+        else:
+            logger.error("start-up failed", exc_info=error)
+            self.load_error = f"{type(error).__name__}: {error}"
+        self.phase = "failed"
+        if self._on_fatal is not None:
+            self._on_fatal()
+
+    def _engine_died(self, reason: str) -> None:
+        """The engine cannot serve any more: /health turns 503 and the process exits non-zero,
+        so a supervisor restarts it (every in-flight request has had its error already)."""
+        logger.critical("the engine stopped (%s): exiting so that a supervisor can restart the server", reason)
+        self.load_error = reason
+        self.phase = "failed"
+        if self._on_fatal is not None:
+            self._on_fatal()
+
+    def begin_shutdown(self) -> None:
+        if self.phase in ("loading", "ready"):
+            self.phase = "stopping"
+
+    async def close(self) -> None:
+        self.begin_shutdown()
+        if self.engine is not None:
+            await self.engine.shutdown()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _resolve_parsers(config: ServerConfig, chat_template: str | None) -> ParserSettings:
+    """Parser names with `auto` chosen from the chat template; UnknownParserError for a bad one."""
+    if config.tool_parser is None and config.reasoning_parser is None:
+        return ParserSettings()
+    from api.parsers import UnknownParserError, resolve_reasoning_parser, resolve_tool_parser
+
+    try:
+        return ParserSettings(
+            tool_parser=resolve_tool_parser(config.tool_parser, chat_template),
+            reasoning_parser=resolve_reasoning_parser(config.reasoning_parser, chat_template),
+        )
+    except UnknownParserError as e:
+        raise ConfigError(f"--{e.kind}-parser: {e}") from None
+
+
+def _log_ready(engine: AsyncEngine, config: ServerConfig, parsers: ParserSettings) -> None:
+    info = engine.info
+    logger.info(
+        "fp4serve %s ready: model %s (%s%s), dtype %s, device %s, attention %s, max_model_len %d, "
+        "KV cache %d tokens (%d pages of %d), tool parser %s, reasoning parser %s; serving at %s/v1",
+        info.version,
+        info.model_name,
+        info.model_path,
+        ", demo weights" if info.is_demo else "",
+        info.dtype,
+        info.device,
+        info.attention_backend,
+        info.max_model_len,
+        info.kv_capacity_tokens,
+        info.num_kv_pages,
+        info.block_size,
+        parsers.tool_parser,
+        parsers.reasoning_parser,
+        config.url,
+    )
