@@ -1,9 +1,10 @@
-# Two commands: `make serve` and `make test`. Both create .venv on first use.
+# `make serve`, `make test` (everything, as CI runs it) and `make test-fast` (an inner loop without
+# the tests marked slow: real servers in subprocesses). Each creates .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp4serve-installed
 
-.PHONY: serve test install clean
+.PHONY: serve test test-fast install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -19,6 +20,9 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

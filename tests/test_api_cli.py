@@ -100,6 +100,7 @@ def test_busy_port_fails_before_the_model_loads(capsys: pytest.CaptureFixture[st
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_parse_output_subcommand_is_wired(tmp_path: Path) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather",
                                                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]

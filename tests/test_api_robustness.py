@@ -17,6 +17,8 @@ import pytest
 
 from tests.server_utils import RunningServer, running_server
 
+pytestmark = pytest.mark.slow  # real servers in subprocesses: `make test-fast` skips them
+
 MODEL = "fp4serve-demo-qwen3"
 KEY = "sk-test-7f3a"
 MAX_MODEL_LEN = 128

@@ -12,6 +12,8 @@ import pytest
 
 from tests.server_utils import RunningServer, start_server
 
+pytestmark = pytest.mark.slow  # real servers in subprocesses: `make test-fast` skips them
+
 MODEL = "fp4serve-demo-qwen3"
 MAX_MODEL_LEN = 128
 HELLO = [{"role": "user", "content": "Say hello."}]

@@ -30,6 +30,7 @@ def test_quantize_writes_a_checkpoint_that_serves_like_quantize_at_load(qwen3_ck
     assert written.generate(prompt, greedy)[0].token_ids == at_load.generate(prompt, greedy)[0].token_ids
 
 
+@pytest.mark.slow
 def test_help_lists_every_subcommand_without_importing_torch() -> None:
     code = "import sys; from api.cli import build_parser; build_parser().format_help(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

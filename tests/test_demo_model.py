@@ -363,6 +363,7 @@ def test_incomplete_demo_folder_is_recreated(built: DemoBuild, tmp_path: Path, m
     assert [p.name for p in tmp_path.iterdir()] == [DEMO_DIRNAME]  # stale copy and staging removed
 
 
+@pytest.mark.slow
 def test_weights_are_identical_whatever_the_cpu_capability() -> None:
     arch = DemoArchitecture(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
     here = hashlib.sha256(b"".join(t.view(torch.int16).numpy().tobytes() for t in demo_weights(arch).values()))

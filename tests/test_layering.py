@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("api", "engine", "scheduler", "kernels", "bench")
+PACKAGES = ("api", "engine", "scheduler", "kernels", "bench", "fp4serve_tools")
 SERVER = {"api", "engine", "scheduler", "kernels"}
 GPU_STACK = {"torch", "triton", "flashinfer"}
 
@@ -167,7 +167,35 @@ def test_bench_is_an_http_client_except_its_offline_and_kernel_benchmarks() -> N
     assert violations("bench", rule) == []
 
 
-@pytest.mark.parametrize("package", ["engine", "scheduler", "kernels", "bench"])
+# The engine core's side of the process boundary: token ids only.
+CORE_SIDE = ("core.py", "core_proc.py", "core_types.py", "model_runner.py", "sampler.py", "batch.py")
+TEXT = {"engine.tokenizer", "engine.detokenizer", "engine.output_processor", "engine.input_processor", "tokenizers"}
+
+
+def test_the_engine_core_imports_no_tokenizer_detokenizer_or_demo() -> None:
+    def rule(path: Path, imp: Import) -> str | None:
+        if path.name not in CORE_SIDE or path.parent.name != "engine":
+            return None
+        if imp.module in TEXT or imp.top == "fp4serve_tools":
+            return "the engine core speaks token ids; text and the demo live in the front"
+        return None
+
+    assert violations("engine", rule) == []
+
+
+def test_serving_code_reaches_the_tooling_only_for_the_demo_model() -> None:
+    def rule(path: Path, imp: Import) -> str | None:
+        if imp.top != "fp4serve_tools":
+            return None
+        if path.relative_to(ROOT).as_posix() == "engine/model_path.py" and imp.lazy:
+            return None
+        return "fp4serve_tools/ is offline tooling; the server finds the demo through engine/model_path.py"
+
+    assert violations("engine", rule) == [] and violations("scheduler", rule) == []
+    assert violations("kernels", rule) == []
+
+
+@pytest.mark.parametrize("package", ["engine", "scheduler", "kernels", "bench", "fp4serve_tools"])
 def test_nothing_outside_api_imports_api(package: str) -> None:
     def rule(path: Path, imp: Import) -> str | None:
         return "nothing imports api/" if imp.top == "api" else None

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 from tests.server_utils import DONE, RunningServer, metric, running_server, sse_event
 
+pytestmark = pytest.mark.slow  # real servers in subprocesses: `make test-fast` skips them
+
 MODEL = "fp4serve-demo-qwen3"
 FINISH_REASONS = {"stop", "length", "tool_calls"}
 FUZZ = settings(max_examples=70, derandomize=True, deadline=None, database=None,

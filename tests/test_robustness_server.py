@@ -15,6 +15,8 @@ import pytest
 
 from tests.server_utils import DONE, RunningServer, metric, read_stream, running_server
 
+pytestmark = pytest.mark.slow  # real servers in subprocesses: `make test-fast` skips them
+
 KEY = "sk-robust-5b1e9c0d7a"
 MAX_NUM_SEQS = 4
 MAX_QUEUED = 4

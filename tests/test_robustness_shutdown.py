@@ -10,8 +10,11 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.server_utils import DONE, sse_event, start_server
+
+pytestmark = pytest.mark.slow  # real servers in subprocesses: `make test-fast` skips them
 
 MAX_TOKENS = 24
 
