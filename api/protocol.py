@@ -1,8 +1,9 @@
-"""OpenAI request parsing: JSON bodies of /v1/chat/completions and /v1/completions become
-frozen `ChatRequest` / `CompletionRequest` with validated `SamplingParams`, within the server's
-`RequestLimits`; those of /tokenize and /detokenize (vLLM's shapes) become `TokenizeRequest` /
-`DetokenizeRequest`. Every user mistake is an `APIError` (400) naming the parameter; unknown
-fields are ignored."""
+"""OpenAI requests: the typed models of api/models.py (field types and ranges) become frozen
+`ChatRequest` / `CompletionRequest` with `SamplingParams`, within the server's `RequestLimits`;
+/tokenize and /detokenize bodies (vLLM's shapes) become `TokenizeRequest` / `DetokenizeRequest`.
+Every user mistake is an `APIError` (400) naming the parameter; unknown fields are ignored. Token
+ids against the model's vocabulary and the context length are the engine's input processor's to
+check (engine/input_processor.py), the one place that knows the model."""
 
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ from typing import Any
 from api.errors import bad_request
 from api.limits import RequestLimits, check_max_tokens, check_stop, too_many
 from api.messages import parse_messages, parse_tool_choice, parse_tools
+from api.models import (
+    ChatCompletionRequest,
+    CompletionRequestModel,
+    DetokenizeRequestModel,
+    SamplingRequest,
+    StreamOptionsModel,
+    TokenizeRequestModel,
+    validate,
+)
 from api.response_format import ResponseFormat, parse_response_format, refuse_with_tool_choice
 from scheduler.request import ParamError, SamplingParams
 
 DEFAULT_LIMITS = RequestLimits()
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-_INT64 = (-(1 << 63), (1 << 63) - 1)
 # Arguments the server itself passes to the template (or that would swap the template out).
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "add_generation_prompt", "tokenize", "chat_template"})
 
@@ -81,101 +90,103 @@ class DetokenizeRequest:
     token_ids: list[int]
 
 
-def parse_chat_request(body: dict[str, Any], vocab_size: int, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
-    tools = _tools(body, limits)
-    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
-    response_format = parse_response_format(body.get("response_format"))
+def parse_chat_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
+    m: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+    tools = _tools(m.tools, limits)
+    tool_choice = parse_tool_choice(m.tool_choice, tools)
+    response_format = parse_response_format(m.response_format)
     refuse_with_tool_choice(response_format, tool_choice)
-    logprobs = _optional(body, "logprobs", bool) or False
-    top_logprobs = _capped(body, "top_logprobs", 0, limits.max_logprobs, "--max-logprobs")
-    if top_logprobs is not None and not logprobs:
+    top_logprobs = _capped(m.top_logprobs, "top_logprobs", 0, limits.max_logprobs, "--max-logprobs")
+    if top_logprobs is not None and not m.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    wanted = (top_logprobs or 0) if logprobs else None
-    max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _max_tokens(body, "max_completion_tokens") or _max_tokens(body, "max_tokens")
+    wanted = (top_logprobs or 0) if m.logprobs else None
+    max_tokens_param = "max_completion_tokens" if m.max_completion_tokens is not None else "max_tokens"
+    max_tokens = m.max_completion_tokens or m.max_tokens
     check_max_tokens(max_tokens, limits, max_tokens_param)
     return ChatRequest(
-        model=_optional(body, "model", str),
-        messages=parse_messages(body.get("messages")),
+        model=m.model,
+        messages=parse_messages(m.messages),
         tools=tools,
         tool_choice=tool_choice,
-        parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
-        template_kwargs=_template_kwargs(body),
-        add_generation_prompt=_bool(body, "add_generation_prompt", True),
-        params=_sampling_params(body, vocab_size, max_tokens, wanted, limits),
+        parallel_tool_calls=_default(m.parallel_tool_calls, True),
+        template_kwargs=_template_kwargs(m.chat_template_kwargs, m.enable_thinking),
+        add_generation_prompt=_default(m.add_generation_prompt, True),
+        params=_sampling_params(m, max_tokens, wanted, limits),
         max_tokens=max_tokens,
         top_logprobs=wanted,
-        stream=_stream_options(body),
-        return_token_ids=_bool(body, "return_token_ids", False),
+        stream=_stream_options(m.stream, m.stream_options),
+        return_token_ids=_default(m.return_token_ids, False),
         response_format=response_format,
     )
 
 
-def parse_completion_request(
-    body: dict[str, Any], vocab_size: int, limits: RequestLimits = DEFAULT_LIMITS
-) -> CompletionRequest:
+def parse_completion_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> CompletionRequest:
+    m: CompletionRequestModel = validate(CompletionRequestModel, body)
     for unsupported in ("echo", "suffix"):
-        if body.get(unsupported):
+        if getattr(m, unsupported):
             raise bad_request(f"{unsupported} is not supported by this server", unsupported)
-    response_format = parse_response_format(body.get("response_format"))
-    logprobs = _capped(body, "logprobs", 0, limits.max_logprobs, "--max-logprobs")
-    max_tokens = _max_tokens(body, "max_tokens")
-    check_max_tokens(max_tokens, limits, "max_tokens")
+    response_format = parse_response_format(m.response_format)
+    logprobs = _capped(m.logprobs, "logprobs", 0, limits.max_logprobs, "--max-logprobs")
+    check_max_tokens(m.max_tokens, limits, "max_tokens")
     return CompletionRequest(
-        model=_optional(body, "model", str),
-        prompts=parse_prompts(body.get("prompt"), vocab_size),
-        params=_sampling_params(body, vocab_size, max_tokens, logprobs, limits),
-        max_tokens=max_tokens,
+        model=m.model,
+        prompts=parse_prompts(m.prompt),
+        params=_sampling_params(m, m.max_tokens, logprobs, limits),
+        max_tokens=m.max_tokens,
         logprobs=logprobs,
-        stream=_stream_options(body),
-        return_token_ids=_bool(body, "return_token_ids", False),
+        stream=_stream_options(m.stream, m.stream_options),
+        return_token_ids=_default(m.return_token_ids, False),
         response_format=response_format,
     )
 
 
 def parse_tokenize_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> TokenizeRequest:
-    prompt, messages = body.get("prompt"), body.get("messages")
-    if prompt is None and messages is None:
+    if body.get("prompt") is None and body.get("messages") is None:
         raise bad_request("send a prompt (a string) or messages (a chat) to tokenize", "messages")
-    if prompt is not None and messages is not None:
+    if body.get("prompt") is not None and body.get("messages") is not None:
         raise bad_request("send a prompt or messages, not both", "prompt")
-    if prompt is not None and not isinstance(prompt, str):
-        raise bad_request(f"prompt must be a string, got {_json_type(prompt)}", "prompt")
+    m: TokenizeRequestModel = validate(TokenizeRequestModel, body)
+    chat = m.messages is not None
     return TokenizeRequest(
-        model=_optional(body, "model", str),
-        prompt=prompt,
-        messages=None if messages is None else parse_messages(messages),
-        tools=None if messages is None else _tools(body, limits),
-        add_generation_prompt=_bool(body, "add_generation_prompt", True),
-        template_kwargs=_template_kwargs(body),
+        model=m.model,
+        prompt=m.prompt,
+        messages=parse_messages(m.messages) if chat else None,
+        tools=_tools(m.tools, limits) if chat else None,
+        add_generation_prompt=_default(m.add_generation_prompt, True),
+        template_kwargs=_template_kwargs(m.chat_template_kwargs, m.enable_thinking),
         # vLLM's defaults: a prompt gets the tokenizer's special tokens, a rendered chat does not.
-        add_special_tokens=_bool(body, "add_special_tokens", messages is None),
-        return_token_strs=_bool(body, "return_token_strs", False),
+        add_special_tokens=_default(m.add_special_tokens, not chat),
+        return_token_strs=_default(m.return_token_strs, False),
     )
 
 
 def parse_detokenize_request(body: dict[str, Any], vocab_size: int) -> DetokenizeRequest:
-    return DetokenizeRequest(
-        model=_optional(body, "model", str),
-        token_ids=_token_ids(body.get("tokens"), vocab_size, "tokens", allow_empty=True),
-    )
+    """NOTE: /detokenize never reaches the engine, so its ids are checked against the vocabulary here."""
+    m: DetokenizeRequestModel = validate(DetokenizeRequestModel, body)
+    if m.tokens is None:
+        raise bad_request("tokens must be a list of token ids", "tokens")
+    bad = next((x for x in m.tokens if not 0 <= x < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"tokens has token id {bad}, outside the vocabulary [0, {vocab_size})", "tokens")
+    return DetokenizeRequest(model=m.model, token_ids=list(m.tokens))
 
 
-def parse_prompts(raw: Any, vocab_size: int) -> list[str | list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of those."""
+def parse_prompts(raw: Any) -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of those (ids are checked
+    against the vocabulary by the engine's input processor)."""
     if isinstance(raw, str):
         return [_nonempty_text(raw, "prompt")]
     if not isinstance(raw, list) or not raw:
         raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of those", "prompt")
     if all(_is_int(x) for x in raw):
-        return [_token_ids(raw, vocab_size, "prompt")]
+        return [list(raw)]
     prompts: list[str | list[int]] = []
     for i, item in enumerate(raw):
         param = f"prompt[{i}]"
         if isinstance(item, str):
             prompts.append(_nonempty_text(item, param))
         elif isinstance(item, list) and item and all(_is_int(x) for x in item):
-            prompts.append(_token_ids(item, vocab_size, param))
+            prompts.append(list(item))
         else:
             raise bad_request(f"{param} must be a non-empty string or a non-empty list of token ids", param)
     return prompts
@@ -212,108 +223,71 @@ def resolve_max_tokens(
 
 
 def _sampling_params(
-    body: dict[str, Any], vocab_size: int, max_tokens: int | None, logprobs: int | None, limits: RequestLimits
+    m: SamplingRequest, max_tokens: int | None, logprobs: int | None, limits: RequestLimits
 ) -> SamplingParams:
-    min_tokens = _int_in(body, "min_tokens", 0, None) or 0
+    min_tokens = m.min_tokens or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
-    seed = _int_in(body, "seed", *_INT64)
-    stop = _stop(body.get("stop"))
-    stop_token_ids = _token_ids(body.get("stop_token_ids") or [], vocab_size, "stop_token_ids", allow_empty=True)
-    check_stop(stop, stop_token_ids, limits)
+    stop = (m.stop,) if isinstance(m.stop, str) else tuple(m.stop or ())
+    stop_token_ids = tuple(m.stop_token_ids or ())
+    check_stop(stop, list(stop_token_ids), limits)
     try:
         return SamplingParams(
-            n=_capped(body, "n", 1, limits.max_n, "--max-n") or 1,
+            n=_capped(m.n, "n", 1, limits.max_n, "--max-n") or 1,
             max_tokens=max_tokens,
             min_tokens=min_tokens,
-            temperature=_number(body, "temperature", 1.0),
-            top_p=_number(body, "top_p", 1.0),
-            top_k=_int_in(body, "top_k", -1, None) or 0,
-            min_p=_number(body, "min_p", 0.0),
-            presence_penalty=_number(body, "presence_penalty", 0.0),
-            frequency_penalty=_number(body, "frequency_penalty", 0.0),
-            repetition_penalty=_number(body, "repetition_penalty", 1.0),
-            logit_bias=_logit_bias(body.get("logit_bias"), vocab_size),
-            seed=seed,
+            temperature=_default(m.temperature, 1.0),
+            top_p=_default(m.top_p, 1.0),
+            top_k=m.top_k or 0,
+            min_p=_default(m.min_p, 0.0),
+            presence_penalty=_default(m.presence_penalty, 0.0),
+            frequency_penalty=_default(m.frequency_penalty, 0.0),
+            repetition_penalty=_default(m.repetition_penalty, 1.0),
+            logit_bias=tuple(sorted((m.logit_bias or {}).items())),
+            seed=m.seed,
             stop=stop,
-            stop_token_ids=tuple(stop_token_ids),
-            ignore_eos=_bool(body, "ignore_eos", False),
+            stop_token_ids=stop_token_ids,
+            ignore_eos=_default(m.ignore_eos, False),
             logprobs=logprobs,
-            skip_special_tokens=_bool(body, "skip_special_tokens", True),
-            include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+            skip_special_tokens=_default(m.skip_special_tokens, True),
+            include_stop_str_in_output=_default(m.include_stop_str_in_output, False),
         )
     except ParamError as e:
         raise bad_request(e.message, e.param) from None
 
 
-def _tools(body: dict[str, Any], limits: RequestLimits) -> list[dict[str, Any]] | None:
-    tools = parse_tools(body.get("tools"))
+def _tools(raw: Any, limits: RequestLimits) -> list[dict[str, Any]] | None:
+    tools = parse_tools(raw)
     if tools and len(tools) > limits.max_tools:
         raise too_many("tools", len(tools), limits.max_tools, "--max-tools")
     return tools
 
 
-def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+def _template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None) -> dict[str, Any]:
     """chat_template_kwargs, plus a top-level enable_thinking (which they override)."""
-    template_kwargs = _optional(body, "chat_template_kwargs", dict) or {}
+    template_kwargs = dict(kwargs or {})
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-    enable_thinking = _optional(body, "enable_thinking", bool)
     if enable_thinking is not None:
         template_kwargs = {"enable_thinking": enable_thinking, **template_kwargs}
     return template_kwargs
 
 
-def _stream_options(body: dict[str, Any]) -> StreamOptions:
-    stream = _bool(body, "stream", False)
-    options = _optional(body, "stream_options", dict) or {}
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise bad_request("stream_options.include_usage must be a boolean", "stream_options.include_usage")
-    return StreamOptions(stream=stream, include_usage=stream and bool(include_usage))
+def _stream_options(stream: bool | None, options: StreamOptionsModel | None) -> StreamOptions:
+    streaming = bool(stream)
+    return StreamOptions(stream=streaming, include_usage=streaming and bool(options and options.include_usage))
 
 
-def _max_tokens(body: dict[str, Any], name: str) -> int | None:
-    return _int_in(body, name, 1, None)
+def _capped(value: int | None, name: str, low: int, cap: int, flag: str) -> int | None:
+    """A value already checked to be at least `low`, at most the server's `cap` (set by `flag`)."""
+    if value is not None and value > cap:
+        raise bad_request(f"{name} must be between {low} and {cap} on this server ({flag}), got {value}", name)
+    return value
 
 
-def _stop(raw: Any) -> tuple[str, ...]:
-    if raw is None:
-        return ()
-    if isinstance(raw, str):
-        return (raw,)
-    if isinstance(raw, list) and all(isinstance(s, str) for s in raw):
-        return tuple(raw)
-    raise bad_request("stop must be a string or a list of strings", "stop")
-
-
-def _logit_bias(raw: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, dict):
-        raise bad_request("logit_bias must be an object mapping token ids to numbers", "logit_bias")
-    out: dict[int, float] = {}
-    for key, value in raw.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
-        if not 0 <= token_id < vocab_size:
-            raise bad_request(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})", "logit_bias")
-        if not _is_number(value):
-            raise bad_request(f"logit_bias value for {key!r} must be a number", "logit_bias")
-        out[token_id] = float(value)
-    return tuple(sorted(out.items()))
-
-
-def _token_ids(raw: Any, vocab_size: int, param: str, allow_empty: bool = False) -> list[int]:
-    if not isinstance(raw, list) or not all(_is_int(x) for x in raw) or (not raw and not allow_empty):
-        raise bad_request(f"{param} must be a {'' if allow_empty else 'non-empty '}list of token ids", param)
-    bad = next((x for x in raw if not 0 <= x < vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"{param} has token id {bad}, outside the vocabulary [0, {vocab_size})", param)
-    return list(raw)
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def _nonempty_text(text: str, param: str) -> str:
@@ -322,69 +296,5 @@ def _nonempty_text(text: str, param: str) -> str:
     return text
 
 
-# Typed field readers: JSON null counts as absent (clients send it for "not given").
-
-
-def _optional(body: dict[str, Any], name: str, kind: type) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise bad_request(f"{name} must be {_KIND_NAMES[kind]}, got {_json_type(value)}", name)
-    return value
-
-
-def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = _optional(body, name, bool)
-    return default if value is None else value
-
-
-def _number(body: dict[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_number(value):
-        raise bad_request(f"{name} must be a number, got {_json_type(value)}", name)
-    return float(value)
-
-
-def _int_in(body: dict[str, Any], name: str, low: int | None, high: int | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # some clients serialise every number as a float
-    if not _is_int(value):
-        raise bad_request(f"{name} must be an integer, got {_json_type(value)}", name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
-        raise bad_request(f"{name} must be {bounds}, got {value}", name)
-    return value
-
-
-def _capped(body: dict[str, Any], name: str, low: int, cap: int, flag: str) -> int | None:
-    """An integer at least `low` and at most the server's `cap` (set by `flag`)."""
-    value = _int_in(body, name, low, None)
-    if value is not None and value > cap:
-        raise bad_request(f"{name} must be between {low} and {cap} on this server ({flag}), got {value}", name)
-    return value
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-
-
-_KIND_NAMES = {str: "a string", bool: "a boolean", dict: "an object", list: "an array"}
-
-
-def _json_type(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return f"number {value}"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
-

@@ -91,7 +91,7 @@ async def chat_completions(request: Request) -> Response:
     engine = state.ready_engine()
     body = await read_json(request, state.config.max_request_bytes)
     limits = state.config.limits
-    chat = parse_chat_request(body, engine.tokenizer.vocab_size, limits)
+    chat = parse_chat_request(body, limits)
     check_model(chat.model, engine)
     with state.admission.preparing(engine):
         prompt = await state.run_blocking(render_prompt, engine.tokenizer, chat)
@@ -139,7 +139,7 @@ async def completions(request: Request) -> Response:
     engine = state.ready_engine()
     body = await read_json(request, state.config.max_request_bytes)
     limits = state.config.limits
-    req = parse_completion_request(body, engine.tokenizer.vocab_size, limits)
+    req = parse_completion_request(body, limits)
     check_model(req.model, engine)
     with state.admission.preparing(engine):
         prompts = [p if isinstance(p, list) else await state.run_blocking(engine.tokenizer.encode, p) for p in req.prompts]
@@ -256,6 +256,17 @@ async def version(request: Request) -> Response:
     return json_response({"version": value})
 
 
+async def openapi(request: Request) -> Response:
+    """The request models (api/models.py) as an OpenAPI 3.1 document."""
+    from api.models import openapi_schema
+
+    try:
+        value = importlib.metadata.version("fp4serve")
+    except importlib.metadata.PackageNotFoundError:
+        value = "unknown"
+    return json_response(openapi_schema(value))
+
+
 async def metrics(request: Request) -> Response:
     state = server_state(request)
     # NOTE: served during a drain and after an engine failure too, when scrapes matter most; only
@@ -274,4 +285,5 @@ ROUTES = [
     Route("/health", health, methods=["GET"]),
     Route("/version", version, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
+    Route("/openapi.json", openapi, methods=["GET"]),
 ]

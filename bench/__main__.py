@@ -123,7 +123,9 @@ def _config(args: argparse.Namespace, target: Target, load: Load, spec: DatasetS
     load_dict = dataclasses.asdict(load)
     if load.request_rate is not None and math.isinf(load.request_rate):
         load_dict["request_rate"] = "inf"  # JSON has no infinity
-    return {"label": args.label, "base_url": target.base_url, "model": target.model,
+    # A peer may serve under its checkpoint's path: keep only the folder name in the results file.
+    model = target.model.rstrip("/").rsplit("/", 1)[-1] if target.model and target.model.startswith("/") else target.model
+    return {"label": args.label, "base_url": target.base_url, "model": model,
             "endpoint": target.endpoint, "load_label": load.label, "load": load_dict,
             "dataset": dataclasses.asdict(spec), "tokenizer": tokenizer.name,
             "tokenizer_exact": tokenizer.exact, "ignore_eos": target.ignore_eos,

@@ -55,7 +55,8 @@ class LocalTokenizer:
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {path}")
-        self.name = f"local:{file}"
+        # NOTE: the folder and file names only: a results file must not record a local path.
+        self.name = f"local:{file.parent.name}/{file.name}"
         self._tok = tokenizers.Tokenizer.from_file(str(file))
         self._words: list[str] | None = None
 

@@ -188,8 +188,7 @@ class AsyncEngine:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(request_id, children)
-        for child in children:
-            self.client.add_request(child)
+        self.client.add_requests(children)
         remaining = len(children)
         try:
             while remaining:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from engine.config import ConfigError, EngineConfig
 from engine.core_proc import EngineCoreLoop, Message, run_engine_core_proc
-from engine.core_types import AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineInfo, Shutdown
+from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, EngineCoreRequest, EngineInfo, Shutdown
 
 logger = logging.getLogger("fp4serve.engine")
 
@@ -27,7 +27,7 @@ class CoreClient(Protocol):
     info: EngineInfo
 
     def start(self, on_outputs: OnOutputs) -> None: ...
-    def add_request(self, request: EngineCoreRequest) -> None: ...
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None: ...
     def abort_requests(self, request_ids: list[str]) -> None: ...
     def shutdown(self) -> None: ...
 
@@ -47,8 +47,8 @@ class InprocClient:
         self._thread = threading.Thread(target=loop.run, args=(self._inbox,), name="fp4serve-engine", daemon=True)
         self._thread.start()
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self._inbox.put(request)
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._inbox.put(AddRequests(tuple(requests)))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._inbox.put(AbortRequests(tuple(request_ids)))
@@ -111,8 +111,8 @@ class MPClient:
             except (BrokenPipeError, OSError):  # the reader reports the death
                 pass
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(request)
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._send(AddRequests(tuple(requests)))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._send(AbortRequests(tuple(request_ids)))

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.config import ConfigError, EngineConfig
-from engine.core_types import AbortRequests, EngineCoreOutputs, EngineCoreRequest, Shutdown
+from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, Shutdown
 
 logger = logging.getLogger("fp4serve.engine")
 
@@ -27,7 +27,7 @@ logger = logging.getLogger("fp4serve.engine")
 # (an out-of-memory on an odd batch); three in a row mean every batch fails.
 MAX_CONSECUTIVE_FAILURES = 3
 
-Message = EngineCoreRequest | AbortRequests | Shutdown
+Message = AddRequests | AbortRequests | Shutdown
 
 
 class EngineCoreLoop:
@@ -67,7 +67,8 @@ class EngineCoreLoop:
                 if isinstance(message, AbortRequests):
                     self.core.abort_requests(message.request_ids)
                 else:
-                    self.core.add_request(message)
+                    for request in message.requests:
+                        self.core.add_request(request)
             if self.core.has_unfinished() and not self.step():
                 return
 

@@ -1,7 +1,7 @@
 """What crosses the engine-core boundary, both ways: token ids and plain values only, so the
 core can live in another process (engine/core_proc.py) and know no text.
 
-front -> core: `EngineCoreRequest` (one sample; the input processor fans n out), aborts, shutdown.
+front -> core: `AddRequests` (a request's samples: the input processor fans n out), aborts, shutdown.
 core -> front: `EngineCoreOutputs` once per step (each request's new tokens and finish reason, the
 scheduler's gauges), or a failure / death notice.
 """
@@ -72,6 +72,13 @@ class EngineCoreOutputs:
     failed_request_ids: tuple[str, ...] = ()  # ended by a failed step, with `error`
     error: str | None = None
     dead: str | None = None  # the core stopped for this reason: nothing more will come
+
+
+@dataclass(frozen=True)
+class AddRequests:
+    """A request's samples, added in one step: the n samples of one request start together."""
+
+    requests: tuple[EngineCoreRequest, ...]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 def responder(parsers: ParserSettings = ParserSettings(), **body: Any) -> ChatResponder:
-    request = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **body}, vocab_size=1000)
+    request = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **body})
     return ChatResponder(HEADER, request, PROMPT, parsers, starts_in_reasoning=False)
 
 

@@ -51,6 +51,7 @@ def test_chat_sweep_measures_every_request_with_server_usage(
         assert (summary["completed"], summary["failed"], summary["errors"]) == (4, 0, {})
         # Found through the `root` of GET /v1/models: prompt lengths are exact.
         assert result["config"]["tokenizer"].startswith("local:")
+        assert "/.cache/" not in result["config"]["tokenizer"]  # no local path in a results file
         assert len(requests) == 4
         for req in requests:
             assert 0 < req["ttft_ms"] <= req["e2e_ms"]

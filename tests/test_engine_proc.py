@@ -83,7 +83,7 @@ def test_a_dead_engine_process_fails_in_flight_requests_turns_health_503_and_exi
     with running_server("--model", str(qwen3_ckpt), "--dtype", "float32", "--kv-cache-memory", "8MiB") as server:
         pid = engine_pid(server.log())
 
-        async def scenario() -> tuple[int, list[Any], int]:
+        async def scenario() -> tuple[int, list[Any], int | None]:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
                 body = {"prompt": [5, 6, 7], "max_tokens": 500, "n": 8, "ignore_eos": True, "stream": True}
                 events: list[Any] = []
@@ -93,15 +93,21 @@ def test_a_dead_engine_process_fails_in_flight_requests_turns_health_503_and_exi
                             if not events:  # the first token is out: the engine is mid-request
                                 os.kill(pid, signal.SIGKILL)
                             events.append(event)
-                health = await client.get("/health")
-                return response.status_code, events, health.status_code
+                try:
+                    health: int | None = (await client.get("/health")).status_code
+                except httpx.TransportError:  # the drain ended with the last stream: already gone
+                    health = None
+                return response.status_code, events, health
 
         status, events, health = asyncio.run(scenario())
         assert status == 200 and events[-1] == DONE
         errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
         assert len(errors) == 1 and "engine process exited" in errors[0]["message"]
-        assert health == 503
+        # NOTE: /health is 503 only while the drain lasts, which ends with this one stream
+        # (tests/test_robustness_engine.py holds a dead engine's 503 with a slower drain).
+        assert health in (503, None)
         assert server.process.wait(30) == 1
+        assert "the engine stopped (the engine process exited" in server.log()
 
 
 @pytest.mark.slow

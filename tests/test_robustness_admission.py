@@ -46,8 +46,10 @@ def arrive_together(path: Path, limits: QueueLimits, requests: list[tuple[list[i
     """All requests reach an idle engine in one event-loop tick, before it schedules a step."""
 
     async def main() -> list[Any]:
+        # In-process: the queue is counted in the front either way (tests/test_engine_proc.py covers
+        # the engine process), and a process per case would cost seconds each.
         engine = AsyncEngine.from_config(EngineConfig(model=str(path), dtype="float32", kv_cache_memory="8MiB",
-                                                      max_num_seqs=max_num_seqs))
+                                                      max_num_seqs=max_num_seqs, engine_process=False))
         await engine.start(limits)
         try:
             results = await asyncio.gather(*(outcome(engine, f"r{i}", prompt, p) for i, (prompt, p) in enumerate(requests)))

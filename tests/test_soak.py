@@ -18,6 +18,7 @@ from tests.server_utils import REPO
 MIB = 1 << 20
 
 
+@pytest.mark.slow
 def test_a_short_soak_against_the_spawned_demo_server_passes() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench", "soak", "--spawn", "--duration", "8", "--concurrency", "8"],

@@ -1,0 +1,59 @@
+"""The typed request models: OpenAI's ranges as validators, a validation error as OpenAI's 400
+body with `param` from the error's location, and /openapi.json generated from the models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from api.app import ServerConfig, build_app
+from api.errors import APIError
+from api.models import ChatCompletionRequest, openapi_schema, validate
+from engine.config import EngineConfig
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"temperature": 9}, "temperature", "at most 2"),
+        ({"top_p": 1.5}, "top_p", "at most 1"),
+        ({"presence_penalty": -3}, "presence_penalty", "at least -2"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", "boolean"),
+        ({"stream_options": []}, "stream_options", "object"),
+        ({"max_tokens": "10"}, "max_tokens", "integer"),
+        ({"n": 2.5}, "n", "integer"),
+        ({"seed": True}, "seed", "integer"),
+        ({"stop": ["a", 1]}, "stop", "list of strings"),
+    ],
+)
+def test_a_field_error_names_its_location(body: dict[str, Any], param: str, says: str) -> None:
+    with pytest.raises(APIError) as info:
+        validate(ChatCompletionRequest, body)
+    err = info.value
+    assert (err.status, err.param, err.type) == (400, param, "invalid_request_error")
+    assert says in err.message and param.split(".")[0] in err.message
+
+
+def test_unknown_fields_are_ignored_and_null_is_absent() -> None:
+    m = validate(ChatCompletionRequest, {"temperature": None, "user": "u", "store": True, "max_tokens": 12.0})
+    assert m.temperature is None and m.max_tokens == 12
+
+
+def test_openapi_describes_each_request_body_with_its_ranges() -> None:
+    doc = openapi_schema("1.2.3")
+    ref = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    chat = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    temperature = chat["properties"]["temperature"]["anyOf"][0]
+    assert (temperature["minimum"], temperature["maximum"]) == (0.0, 2.0)
+    assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"}
+    assert doc["info"]["version"] == "1.2.3"
+
+
+def test_openapi_json_is_served_while_the_model_loads() -> None:
+    never = lambda config: (_ for _ in ()).throw(AssertionError("not loaded in this test"))  # noqa: E731
+    app = build_app(ServerConfig(engine=EngineConfig()), loader=never)
+    with TestClient(app) as client:
+        response = client.get("/openapi.json")
+    assert response.status_code == 200 and response.json()["openapi"] == "3.1.0"
