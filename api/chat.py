@@ -228,24 +228,12 @@ def _choice(index: int, delta: dict[str, Any], finish_reason: str | None = None)
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
 
-def render_prompt(tokenizer: Any, request: ChatRequest) -> list[int]:
-    """Prompt token ids from the checkpoint's own chat template (blocking: run it off the loop)."""
-    return tokenizer.apply_chat_template(
-        request.messages,
-        tools=request.tools,
-        add_generation_prompt=request.add_generation_prompt,
-        **request.template_kwargs,
-    )
-
-
-def prompt_closes_reasoning(tokenizer: Any, prompt_token_ids: list[int]) -> bool:
+def prompt_closes_reasoning(prompt_tail: str) -> bool:
     """Whether the template already wrote a closed think block (enable_thinking=false): the
-    output has none."""
-    tail = tokenizer.decode(prompt_token_ids[-8:], skip_special_tokens=False)
-    return tail.rstrip().endswith("</think>")
+    output has none. `prompt_tail`: the prompt's last tokens as text (InputProcessor.prompt_tail)."""
+    return prompt_tail.rstrip().endswith("</think>")
 
 
-def prompt_opens_reasoning(tokenizer: Any, prompt_token_ids: list[int]) -> bool:
+def prompt_opens_reasoning(prompt_tail: str) -> bool:
     """Whether the template left a `<think>` block open, so the output starts as reasoning."""
-    tail = tokenizer.decode(prompt_token_ids[-8:], skip_special_tokens=False)
-    return tail.rstrip().endswith("<think>")
+    return prompt_tail.rstrip().endswith("<think>")

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api.auth import APIKeyMiddleware
-from api.chat import ChatResponder, prompt_closes_reasoning, prompt_opens_reasoning, render_prompt
+from api.chat import ChatResponder, prompt_closes_reasoning, prompt_opens_reasoning
 from api.completions import CompletionResponder
 from api.errors import APIError, bad_request
 from api.generation import start_outputs, unless_disconnected
@@ -93,13 +93,17 @@ async def chat_completions(request: Request) -> Response:
     limits = state.config.limits
     chat = parse_chat_request(body, limits)
     check_model(chat.model, engine)
+    inputs = engine.input_processor
     with state.admission.preparing(engine):
-        prompt = await state.run_blocking(render_prompt, engine.tokenizer, chat)
+        prompt = await state.run_blocking(
+            inputs.render_chat, chat.messages, chat.tools, chat.add_generation_prompt, chat.template_kwargs
+        )
     params = resolve_max_tokens(
         chat.params, chat.max_tokens, len(prompt), engine.info.max_model_len, "messages", limits.max_output_tokens
     )
-    opens_reasoning = state.parsers.reasoning_parser is not None and prompt_opens_reasoning(engine.tokenizer, prompt)
-    params = replace(params, grammar=_grammar(chat, state, engine.tokenizer, prompt, opens_reasoning))
+    tail = inputs.prompt_tail(prompt) if state.parsers.reasoning_parser is not None else ""
+    opens_reasoning = prompt_opens_reasoning(tail)
+    params = replace(params, grammar=_grammar(chat, state, tail, opens_reasoning))
     header = ResponseHeader.new("chatcmpl", engine.info.model_name)
     responder = ChatResponder(header, chat, prompt, state.parsers, opens_reasoning)
     outputs = await start_outputs(engine, [prompt], [params], header.id, request.receive, request_deadline(request.scope))
@@ -108,16 +112,14 @@ async def chat_completions(request: Request) -> Response:
     return await _complete(request, responder.complete(outputs))
 
 
-def _grammar(
-    chat: ChatRequest, state: ServerState, tokenizer: Any, prompt: list[int], opens_reasoning: bool
-) -> str | None:
+def _grammar(chat: ChatRequest, state: ServerState, prompt_tail: str, opens_reasoning: bool) -> str | None:
     """The grammar that enforces response_format, or tool_choice "required" or a named function
     (api/protocol.py refuses both at once); None when the output is free."""
     forces_call = bool(chat.tools) and chat.tool_choice not in (None, "auto", "none")
     if chat.response_format is None and not forces_call:
         return None
     # A think block may come first unless the prompt closed it (enable_thinking=false).
-    reasoning = state.parsers.reasoning_parser is not None and not prompt_closes_reasoning(tokenizer, prompt)
+    reasoning = state.parsers.reasoning_parser is not None and not prompt_closes_reasoning(prompt_tail)
     if chat.response_format is not None:
         return response_format_grammar(chat.response_format, reasoning, starts_in_reasoning=opens_reasoning)
     if state.parsers.tool_parser is None:
@@ -142,7 +144,8 @@ async def completions(request: Request) -> Response:
     req = parse_completion_request(body, limits)
     check_model(req.model, engine)
     with state.admission.preparing(engine):
-        prompts = [p if isinstance(p, list) else await state.run_blocking(engine.tokenizer.encode, p) for p in req.prompts]
+        prompts = [p if isinstance(p, list) else await state.run_blocking(engine.input_processor.encode, p)
+                   for p in req.prompts]
     if any(not p for p in prompts):
         raise bad_request("a prompt encodes to no tokens", "prompt")
     max_len, cap = engine.info.max_model_len, limits.max_output_tokens
@@ -179,8 +182,8 @@ async def tokenize(request: Request) -> Response:
 
 
 def _tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
-    """Blocking (run it off the loop). NOTE: messages go through the same calls as render_prompt
-    (api/chat.py), so the count equals a chat request's usage.prompt_tokens."""
+    """Blocking (run it off the loop). NOTE: messages go through the same calls as
+    InputProcessor.render_chat, so the count equals a chat request's usage.prompt_tokens."""
     if req.messages is None:
         assert req.prompt is not None, "TokenizeRequest holds a prompt or messages"
         return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)

@@ -89,7 +89,9 @@ class AsyncEngine:
         self.info = info = client.info
         self.tokenizer = Tokenizer(info.model_path, info.eos_token_ids)
         self.metrics = EngineMetrics(info.model_name)
-        self.input_processor = InputProcessor(info.vocab_size, info.max_model_len, self.tokenizer.eos_token_ids)
+        self.input_processor = InputProcessor(
+            info.vocab_size, info.max_model_len, self.tokenizer.eos_token_ids, self.tokenizer
+        )
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics, info.max_num_seqs)
         self.limits = QueueLimits()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}

@@ -1,14 +1,23 @@
-"""The one place user input is checked before it reaches the engine: a request's prompt ids and
-sampling parameters against this model (context length, one vocabulary size, its grammar), then
-split into one `EngineCoreRequest` per sample. Below this, the engine only asserts invariants."""
+"""The one place user input is checked before it reaches the engine: a request's prompt (chat
+messages through the checkpoint's template, or text, to token ids) and its sampling parameters
+against this model (context length, one vocabulary size, its grammar), then split into one
+`EngineCoreRequest` per sample. Below this, the engine only asserts invariants. api/ reaches the
+tokenizer only through here (and /tokenize, /detokenize through the engine's own tokenizer)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from engine.core_types import EngineCoreRequest
 from scheduler.request import ParamError, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
+
+# Prompt tokens decoded to see how the chat template ended it (an open or closed think block).
+PROMPT_TAIL_TOKENS = 8
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -17,12 +26,37 @@ def child_request_id(request_id: str, index: int) -> str:
 
 
 class InputProcessor:
-    def __init__(self, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
-        """`vocab_size`: the model's logits width, which every user token id must fall in."""
+    def __init__(
+        self, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int], tokenizer: Tokenizer | None = None
+    ) -> None:
+        """`vocab_size`: the model's logits width, which every user token id must fall in;
+        `tokenizer`: the checkpoint's, for prompts given as text or chat messages."""
         assert vocab_size > 0 and max_model_len > 1, f"vocab {vocab_size}, max_model_len {max_model_len}"
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
+        self.tokenizer = tokenizer
+
+    # ---- prompts to token ids (blocking: run them off the event loop) ------------------------------
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any],
+    ) -> list[int]:
+        """Prompt ids from the checkpoint's own chat template (ParamError when it fails)."""
+        assert self.tokenizer is not None, "an InputProcessor without a tokenizer takes token ids only"
+        return self.tokenizer.apply_chat_template(messages, tools, add_generation_prompt, **template_kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        assert self.tokenizer is not None, "an InputProcessor without a tokenizer takes token ids only"
+        return self.tokenizer.encode(text)
+
+    def prompt_tail(self, prompt_token_ids: Sequence[int]) -> str:
+        """The prompt's last few tokens as text, special tokens kept: how the template ended it."""
+        assert self.tokenizer is not None, "an InputProcessor without a tokenizer takes token ids only"
+        return self.tokenizer.decode(list(prompt_token_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams, param_name: str = "prompt") -> None:
         """Raise ParamError (naming the parameter) for anything this model cannot run."""

@@ -56,7 +56,9 @@ class OfflineEngine:
         self.info = core.info
         self.tokenizer = Tokenizer(core.model_path, core.info.eos_token_ids)
         self.metrics = EngineMetrics(core.info.model_name)
-        self.input_processor = InputProcessor(core.info.vocab_size, core.info.max_model_len, self.tokenizer.eos_token_ids)
+        self.input_processor = InputProcessor(
+            core.info.vocab_size, core.info.max_model_len, self.tokenizer.eos_token_ids, self.tokenizer
+        )
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics, core.info.max_num_seqs)
         self.timings = PhaseTimings()
         self._ids = itertools.count()

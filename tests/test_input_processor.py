@@ -54,3 +54,20 @@ def test_openai_ranges_are_enforced(field: str, value: float) -> None:
     with pytest.raises(ParamError) as excinfo:
         SamplingParams(**{field: value})  # type: ignore[arg-type]
     assert excinfo.value.param == field
+
+
+def test_chat_messages_become_ids_through_the_checkpoints_template_and_its_tail_tells_the_think_block() -> None:
+    from api.chat import prompt_closes_reasoning
+    from engine.tokenizer import Tokenizer
+    from fp4serve_tools.demo import ensure_demo_model
+
+    tokenizer = Tokenizer(ensure_demo_model())
+    inputs = InputProcessor(151_936, 4096, (), tokenizer)
+    messages = [{"role": "user", "content": "hi"}]
+    ids = inputs.render_chat(messages, None, True, {"enable_thinking": False})
+    assert ids == tokenizer.apply_chat_template(messages, None, True, enable_thinking=False)
+    assert prompt_closes_reasoning(inputs.prompt_tail(ids))
+    assert not prompt_closes_reasoning(inputs.prompt_tail(inputs.render_chat(messages, None, True, {})))
+    with pytest.raises(ParamError) as excinfo:
+        inputs.render_chat([], None, True, {})  # the template refuses an empty chat
+    assert excinfo.value.param == "messages"
