@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from scheduler.block_manager import BlockManager
 from scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.slot_manager import SlotManager
 
 
 @dataclass(frozen=True)
@@ -23,10 +24,13 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
+    num_state_slots: int = 0  # hybrid models: recurrent-state slots (0: the model keeps none)
 
     def __post_init__(self) -> None:
         assert self.max_num_seqs >= 1, "max_num_seqs must be positive"
         assert self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive"
+        assert not (self.num_state_slots and self.enable_prefix_caching), \
+            "prefix caching needs the recurrent state at the prefix's end: off for hybrid models"
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.slots = SlotManager(config.num_state_slots) if config.num_state_slots else None
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -80,7 +85,7 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
-        self.block_manager.free(request)
+        self._release(request)
         del self.requests[request.request_id]
         if request.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(request.request_id)
@@ -120,12 +125,16 @@ class Scheduler:
         # New arrivals and resumed requests, oldest first, when nothing was preempted.
         while self.waiting and budget > 0 and num_preempted == 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.slots is not None and not self.slots.num_free_slots:
+                break  # a hybrid sequence needs a state slot to run
             hit = self.block_manager.find_cached_prefix(request) if not request.block_table else []
             num_cached = len(hit) * self.config.block_size
             n = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
             if not self.block_manager.allocate(request, n, hit):
                 break
             self.waiting.popleft()
+            if self.slots is not None:
+                self.slots.allocate(request)
             if self.config.enable_prefix_caching:
                 self.num_prefix_queried_tokens += request.num_tokens
                 self.num_prefix_hit_tokens += num_cached
@@ -155,12 +164,18 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free the request's pages; it waits at the front and resumes by recompute."""
         self.running.remove(request)
-        self.block_manager.free(request)
+        self._release(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        """Give back the request's pages and, for hybrid models, its state slot."""
+        self.block_manager.free(request)
+        if self.slots is not None:
+            self.slots.free(request)
 
     def _describe(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -175,6 +190,7 @@ class Scheduler:
             block_table=tuple(request.block_table),
             sample=start + n == request.num_tokens,
             new_request=new_data,
+            state_slot=request.state_slot,
         )
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
