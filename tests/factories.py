@@ -84,11 +84,14 @@ def make_hybrid_checkpoint(
     seed: int = 0,
     init_std: float = 0.05,
     dtype: torch.dtype = torch.float32,
+    chat_template: str | None = None,
     **overrides: Any,
 ) -> Path:
     """A tiny random Qwen3.5 hybrid (Gated DeltaNet + gated attention) saved as an HF checkpoint:
     layout "causal" is Qwen3_5ForCausalLM (model.*), "vl" is Qwen3_5ForConditionalGeneration
-    (model.language_model.* beside a 1-layer vision tower)."""
+    (model.language_model.* beside a 1-layer vision tower). With `chat_template`, the tokenizer is
+    Qwen's (vocab_size must cover its 151,669 ids), as transformers loads Qwen3.5 checkpoints with
+    Qwen3_5Tokenizer whatever tokenizer_class says; otherwise the word-level test tokenizer."""
     from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
     dst.mkdir(parents=True, exist_ok=True)
@@ -112,5 +115,10 @@ def make_hybrid_checkpoint(
             elif name.endswith("dt_bias"):
                 p.copy_(0.5 * torch.randn_like(p))
     model.save_pretrained(dst, safe_serialization=True)
-    write_word_tokenizer(dst, text["vocab_size"])
+    if chat_template is None:
+        write_word_tokenizer(dst, text["vocab_size"])
+    else:
+        from engine.qwen_tokenizer import write_qwen_tokenizer_files
+
+        write_qwen_tokenizer_files(dst, chat_template)
     return dst
