@@ -91,10 +91,10 @@ def recurrent_gated_delta_rule(
     q, k = l2norm(q), l2norm(k)
     q = q / q.shape[-1] ** 0.5
     state = state.float() * g.float().exp()[..., None, None]
-    kv_mem = (state * k[..., None]).sum(dim=-2)  # [B, H, Dv]
+    kv_mem = (k[..., None, :] @ state)[..., 0, :]  # [B, H, Dv]: what the state recalls for k
     delta = (v.float() - kv_mem) * beta.float()[..., None]
     state = state + k[..., None] * delta[..., None, :]
-    out = (state * q[..., None]).sum(dim=-2)
+    out = (q[..., None, :] @ state)[..., 0, :]
     return out.to(v.dtype), state
 
 
@@ -108,7 +108,12 @@ def causal_conv1d(
     [B, C, K-1] (its last K-1 real inputs, reaching into the old state for short sequences)."""
     channels, width = weight.shape
     full = torch.cat([conv_state.to(weight.dtype), x.to(weight.dtype)], dim=-1)  # [B, C, K-1+L]
-    out = F.silu(F.conv1d(full, weight[:, None, :], groups=channels))  # [B, C, L]
+    # K shifted multiply-adds: for the few taps of this conv, cheaper on CPU than F.conv1d's setup.
+    length = x.shape[-1]
+    acc = full[..., :length] * weight[:, :1]
+    for j in range(1, width):
+        acc = acc + full[..., j : j + length] * weight[:, j : j + 1]
+    out = F.silu(acc)  # [B, C, L]
     idx = lengths[:, None] + torch.arange(width - 1, device=x.device)  # [B, K-1]
     new_state = full.gather(2, idx[:, None, :].expand(-1, channels, -1))
     return out.to(x.dtype), new_state
