@@ -11,11 +11,22 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
-from engine.offline import OfflineEngine
-from scheduler.request import SamplingParams
 
 PROMPT_LEN = 16
+
+
+class _Engine(Protocol):
+    """What the curve needs of engine.offline.OfflineEngine (imported lazily: bench/ layering)."""
+
+    timings: Any
+
+    def add_request(self, prompt_token_ids: Sequence[int], params: Any) -> str: ...
+
+    def step(self) -> list[Any]: ...
+
+    def has_unfinished(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -25,8 +36,10 @@ class CurvePoint:
     step_ms: float  # mean whole step (schedule + prepare + forward + sample + update)
 
 
-def run_context_curve(engine: OfflineEngine, batch_size: int, context: int, window: int) -> list[CurvePoint]:
+def run_context_curve(engine: _Engine, batch_size: int, context: int, window: int) -> list[CurvePoint]:
     """Decode `batch_size` sequences from PROMPT_LEN to `context` tokens; one point per `window`."""
+    from scheduler.request import SamplingParams
+
     assert context > PROMPT_LEN and window >= 1, "context must exceed the prompt; window positive"
     params = SamplingParams(max_tokens=context - PROMPT_LEN, min_tokens=context - PROMPT_LEN, ignore_eos=True,
                             temperature=0.0)
@@ -99,6 +112,7 @@ def write_tiny_model(dst: Path, kind: str, hidden: int, num_layers: int, seed: i
 def curves_for(models: Sequence[str], batch_size: int, context: int, window: int,
                kv_cache_memory: str) -> dict[str, list[CurvePoint]]:
     from engine.config import EngineConfig
+    from engine.offline import OfflineEngine
 
     curves: dict[str, list[CurvePoint]] = {}
     for path in models:
