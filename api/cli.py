@@ -88,7 +88,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV cache page")
     engine.add_argument("--num-state-slots", type=int, default=None, metavar="N",
                         help="hybrid models (Qwen3.5/3.6): sequences that can hold a recurrent DeltaNet state at "
-                        "once (each slot is a fixed size, logged at start-up); default: --max-num-seqs")
+                        "once (each slot is a fixed size, logged at start-up); default: --max-num-seqs, on a GPU at most "
+                        "a quarter of free memory")
     engine.add_argument("--linear-attention-backend", default=_engine_default("linear_attention_backend"),
                         choices=("auto", "torch", "fla"),
                         help="hybrid models: Gated DeltaNet kernels; auto: fla-core on CUDA when it imports, "

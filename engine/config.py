@@ -207,7 +207,7 @@ class EngineConfig:
     enforce_eager: bool = False  # decode without CUDA graphs
     device: str = "auto"  # auto | cpu | cuda
     quantization: str | None = None  # None | "nvfp4" (quantize a bf16 checkpoint at load)
-    num_state_slots: int | None = None  # hybrid models: recurrent-state slots; None: max_num_seqs
+    num_state_slots: int | None = None  # hybrid models: recurrent-state slots; None: max_num_seqs (GPU: capped)
     linear_attention_backend: str = "auto"  # hybrid models: auto | torch | fla
     seed: int = 0
 

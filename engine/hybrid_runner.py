@@ -17,16 +17,27 @@ from engine.state_pool import StatePool
 logger = logging.getLogger("fp4serve.runner")
 
 _MIB = 1 << 20
+_DEFAULT_GPU_STATE_FRACTION = 0.25
 
 
 def make_state_pool(cfg: ModelConfig, config: EngineConfig, device: torch.device) -> StatePool | None:
     """The pool of recurrent-state slots, or None for a model without DeltaNet layers."""
     if cfg.hybrid is None:
         return None
+    per_slot = cfg.hybrid.state_bytes_per_slot()
     num_slots = config.num_state_slots or config.max_num_seqs
+    if config.num_state_slots is None and device.type == "cuda":
+        # A Qwen3.6-27B slot is ~150 MiB: by default the pool takes at most a quarter of free memory.
+        free, _ = torch.cuda.mem_get_info(device)
+        cap = max(1, int(free * _DEFAULT_GPU_STATE_FRACTION) // per_slot)
+        if cap < num_slots:
+            logger.info("state slots: %d (not --max-num-seqs %d): the default pool takes at most %.0f%% of free "
+                        "device memory; set --num-state-slots to choose", cap, num_slots,
+                        100 * _DEFAULT_GPU_STATE_FRACTION)
+            num_slots = cap
     pool = StatePool(cfg.hybrid, num_slots, device)
     logger.info("state slots: %d x %.2f MiB = %.2f MiB (conv + recurrent state of %d Gated DeltaNet layers, float32)",
-                num_slots, cfg.hybrid.state_bytes_per_slot() / _MIB, pool.nbytes / _MIB, len(cfg.hybrid.linear_layers))
+                num_slots, per_slot / _MIB, pool.nbytes / _MIB, len(cfg.hybrid.linear_layers))
     return pool
 
 
