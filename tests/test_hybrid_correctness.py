@@ -102,3 +102,14 @@ def test_preempted_sequences_recompute_their_state(causal_hybrid: tuple[Path, li
     ours, engine = greedy(path, kv_cache_memory="48KiB", block_size=4, max_num_batched_tokens=64)
     assert engine.core.scheduler.stats().num_preemptions > 0
     assert_same(ours, refs)
+
+
+def test_bf16_activations_with_float32_states_agree_with_float32(causal_hybrid: tuple[Path, list[list[int]]]) -> None:
+    """The GPU runs bf16 activations over float32 state slots; on CPU too the mix must work and stay
+    close. Greedy runs diverge after their first differing token, and random tiny-model logits are
+    flat: measured 63 of 96 tokens equal to float32's (2026-11-24)."""
+    path, refs = causal_hybrid
+    ours, _ = greedy(path, dtype="bfloat16", max_num_batched_tokens=32)
+    same = sum(a == b for o, r in zip(ours, refs) for a, b in zip(o, r))
+    assert same >= 0.5 * NUM_DECODE * len(refs)
+    assert sum(o[0] == r[0] for o, r in zip(ours, refs)) >= 6  # the first token of most prompts
