@@ -87,6 +87,9 @@ def hybrid_from_dict(raw: dict[str, Any], source: str) -> HybridConfig:
     if len(layer_types) != num_layers or any(t not in (LINEAR_ATTENTION, FULL_ATTENTION) for t in layer_types):
         raise ConfigError(f"{source}: field 'layer_types' must name {num_layers} layers, each "
                           f"'{LINEAR_ATTENTION}' or '{FULL_ATTENTION}'")
+    if FULL_ATTENTION not in layer_types:
+        # NOTE: the KV cache and the runner assume at least one attention layer.
+        raise ConfigError(f"{source}: field 'layer_types' has no '{FULL_ATTENTION}' layer; fp4serve needs one")
     num_k, num_v = need("linear_num_key_heads"), need("linear_num_value_heads")
     if num_v % num_k:
         raise ConfigError(f"{source}: field 'linear_num_value_heads' ({num_v}) must be a multiple of "

@@ -42,6 +42,7 @@ def test_conditional_generation_layout_reads_text_config_and_top_level_tie() -> 
     ("linear_num_value_heads", 5, "must be a multiple of linear_num_key_heads"),
     ("layer_types", ["full_attention"] * 3, "must name 4 layers"),
     ("layer_types", ["mamba"] * 4, "must name 4 layers"),
+    ("layer_types", ["linear_attention"] * 4, "has no 'full_attention' layer"),
     ("linear_conv_kernel_dim", None, "'linear_conv_kernel_dim' must be a positive integer"),
 ])
 def test_bad_hybrid_field_is_named(field: str, value: Any, message: str) -> None:
