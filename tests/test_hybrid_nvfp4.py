@@ -22,7 +22,6 @@ from tests.factories import make_hybrid_checkpoint
 from tests.test_engine_correctness import make_engine
 
 CPU = torch.device("cpu")
-LIN, FULL = "linear_attention", "full_attention"
 # Layers 0-2 DeltaNet, 3 attention: which of our modules are NVFP4.
 EXPECTED_NVFP4 = {f"layers.{i}.linear_attn.{m}" for i in range(3) for m in ("in_proj_qkvz", "out_proj")} | {
     "layers.3.self_attn.qkv_proj", "layers.3.self_attn.o_proj"} | {
