@@ -85,13 +85,18 @@ def chunk_gated_delta_rule(
     q = q * cum.exp()[..., None]
     k = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+    # Chunk-major copies, so that each step of the scan reads contiguous [B, H, C, D] blocks.
+    new_values, k_cumdecay, q, k, intra, chunk_decay = (
+        x.movedim(2, 0).contiguous() for x in (new_values, k_cumdecay, q, k, intra, chunk_decay))
+    k_t = k.transpose(-1, -2)
     state = initial_state.float()
-    out = torch.empty_like(new_values)
+    outs = []
     for i in range(num_chunks):
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-        out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
-        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
-    out = out.reshape(batch, num_v_heads, -1, head_v_dim)[:, :, :seq_len]
+        v_new = torch.baddbmm(new_values[i].flatten(0, 1), k_cumdecay[i].flatten(0, 1), state.flatten(0, 1),
+                              alpha=-1.0).view_as(new_values[i])
+        outs.append(q[i] @ state + intra[i] @ v_new)
+        state = state * chunk_decay[i] + k_t[i] @ v_new
+    out = torch.stack(outs, dim=2).reshape(batch, num_v_heads, -1, head_v_dim)[:, :, :seq_len]
     return out.transpose(1, 2).to(out_dtype), state
 
 
