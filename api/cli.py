@@ -86,6 +86,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "(e.g. 0.9); default: the engine's choice for the device")
     engine.add_argument("--block-size", type=int, default=_engine_default("block_size"), metavar="N",
                         help="tokens per KV cache page")
+    engine.add_argument("--num-state-slots", type=int, default=None, metavar="N",
+                        help="hybrid models (Qwen3.5/3.6): sequences that can hold a recurrent DeltaNet state at "
+                        "once (each slot is a fixed size, logged at start-up); default: --max-num-seqs, on a GPU at most "
+                        "a quarter of free memory")
+    engine.add_argument("--linear-attention-backend", default=_engine_default("linear_attention_backend"),
+                        choices=("auto", "torch", "fla"),
+                        help="hybrid models: Gated DeltaNet kernels; auto: fla-core on CUDA when it imports, "
+                        "the torch reference otherwise")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off reuse of KV pages across requests sharing a prompt prefix")
     engine.add_argument("--enforce-eager", action="store_true",
@@ -191,6 +199,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         attention_backend=args.attention_backend,
         device=args.device,
         quantization=args.quantization,
+        num_state_slots=args.num_state_slots,
+        linear_attention_backend=args.linear_attention_backend,
         seed=args.seed,
     )
     _check_parser_names(args.tool_parser, args.reasoning_parser)

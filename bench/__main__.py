@@ -1,4 +1,4 @@
-"""`python -m bench {serve,plot,compare,offline,soak}`: flags to configs, runs, tables and files."""
+"""`python -m bench {serve,plot,compare,offline,soak,context,tiny-model}`: flags to configs, runs, tables and files."""
 
 from __future__ import annotations
 
@@ -111,6 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--kv-cache-memory", help='KV cache size: bytes ("2GiB") or a fraction')
     o.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of every request")
     _add_dataset_flags(o, input_len=256, num_requests=64)
+
+    x = sub.add_parser("context", help="decode step time as the context grows, per model (e.g. a hybrid "
+                                       "against a dense model of the same width)")
+    x.add_argument("models", nargs="+", help="checkpoint folders (bench tiny-model writes test ones)")
+    x.add_argument("--batch-size", type=int, default=4, help="sequences decoding together")
+    x.add_argument("--context", type=int, default=2048, help="tokens per sequence at the end")
+    x.add_argument("--window", type=int, default=256, help="decode steps averaged into one point")
+    x.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size of each engine")
+    x.add_argument("--out", help="write the curves as JSON here")
+
+    t = sub.add_parser("tiny-model", help="write a random-weight dense or hybrid checkpoint (for bench context)")
+    t.add_argument("kind", choices=("dense", "hybrid"), help="Qwen3 dense, or Qwen3.5 hybrid (3 DeltaNet : 1 attention)")
+    t.add_argument("dst", help="folder to write")
+    t.add_argument("--hidden-size", type=int, default=256, help="model width")
+    t.add_argument("--num-layers", type=int, default=8, help="decoder layers")
 
     k = sub.add_parser("soak", help="mixed valid, invalid and disconnecting clients for a while; then "
                                     "check nothing leaked (exit 1 if anything did)")
@@ -270,10 +285,29 @@ def cmd_offline(args: argparse.Namespace) -> int:
     return INTERRUPTED_EXIT if report.interrupted else 0
 
 
+def cmd_context(args: argparse.Namespace) -> int:
+    from bench.context_curve import curves_for, format_curves
+
+    curves = curves_for(args.models, args.batch_size, args.context, args.window, args.kv_cache_memory)
+    print(format_curves(curves))
+    if args.out:
+        data = {name: [dataclasses.asdict(p) for p in points] for name, points in curves.items()}
+        Path(args.out).write_bytes(orjson.dumps({"config": {k: v for k, v in vars(args).items() if k != "func"},
+                                                 "curves": data}, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from bench.context_curve import write_tiny_model
+
+    print(write_tiny_model(Path(args.dst), args.kind, args.hidden_size, args.num_layers))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"serve": cmd_serve, "plot": cmd_plot, "compare": cmd_compare,
-                "offline": cmd_offline, "soak": cmd_soak}
+                "offline": cmd_offline, "soak": cmd_soak, "context": cmd_context, "tiny-model": cmd_tiny_model}
     return commands[args.command](args)
 
 

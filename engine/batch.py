@@ -30,6 +30,9 @@ class ForwardBatch:
     block_size: int
     request_ids: list[str]
     sample_request_ids: list[str]  # the requests of logits_indices, in order
+    # Hybrid models: each request's recurrent-state slot (host side; the linear-attention backend
+    # plans from it). Empty for models without recurrent state.
+    state_slots: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +56,7 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
     seq_lens: list[int] = []
     request_ids: list[str] = []
     sample_ids: list[str] = []
+    state_slots: list[int] = []
     for r in out.requests:
         n = r.num_new_tokens
         seq_len = r.seq_len
@@ -69,6 +73,8 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
         query_lens.append(n)
         seq_lens.append(seq_len)
         request_ids.append(r.request_id)
+        if r.state_slot is not None:
+            state_slots.append(r.state_slot)
         if r.sample:
             logits_indices.append(qo_indptr[-1] - 1)
             sample_ids.append(r.request_id)
@@ -90,4 +96,5 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
         block_size=block_size,
         request_ids=request_ids,
         sample_request_ids=sample_ids,
+        state_slots=tuple(state_slots),
     )

@@ -3,15 +3,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.hybrid_config import HYBRID_ARCHITECTURES, HybridConfig, hybrid_from_dict, text_fields
+
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    **{arch: "qwen3_5" for arch in HYBRID_ARCHITECTURES},
 }
 
 
@@ -38,7 +42,7 @@ class RopeConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
-    model_type: str  # "qwen3" | "llama"
+    model_type: str  # "qwen3" | "llama" | "qwen3_5"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -57,6 +61,17 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     quantization: dict[str, Any] | None = None  # the checkpoint's quantization config, if any
+    hybrid: HybridConfig | None = None  # Qwen3.5/3.6: Gated DeltaNet layers beside gated attention
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a paged KV cache (a hybrid model's DeltaNet layers keep state slots instead)."""
+        return len(self.hybrid.attention_layers) if self.hybrid is not None else self.num_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading part of head_dim that RoPE rotates (all of it, except with partial RoPE)."""
+        return int(self.head_dim * self.hybrid.partial_rotary_factor) if self.hybrid is not None else self.head_dim
 
     @staticmethod
     def from_checkpoint(path: str | Path) -> ModelConfig:
@@ -90,6 +105,11 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         model_type = SUPPORTED_ARCHITECTURES[arch]
+        hybrid = None
+        if model_type == "qwen3_5":
+            has_vision = isinstance(raw.get("vision_config"), dict)
+            raw = text_fields(raw)
+            hybrid = dataclasses.replace(hybrid_from_dict(raw, source), has_vision=has_vision)
         hidden = need("hidden_size")
         num_heads = need("num_attention_heads")
         num_kv_heads = raw.get("num_key_value_heads") or num_heads
@@ -116,11 +136,12 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_5"),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             quantization=raw.get("quantization_config"),
+            hybrid=hybrid,
         )
 
 
@@ -186,6 +207,8 @@ class EngineConfig:
     enforce_eager: bool = False  # decode without CUDA graphs
     device: str = "auto"  # auto | cpu | cuda
     quantization: str | None = None  # None | "nvfp4" (quantize a bf16 checkpoint at load)
+    num_state_slots: int | None = None  # hybrid models: recurrent-state slots; None: max_num_seqs (GPU: capped)
+    linear_attention_backend: str = "auto"  # hybrid models: auto | torch | fla
     seed: int = 0
     engine_process: bool = True  # the engine core in a process of its own; False: a thread of the server's
 
@@ -198,3 +221,7 @@ class EngineConfig:
             raise ConfigError(f"--attention-backend: '{self.attention_backend}' is not one of auto, torch, flashinfer")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
+        if self.num_state_slots is not None and self.num_state_slots < 1:
+            raise ConfigError(f"--num-state-slots: must be positive, got {self.num_state_slots}")
+        if self.linear_attention_backend not in ("auto", "torch", "fla"):
+            raise ConfigError(f"--linear-attention-backend: '{self.linear_attention_backend}' is not one of auto, torch, fla")

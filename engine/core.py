@@ -47,9 +47,13 @@ class EngineCore:
                 max_model_len=max_model_len,
                 block_size=config.block_size,
                 num_blocks=self.runner.num_kv_pages,
-                enable_prefix_caching=config.enable_prefix_caching,
+                enable_prefix_caching=config.enable_prefix_caching and mc.hybrid is None,
+                num_state_slots=self.runner.num_state_slots,
             )
         )
+        if mc.hybrid is not None and config.enable_prefix_caching:
+            logger.info("prefix caching off: %s is a hybrid model, and a cached prefix would need the "
+                        "Gated DeltaNet state at its end (not kept yet)", mc.architecture)
         self.info = EngineInfo(
             model_name=config.served_model_name or default_model_name(path, is_demo),
             model_path=str(path),

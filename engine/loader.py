@@ -19,6 +19,8 @@ from tqdm import tqdm
 from engine.config import ConfigError, ModelConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.layers import Linear, RotaryEmbedding
+from engine.models.qwen3_5 import HybridForCausalLM
+from engine.models.qwen3_5_weights import FUSED_LINEARS, LINEAR_ATTN_RULES, canonical_name, skipped_part
 from engine.quantization import (
     LINEAR_SUFFIXES,
     NVFP4LinearBuilder,
@@ -96,7 +98,7 @@ def map_name(name: str) -> tuple[str, int | None] | None:
     if m is None or _IGNORED.search(name):
         return None
     layer, rest = m.group(1), m.group(2)
-    for pattern, target, shard in _LAYER_RULES:
+    for pattern, target, shard in (*_LAYER_RULES, *LINEAR_ATTN_RULES):
         pm = pattern.search(rest)
         if pm is not None:
             return f"layers.{layer}." + target.format(*pm.groups()), shard
@@ -159,6 +161,8 @@ def _meta_model(cfg: ModelConfig, dtype: torch.dtype, max_len: int) -> DecoderFo
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
+            if cfg.hybrid is not None:
+                return HybridForCausalLM(cfg, max_len)
             return DecoderForCausalLM(cfg, max_len)
     finally:
         torch.set_default_dtype(default_dtype)
@@ -173,7 +177,7 @@ def _materialize(model: DecoderForCausalLM, nvfp4_paths: list[str], device: torc
     cfg = model.config
     # NOTE: the meta build left the derived cos/sin tables without values: compute them.
     with torch.device(device):
-        model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_len)
+        model.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings, max_len)
     assert model.rotary.cos.dtype == torch.float32, "cos/sin tables stay float32, cast at use"
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -197,7 +201,7 @@ def _expected_tensors(params: dict[str, nn.Parameter], modules: dict[str, nn.Mod
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
                quantization: QuantizationMethod | None = None) -> DecoderForCausalLM:
     files = checkpoint_files(path)
-    names = tensor_names(files)
+    names = [canonical_name(n) for n in tensor_names(files)]  # ConditionalGeneration: text model as model.*
     model = _meta_model(cfg, dtype, max_len)
     pending = _nvfp4_plan(model, set(names), quantization, dtype, device)
     _materialize(model, list(pending), device, max_len)
@@ -208,9 +212,15 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     seen: set[tuple[str, int | None]] = set()
     unused: list[str] = []
     num_skipped = 0
+    left_out: dict[str, list[str]] = {}  # "vision" | "mtp" -> tensor names a text server does not load
     with torch.no_grad():
         for name, tensor in tqdm(iter_checkpoint(path), total=len(names), desc="loading weights", unit="tensor",
                                  disable=None):
+            part = skipped_part(name)
+            if part is not None:
+                left_out.setdefault(part, []).append(name)
+                continue
+            name = canonical_name(name)
             mapped = map_name(name)
             if mapped is None or (mapped[0].startswith("lm_head.") and cfg.tie_word_embeddings):
                 unused.append(name)
@@ -255,6 +265,7 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     if num_skipped:
         logger.info("skipped %d W4A4 activation scales (%s): weight-only NVFP4, activations stay in %s",
                     num_skipped, "/".join(skipped), str(dtype).removeprefix("torch."))
+    _log_left_out(left_out)
     if unused:
         logger.warning("ignored %d checkpoint tensors (e.g. %s)", len(unused), unused[0])
     return model.eval()
@@ -265,6 +276,7 @@ def _hf_name(pname: str, shard: int | None) -> str:
     fused = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
+        **FUSED_LINEARS,
     }
     name = pname
     for ours, theirs in fused.items():
@@ -273,3 +285,12 @@ def _hf_name(pname: str, shard: int | None) -> str:
     if name.startswith(("layers.", "embed_tokens.", "norm.")):
         name = "model." + name
     return name
+
+
+def _log_left_out(left_out: dict[str, list[str]]) -> None:
+    """One start-up line per part of a checkpoint this text server does not load."""
+    vision, mtp = left_out.get("vision", []), left_out.get("mtp", [])
+    if vision:
+        logger.info("skipped %d vision tensors (model.visual.*, e.g. %s): this server serves text", len(vision), vision[0])
+    if mtp:
+        logger.info("skipped %d MTP tensors (mtp.*): not loaded until speculative decoding uses them", len(mtp))

@@ -15,6 +15,7 @@ from engine.attention.select import choose_backend, flashinfer_import_error, mak
 from engine.batch import build_forward_batch
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason
+from engine.hybrid_runner import make_hybrid_backend, make_state_pool
 from engine.loader import load_model, weight_bytes
 from engine.outputs import SampledToken
 from engine.quantization import QuantizationMethod, detect_quantization
@@ -73,7 +74,7 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_kv_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 class ModelRunner:
@@ -114,15 +115,20 @@ class ModelRunner:
         if self.model.lm_head_t is not None:
             logger.info("plus %.2f MiB: a transposed lm_head copy for the CPU logits matmul",
                         self.model.lm_head_t.nbytes / _MIB)
+        # Hybrid models: the state slots first, so that on CUDA the KV pages fit in what is left.
+        self.state_pool = make_state_pool(model_config, config, self.device)
+        self.num_state_slots = self.state_pool.num_slots if self.state_pool is not None else 0
         self.num_kv_pages = self._num_kv_pages()
         # One page more than the scheduler gets: the scratch page padded CUDA-graph rows write to.
         scratch_page = self.num_kv_pages
         shape = kv_cache_shape(self.num_kv_pages + 1, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         # one [num_pages + 1, 2, block_size, Hkv, D] tensor per layer, model dtype, on the device
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_kv_layers)]
         name = choose_backend(config.attention_backend, self.device, flashinfer_import_error(self.device) is None,
                               dtype=self.dtype, head_dim=model_config.head_dim)
         self.backend: AttentionBackend = make_backend(name, model_config, self.dtype, self.device, self.block_size)
+        if self.state_pool is not None:
+            self.backend = make_hybrid_backend(self.backend, self.state_pool, config, self.device)
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.backend, DecodeBuckets.up_to(config.max_num_seqs),
                                       scratch_page=scratch_page, max_pages_per_seq=-(-max_model_len // self.block_size))
         why_not = graphs_disabled_reason(config.enforce_eager, self.device, self.backend)

@@ -48,7 +48,9 @@ _MARKER = {MODELOPT: "weight_scale", COMPRESSED_TENSORS: "weight_packed"}
 
 # The HF linears quantized at load and by `fp4serve quantize`: attention and MLP projections.
 # lm_head, embeddings and norms stay in the model dtype (the usual exclude list).
-_QUANTIZABLE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
+# Hybrids (Qwen3.5): also the DeltaNet qkv/z/out projections; in_proj_a/b stay float (see qwen3_5.py).
+_QUANTIZABLE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+                          r"|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))$")
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,9 @@ def _compressed_tensors_method(cfg: Mapping[str, Any]) -> QuantizationMethod:
 def check_quantizable(cfg: ModelConfig, who: str) -> None:
     """Every quantizable linear's input size must hold whole 16-element blocks."""
     for field, size in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
-                        ("num_attention_heads * head_dim", cfg.num_heads * cfg.head_dim)):
+                        ("num_attention_heads * head_dim", cfg.num_heads * cfg.head_dim),
+                        *((("linear_num_value_heads * linear_value_head_dim", cfg.hybrid.value_dim),)
+                          if cfg.hybrid is not None else ())):
         if size % BLOCK_SIZE:
             raise ConfigError(f"{who}: {field} = {size} is not a multiple of {BLOCK_SIZE} (the NVFP4 block)")
 

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from engine.config import ConfigError, ModelConfig
 from engine.loader import checkpoint_files, tensor_names
+from engine.models.qwen3_5_weights import canonical_name
 from engine.quantization import (
     CHECKPOINT_FORMATS,
     HF_QUANT_CONFIG,
@@ -103,7 +104,8 @@ def _write_tensors(src: Path, files: list[Path], out: Path, checkpoint_format: s
                     tensor = st.get_tensor(name)
                     before += tensor.nbytes
                     module, _, leaf = name.rpartition(".")
-                    if leaf == "weight" and is_quantizable(module):
+                    # ConditionalGeneration checkpoints name the text model model.language_model.*
+                    if leaf == "weight" and is_quantizable(canonical_name(module)):
                         nvfp4 = quantize_weight(tensor.to(device), name)
                         parts = {f"{module}.{suffix}": t.cpu().contiguous()
                                  for suffix, t in weight_to_tensors(checkpoint_format, nvfp4).items()}

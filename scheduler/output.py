@@ -25,6 +25,7 @@ class ScheduledRequest:
     block_table: tuple[int, ...]  # pages covering positions [0, start_pos + len(token_ids))
     sample: bool  # the last token's logits are sampled (the request caught up with its tokens)
     new_request: NewRequestData | None = None
+    state_slot: int | None = None  # hybrid models: the recurrent-state slot this request holds
 
     def __post_init__(self) -> None:
         assert self.token_ids, f"{self.request_id}: scheduled with no tokens"

@@ -139,6 +139,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # Leading pages of block_table already offered to the prefix cache (block_manager's cursor).
     num_registered_blocks: int = 0
+    state_slot: int | None = None  # hybrid models: the recurrent-state slot held while running
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from scheduler.block_manager import BlockManager
 from scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.slot_manager import SlotManager
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,15 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
+    num_state_slots: int = 0  # hybrid models: recurrent-state slots (0: the model keeps none)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.num_state_slots and self.enable_prefix_caching:
+            raise ValueError("prefix caching needs the recurrent state at the prefix's end: off for hybrid models")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.slots = SlotManager(config.num_state_slots) if config.num_state_slots else None
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -82,7 +87,7 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
-        self.block_manager.free(request)
+        self._release(request)
         del self.requests[request.request_id]
         if request.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(request.request_id)
@@ -124,6 +129,8 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and num_preempted == 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.slots is not None and not self.slots.num_free_slots:
+                break  # a hybrid sequence needs a state slot to run
             if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
                 assert request.grammar_ready is not None, f"{request.request_id}: waits for no grammar"
                 if not request.grammar_ready():
@@ -136,6 +143,8 @@ class Scheduler:
             if not self.block_manager.allocate(request, n, hit):
                 break
             self.waiting.popleft()
+            if self.slots is not None:
+                self.slots.allocate(request)
             if self.config.enable_prefix_caching:
                 self.num_prefix_queried_tokens += request.num_tokens
                 self.num_prefix_hit_tokens += num_cached
@@ -166,12 +175,18 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free the request's pages; it waits at the front and resumes by recompute."""
         self.running.remove(request)
-        self.block_manager.free(request)
+        self._release(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        """Give back the request's pages and, for hybrid models, its state slot."""
+        self.block_manager.free(request)
+        if self.slots is not None:
+            self.slots.free(request)
 
     def _describe(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -186,6 +201,7 @@ class Scheduler:
             block_table=tuple(request.block_table),
             sample=start + n == request.num_tokens,
             new_request=new_data,
+            state_slot=request.state_slot,
         )
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

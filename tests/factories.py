@@ -69,3 +69,56 @@ def make_checkpoint(
 def make_request(request_id: str, prompt: list[int] | int, max_tokens: int = 16, **params: Any) -> Request:
     prompt_ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else prompt
     return Request(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens, **params))
+
+
+TINY_HYBRID = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                   linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
+                   linear_value_head_dim=16, linear_conv_kernel_dim=4)
+
+
+def make_hybrid_checkpoint(
+    dst: Path,
+    layout: str = "causal",
+    tie: bool = False,
+    seed: int = 0,
+    init_std: float = 0.05,
+    dtype: torch.dtype = torch.float32,
+    chat_template: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """A tiny random Qwen3.5 hybrid (Gated DeltaNet + gated attention) saved as an HF checkpoint:
+    layout "causal" is Qwen3_5ForCausalLM (model.*), "vl" is Qwen3_5ForConditionalGeneration
+    (model.language_model.* beside a 1-layer vision tower). With `chat_template`, the tokenizer is
+    Qwen's (vocab_size must cover its 151,669 ids), as transformers loads Qwen3.5 checkpoints with
+    Qwen3_5Tokenizer whatever tokenizer_class says; otherwise the word-level test tokenizer."""
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    dst.mkdir(parents=True, exist_ok=True)
+    text = {**TINY_HYBRID, **overrides, "tie_word_embeddings": tie, "eos_token_id": EOS_ID, "bos_token_id": 0,
+            "initializer_range": init_std, "rms_norm_eps": 1e-6}
+    torch.manual_seed(seed)
+    if layout == "causal":
+        cfg: Any = Qwen3_5TextConfig(**text)
+        model: Any = Qwen3_5ForCausalLM(cfg)
+    else:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                      patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+        cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+        model = Qwen3_5ForConditionalGeneration(cfg)
+    model = model.to(dtype)
+    with torch.no_grad():  # non-trivial norms and gates, so a wrongly applied one shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # zero-centred RMSNorms (1 + w) and the gated norm (w) alike: ~N(1, 0.2) or N(0, 0.2)
+                p.copy_((0.0 if "linear_attn.norm" not in name else 1.0) + 0.2 * torch.randn_like(p))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(dst, safe_serialization=True)
+    if chat_template is None:
+        write_word_tokenizer(dst, text["vocab_size"])
+    else:
+        from engine.qwen_tokenizer import write_qwen_tokenizer_files
+
+        write_qwen_tokenizer_files(dst, chat_template)
+    return dst

@@ -1,0 +1,142 @@
+"""Torch reference kernels of the Gated DeltaNet layers, batched over sequences: the gated delta
+rule in a chunked form (prefill; sequences padded to one [B, L] layout) and a recurrent form (one
+token per sequence: decode), and the causal depthwise conv1d that carries a conv state.
+
+The math follows transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule
+(qwen3_5): S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T, o_t = S_t^T q_t,
+with L2-normed q, k and q scaled by head_k_dim^-0.5; states are float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _expand_heads(x: torch.Tensor, num_v_heads: int, dim: int) -> torch.Tensor:
+    """Grouped value attention: each q/k head serves num_v_heads // num_k_heads consecutive v heads."""
+    groups = num_v_heads // x.shape[dim]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
+
+
+def _unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C]: L is nilpotent (L^C = 0), so
+    (I + L)^-1 = (I - L)(I + L^2)(I + L^4)... with log2(C) factors, all batched matmuls.
+
+    NOTE: torch.linalg.solve_triangular over many small batched systems ran ~15x slower on CPU
+    (6.2 s against 0.41 s for 4,096 systems of 64, same results to 2e-7)."""
+    size = lower.shape[-1]
+    inverse = torch.eye(size, dtype=lower.dtype, device=lower.device) - lower
+    power, span = lower @ lower, 2
+    while span < size:
+        inverse = inverse + inverse @ power
+        span *= 2
+        if span < size:
+            power = power @ power
+    return inverse
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,  # [B, L, Hk, Dk]
+    k: torch.Tensor,  # [B, L, Hk, Dk]
+    v: torch.Tensor,  # [B, L, Hv, Dv]
+    g: torch.Tensor,  # [B, L, Hv] log decay (<= 0)
+    beta: torch.Tensor,  # [B, L, Hv]
+    initial_state: torch.Tensor,  # [B, Hv, Dk, Dv] float32
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs [B, L, Hv, Dv] (v's dtype) and final states [B, Hv, Dk, Dv] float32.
+
+    Sequences shorter than L are padded at the end with g = 0 and beta = 0: a padded position
+    writes nothing into the state (its UT-transformed value is zero), so each sequence's final
+    state is the state after its last real token. A Python loop runs over chunks only."""
+    out_dtype = v.dtype
+    batch, seq_len, _, head_k_dim = k.shape
+    num_v_heads, head_v_dim = v.shape[-2:]
+    q, k = _expand_heads(q, num_v_heads, 2), _expand_heads(k, num_v_heads, 2)
+    # [B, H, L, D] float32
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
+    beta, g = beta.transpose(1, 2).float(), g.transpose(1, 2).float()  # [B, H, L]
+    q, k = l2norm(q), l2norm(k)
+    q = q * head_k_dim**-0.5
+    pad = (chunk_size - seq_len % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    num_chunks = (seq_len + pad) // chunk_size
+    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, H, L, D] -> [B, H, N, C, D]
+        return x.reshape(batch, num_v_heads, num_chunks, chunk_size, x.shape[-1])
+
+    q, k, k_beta, v_beta = chunks(q), chunks(k), chunks(k_beta), chunks(v_beta)
+    cum = g.reshape(batch, num_v_heads, num_chunks, chunk_size).cumsum(-1)  # [B, H, N, C]
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [B, H, N, C, C]
+    # The UT transform: the delta-rule updates of a chunk condensed into triangular solves.
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    inverse = _unit_lower_inverse(system.tril(-1))
+    new_values = inverse @ v_beta
+    k_cumdecay = inverse @ (k_beta * cum.exp()[..., None])
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+    # Chunk-major copies, so that each step of the scan reads contiguous [B, H, C, D] blocks.
+    new_values, k_cumdecay, q, k, intra, chunk_decay = (
+        x.movedim(2, 0).contiguous() for x in (new_values, k_cumdecay, q, k, intra, chunk_decay))
+    k_t = k.transpose(-1, -2)
+    state = initial_state.float()
+    outs = []
+    for i in range(num_chunks):
+        v_new = torch.baddbmm(new_values[i].flatten(0, 1), k_cumdecay[i].flatten(0, 1), state.flatten(0, 1),
+                              alpha=-1.0).view_as(new_values[i])
+        outs.append(q[i] @ state + intra[i] @ v_new)
+        state = state * chunk_decay[i] + k_t[i] @ v_new
+    out = torch.stack(outs, dim=2).reshape(batch, num_v_heads, -1, head_v_dim)[:, :, :seq_len]
+    return out.transpose(1, 2).to(out_dtype), state
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,  # [B, Hk, Dk]: one token per sequence
+    k: torch.Tensor,  # [B, Hk, Dk]
+    v: torch.Tensor,  # [B, Hv, Dv]
+    g: torch.Tensor,  # [B, Hv]
+    beta: torch.Tensor,  # [B, Hv]
+    state: torch.Tensor,  # [B, Hv, Dk, Dv] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step: outputs [B, Hv, Dv] (v's dtype) and the new states [B, Hv, Dk, Dv] float32."""
+    num_v_heads = v.shape[1]
+    q, k = _expand_heads(q, num_v_heads, 1).float(), _expand_heads(k, num_v_heads, 1).float()
+    q, k = l2norm(q), l2norm(k)
+    q = q / q.shape[-1] ** 0.5
+    state = state.float() * g.float().exp()[..., None, None]
+    kv_mem = (k[..., None, :] @ state)[..., 0, :]  # [B, H, Dv]: what the state recalls for k
+    delta = (v.float() - kv_mem) * beta.float()[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    out = (q[..., None, :] @ state)[..., 0, :]
+    return out.to(v.dtype), state
+
+
+def causal_conv1d(
+    x: torch.Tensor,  # [B, C, L] (padded at the end beyond each sequence's length)
+    conv_state: torch.Tensor,  # [B, C, K-1]: the inputs before x's first column
+    weight: torch.Tensor,  # [C, K] depthwise
+    lengths: torch.Tensor,  # [B] int64: real columns of each row
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU(depthwise causal conv) [B, C, L] in x's dtype, and each sequence's new conv state
+    [B, C, K-1] (its last K-1 real inputs, reaching into the old state for short sequences)."""
+    channels, width = weight.shape
+    full = torch.cat([conv_state.to(weight.dtype), x.to(weight.dtype)], dim=-1)  # [B, C, K-1+L]
+    # K shifted multiply-adds: for the few taps of this conv, cheaper on CPU than F.conv1d's setup.
+    length = x.shape[-1]
+    acc = full[..., :length] * weight[:, :1]
+    for j in range(1, width):
+        acc = acc + full[..., j : j + length] * weight[:, j : j + 1]
+    out = F.silu(acc)  # [B, C, L]
+    idx = lengths[:, None] + torch.arange(width - 1, device=x.device)  # [B, K-1]
+    new_state = full.gather(2, idx[:, None, :].expand(-1, channels, -1))
+    return out.to(x.dtype), new_state

@@ -1,0 +1,31 @@
+"""The state slots of a hybrid model: one fixed pool, sized at start-up beside the KV pages, holding
+each running sequence's Gated DeltaNet state (conv + recurrent, all DeltaNet layers, float32).
+The scheduler hands out slot ids (scheduler/slot_manager.py); this owns the tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.hybrid_config import HybridConfig
+
+
+class StatePool:
+    def __init__(self, hybrid: HybridConfig, num_slots: int, device: torch.device) -> None:
+        assert num_slots >= 1, "a hybrid model needs at least one state slot"
+        num_layers = len(hybrid.linear_layers)
+        self.num_slots = num_slots
+        # [num_deltanet_layers, num_slots, conv_dim, kernel - 1] float32: the last inputs of the conv
+        self.conv = torch.zeros(num_layers, num_slots, hybrid.conv_dim, hybrid.conv_kernel - 1,
+                                dtype=torch.float32, device=device)
+        # [num_deltanet_layers, num_slots, v_heads, head_k_dim, head_v_dim] float32
+        self.recurrent = torch.zeros(num_layers, num_slots, hybrid.num_v_heads, hybrid.head_k_dim, hybrid.head_v_dim,
+                                     dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Zero the states of `slots` [N] int64 (sequences starting at position 0), all layers."""
+        self.conv.index_fill_(1, slots, 0.0)
+        self.recurrent.index_fill_(1, slots, 0.0)

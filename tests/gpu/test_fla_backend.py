@@ -1,0 +1,55 @@
+"""fla-core's Gated DeltaNet kernels (engine/linear_attention_fla.py) against the torch reference
+backend on a CUDA device: a mixed batch of prefill chunks and decodes over state slots, then pure
+decode steps, comparing outputs and the slots' states. Skipped without CUDA or fla-core.
+
+NOTE: never run in this project's CI or by its authors so far (no GPU was available)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.batch import build_forward_batch
+from engine.hybrid_config import HybridConfig
+from engine.linear_attention import TorchLinearAttentionBackend
+from engine.state_pool import StatePool
+from scheduler.output import ScheduledRequest, SchedulerOutput
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+if torch.cuda.is_available():
+    pytest.importorskip("fla")
+    from engine.linear_attention_fla import FlaLinearAttentionBackend
+
+CUDA = torch.device("cuda")
+HYBRID = HybridConfig(layer_types=("linear_attention",), num_k_heads=2, num_v_heads=6, head_k_dim=64, head_v_dim=64,
+                      conv_kernel=4, partial_rotary_factor=0.25, has_vision=False)
+
+
+def batch(requests: list[tuple[int, int, int]]) -> object:
+    """(start position, new tokens, slot) per request; pages are irrelevant to DeltaNet."""
+    scheduled = tuple(ScheduledRequest(f"r{i}", tuple(range(1, n + 1)), start, tuple(range(64)), True, state_slot=slot)
+                      for i, (start, n, slot) in enumerate(requests))
+    return build_forward_batch(SchedulerOutput(scheduled, ()), 16, CUDA)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fla_delta_rule_equals_the_torch_reference_over_slots(dtype: torch.dtype) -> None:
+    ref_pool, fla_pool = StatePool(HYBRID, 8, CUDA), StatePool(HYBRID, 8, CUDA)
+    ref, fla = TorchLinearAttentionBackend(ref_pool, CUDA), FlaLinearAttentionBackend(fla_pool, CUDA)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    steps = [[(0, 100, 3), (0, 1, 5), (0, 37, 0)], [(100, 20, 3), (1, 1, 5), (37, 1, 0)], [(120, 1, 3), (2, 1, 5)]]
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    for step in steps:
+        b = batch(step)
+        t = b.num_tokens
+        q = torch.randn(t, 2, 64, device=CUDA, generator=g, dtype=dtype)
+        k = torch.randn(t, 2, 64, device=CUDA, generator=g, dtype=dtype)
+        v = torch.randn(t, 6, 64, device=CUDA, generator=g, dtype=dtype)
+        decay = -torch.nn.functional.softplus(torch.randn(t, 6, device=CUDA, generator=g))
+        beta = torch.rand(t, 6, device=CUDA, generator=g).to(dtype)
+        ref.plan(b)
+        fla.plan(b)
+        torch.testing.assert_close(fla.delta_rule(0, q, k, v, decay, beta).float(),
+                                   ref.delta_rule(0, q, k, v, decay, beta).float(), **tol)
+        torch.testing.assert_close(fla_pool.recurrent, ref_pool.recurrent, **tol)
