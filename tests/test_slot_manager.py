@@ -111,5 +111,5 @@ def test_preemption_frees_the_slot_and_the_victim_recomputes_with_a_fresh_one() 
 
 
 def test_prefix_caching_with_state_slots_is_refused() -> None:
-    with pytest.raises(AssertionError, match="prefix caching"):
+    with pytest.raises(ValueError, match="prefix caching"):
         SchedulerConfig(num_state_slots=4, enable_prefix_caching=True)
