@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.moe_config import MoeConfig, moe_config_from_dict
+
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -38,7 +41,7 @@ class RopeConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
-    model_type: str  # "qwen3" | "llama"
+    model_type: str  # "qwen3" | "llama" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -57,6 +60,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     quantization: dict[str, Any] | None = None  # the checkpoint's quantization config, if any
+    moe: MoeConfig | None = None  # mixture-of-experts models: experts, top-k, which layers are sparse
 
     @staticmethod
     def from_checkpoint(path: str | Path) -> ModelConfig:
@@ -100,6 +104,10 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         if folder is not None:
             eos_ids = _merge_generation_eos(folder, eos_ids)
+        try:
+            moe = moe_config_from_dict(raw, model_type, source)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return ModelConfig(
             architecture=arch,
             model_type=model_type,
@@ -116,11 +124,12 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             quantization=raw.get("quantization_config"),
+            moe=moe,
         )
 
 

@@ -19,6 +19,8 @@ from tqdm import tqdm
 from engine.config import ConfigError, ModelConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.layers import Linear, RotaryEmbedding
+from engine.models.moe import NVFP4Experts
+from engine.moe_loader import ExpertLoader, map_moe_name
 from engine.quantization import (
     LINEAR_SUFFIXES,
     NVFP4LinearBuilder,
@@ -100,7 +102,8 @@ def map_name(name: str) -> tuple[str, int | None] | None:
         pm = pattern.search(rest)
         if pm is not None:
             return f"layers.{layer}." + target.format(*pm.groups()), shard
-    return None
+    moe = map_moe_name(rest)  # a MoE block's router and shared expert (experts: ExpertLoader)
+    return None if moe is None else (f"layers.{layer}.{moe[0]}", moe[1])
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
     """Resident weight bytes (not the rotary tables, which are derived, not loaded)."""
     # NOTE: an NVFP4Linear's prepared operand is deliberately no buffer, so state_dict misses it.
     tensors = {t.data_ptr(): t.nbytes for t in model.state_dict().values()}
-    linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    linears = [m for m in model.modules() if isinstance(m, (NVFP4Linear, NVFP4Experts))]
     nvfp4 = sum(m.weight_nbytes for m in linears)
     return WeightBytes(sum(tensors.values()) + nvfp4, nvfp4, len(linears))
 
@@ -200,10 +203,11 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     names = tensor_names(files)
     model = _meta_model(cfg, dtype, max_len)
     pending = _nvfp4_plan(model, set(names), quantization, dtype, device)
+    experts = ExpertLoader(model, set(names), quantization, dtype, device)
     _materialize(model, list(pending), device, max_len)
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
-    expected = _expected_tensors(params, modules, cfg)
+    expected = {e for e in _expected_tensors(params, modules, cfg) if e[0] not in experts.float_param_paths()}
     skipped = tensor_roles(quantization.checkpoint_format)[1] if quantization and quantization.checkpoint_format else ()
     seen: set[tuple[str, int | None]] = set()
     unused: list[str] = []
@@ -211,6 +215,11 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     with torch.no_grad():
         for name, tensor in tqdm(iter_checkpoint(path), total=len(names), desc="loading weights", unit="tensor",
                                  disable=None):
+            try:
+                if experts.add(name, tensor):
+                    continue
+            except ConfigError as e:
+                raise ConfigError(f"{path}: {e}") from None
             mapped = map_name(name)
             if mapped is None or (mapped[0].startswith("lm_head.") and cfg.tie_word_embeddings):
                 unused.append(name)
@@ -245,6 +254,10 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     if missing:
         pname, shard = missing[0]
         raise ConfigError(f"{path}: missing tensor for '{_hf_name(pname, shard)}' ({len(missing)} missing in all)")
+    try:
+        experts.finish()
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     for module_path, builder in pending.items():
         try:
             finished = builder.build()

@@ -48,7 +48,9 @@ _MARKER = {MODELOPT: "weight_scale", COMPRESSED_TENSORS: "weight_packed"}
 
 # The HF linears quantized at load and by `fp4serve quantize`: attention and MLP projections.
 # lm_head, embeddings and norms stay in the model dtype (the usual exclude list).
-_QUANTIZABLE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$")
+# MoE models add each expert's and the shared expert's projections; the router (`mlp.gate`) stays float.
+_QUANTIZABLE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+                          r"|mlp\.experts\.\d+\.(gate|up|down)_proj|mlp\.shared_expert\.(gate|up|down)_proj)$")
 
 
 @dataclass(frozen=True)
