@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# model_type -> whether its router always renormalizes the top-k probabilities (Qwen3.5-MoE does;
-# qwen3_moe follows `norm_topk_prob`).
-MOE_MODEL_TYPES = {"qwen3_moe": False}
+# model_type -> whether its router always renormalizes the top-k probabilities (Qwen3.5-MoE's text
+# config does, and has a shared expert; qwen3_moe follows `norm_topk_prob`).
+MOE_MODEL_TYPES = {"qwen3_moe": False, "qwen3_5_moe_text": True}
 
 
 @dataclass(frozen=True)
