@@ -51,6 +51,20 @@ def map_moe_name(rest: str) -> tuple[str, int] | None:
     return None
 
 
+def split_fused_experts(name: str, tensor: Tensor) -> dict[str, Tensor] | None:
+    """A fused `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I] tensor as
+    the per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` tensors; None for other names."""
+    m = _FUSED.fullmatch(name)
+    if m is None or tensor.dim() != 3:
+        return None
+    prefix = name.rpartition(".")[0]
+    if m.group(2) == "down_proj":
+        return {f"{prefix}.{e}.down_proj.weight": tensor[e] for e in range(tensor.shape[0])}
+    gate, up = tensor.chunk(2, dim=1)
+    return {f"{prefix}.{e}.{proj}_proj.weight": w[e] for e in range(tensor.shape[0]) for proj, w in
+            (("gate", gate), ("up", up))}
+
+
 class _UnloadedExperts(nn.Module):
     """Holds NVFP4 experts' place until every expert's tensors have streamed in."""
 

@@ -75,7 +75,7 @@ MOE_TINY = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, 
                 decoder_sparse_step=1, mlp_only_layers=[])
 
 
-def make_moe_checkpoint(dst: Path, seed: int = 0, fused_experts: bool = False, tie: bool = False,
+def make_moe_checkpoint(dst: Path, seed: int = 0, fused_experts: bool = False, tie: bool = False, init_std: float = 0.1,
                         **overrides: Any) -> Path:
     """A tiny random Qwen3MoeForCausalLM (transformers' own classes). `fused_experts`: rewrite the
     per-expert tensors save_pretrained writes as fused `mlp.experts.gate_up_proj` [E, 2I, H] and
@@ -85,7 +85,7 @@ def make_moe_checkpoint(dst: Path, seed: int = 0, fused_experts: bool = False, t
 
     dst.mkdir(parents=True, exist_ok=True)
     kwargs = {**TINY, **MOE_TINY, "num_hidden_layers": 3, **overrides, "tie_word_embeddings": tie,
-              "eos_token_id": EOS_ID, "bos_token_id": 0, "initializer_range": 0.1, "rms_norm_eps": 1e-6}
+              "eos_token_id": EOS_ID, "bos_token_id": 0, "initializer_range": init_std, "rms_norm_eps": 1e-6}
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**kwargs)).float()
     with torch.no_grad():
