@@ -1,4 +1,4 @@
-"""`python -m bench {serve,plot,compare,offline,soak}`: flags to configs, runs, tables and files."""
+"""`python -m bench {serve,plot,compare,offline,soak,moe-models}`: flags to configs, runs, tables and files."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from bench.report import (Result, format_compare, format_summary, format_sweep, 
                           result_document, write_results)
 from bench.serve import ENDPOINTS, EndpointError, Load, Target, discover_model, probe_target, \
     run_load
+from bench.moe_models import add_arguments as add_moe_model_arguments
+from bench.moe_models import cmd_moe_models
 from bench.soak import add_arguments as add_soak_arguments
 from bench.soak import cmd_soak
 from bench.stats import RequestRecord, Slo, summarize
@@ -111,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--kv-cache-memory", help='KV cache size: bytes ("2GiB") or a fraction')
     o.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of every request")
     _add_dataset_flags(o, input_len=256, num_requests=64)
+
+    m = sub.add_parser("moe-models", help="write a random Qwen3-MoE checkpoint and its every-expert-active "
+                                          "twin, for `offline` to compare")
+    add_moe_model_arguments(m)
 
     k = sub.add_parser("soak", help="mixed valid, invalid and disconnecting clients for a while; then "
                                     "check nothing leaked (exit 1 if anything did)")
@@ -271,7 +277,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"serve": cmd_serve, "plot": cmd_plot, "compare": cmd_compare,
-                "offline": cmd_offline, "soak": cmd_soak}
+                "offline": cmd_offline, "soak": cmd_soak, "moe-models": cmd_moe_models}
     return commands[args.command](args)
 
 

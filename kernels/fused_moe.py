@@ -138,7 +138,9 @@ def moe_align_block_size(topk_ids: Tensor, block_m: int, num_experts: int) -> tu
     flat = topk_ids.reshape(-1)
     numel = flat.numel()
     max_padded = -(-(numel + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # NOTE: not torch.bincount, which reads the max id back to the host on CUDA (no graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)  # [E] end of each expert's padded run
     order = torch.argsort(flat, stable=True)
