@@ -11,8 +11,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                     "special_tokens_map.json")
 
@@ -31,6 +29,8 @@ class MoeShapes:
 
 def write_moe_pair(dst: Path, shapes: MoeShapes, seed: int = 0) -> tuple[Path, Path]:
     """(DST/moe-top{k}-of-{E}, DST/moe-all-{E}); the second differs only in num_experts_per_tok."""
+    # NOTE: imported here: `python -m bench` loads this module and must not pull torch (test_layering).
+    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from engine.demo import BOS_TOKEN_ID, EOS_TOKEN_ID, ensure_demo_model

@@ -22,6 +22,7 @@ from engine.quantization import (
     tensor_roles,
     weight_from_tensors,
 )
+from kernels.fused_moe import NVFP4ExpertWeights
 from kernels.nvfp4 import BLOCK_SIZE, NVFP4Weight
 
 logger = logging.getLogger("fp4serve.loader")
@@ -218,8 +219,6 @@ class ExpertLoader:
                                           f"{proj}_proj.{suffix}' (or the fused mlp.experts.*_proj)")
             if slots.mode == "float":
                 continue
-            from kernels.fused_moe import NVFP4ExpertWeights
-
             w13 = NVFP4ExpertWeights.stack([[slots.weights[(e, "gate")], slots.weights[(e, "up")]]
                                             for e in range(slots.num_experts)])
             w2 = NVFP4ExpertWeights.stack([[slots.weights[(e, "down")]] for e in range(slots.num_experts)])
