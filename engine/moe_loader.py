@@ -30,7 +30,7 @@ logger = logging.getLogger("fp4serve.loader")
 _LINEAR = "(" + "|".join(LINEAR_SUFFIXES) + ")"
 # Non-expert tensors of a MoE block: HF name after `model.layers.{i}.` -> (our path, shard).
 _BLOCK_RULES: list[tuple[re.Pattern[str], str, int]] = [
-    (re.compile(r"mlp\.gate\.weight$"), "mlp.gate.weight", 0),
+    (re.compile(rf"mlp\.gate\.{_LINEAR}$"), "mlp.gate.{0}", 0),
     (re.compile(rf"mlp\.shared_expert\.gate_proj\.{_LINEAR}$"), "mlp.shared_expert.gate_up_proj.{0}", 0),
     (re.compile(rf"mlp\.shared_expert\.up_proj\.{_LINEAR}$"), "mlp.shared_expert.gate_up_proj.{0}", 1),
     (re.compile(rf"mlp\.shared_expert\.down_proj\.{_LINEAR}$"), "mlp.shared_expert.down_proj.{0}", 0),

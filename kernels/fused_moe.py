@@ -23,7 +23,13 @@ def route(x: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool) -> tupl
 
     The router runs in float32 whatever the model dtype: a bf16 softmax over 128 experts would
     re-rank near-ties. Same order of operations as transformers' Qwen3MoeTopKRouter."""
-    probs = torch.softmax(F.linear(x.float(), gate_weight.float()), dim=-1)  # [T, E] float32
+    return select_experts(F.linear(x.float(), gate_weight.float()), top_k, renormalize)
+
+
+def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """router_logits [T, E] float32 -> (topk_weights [T, k] float32, topk_ids [T, k] int64):
+    softmax over the experts, top-k, renormalized to sum to 1 when asked."""
+    probs = torch.softmax(router_logits, dim=-1)  # [T, E] float32
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)

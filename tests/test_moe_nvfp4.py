@@ -148,3 +148,22 @@ def test_nvfp4_moe_serves_and_agrees_with_its_float_self(tmp_path: Path) -> None
     results = engine.generate(random_prompts([3, 20, 41], seed=1),
                               SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert [len(r.token_ids[0]) for r in results] == [10, 10, 10]
+
+
+def test_a_router_stored_in_nvfp4_is_loaded_as_stored_and_serves(ckpts: Any, tmp_path: Path) -> None:
+    """ModelOpt usually excludes `mlp.gate`; a checkpoint that did quantize it still loads."""
+    import shutil
+
+    from kernels.nvfp4 import to_modelopt
+    from kernels.nvfp4_matmul import NVFP4Linear
+
+    dst = tmp_path / "q-router"
+    shutil.copytree(ckpts("per", "modelopt"), dst)
+    tensors = load_file(dst / "model.safetensors")
+    router = tensors.pop("model.layers.0.mlp.gate.weight")
+    tensors.update({f"model.layers.0.mlp.gate.{k}": v for k, v in to_modelopt(quantize_nvfp4(router)).items()})
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    runner = make_runner(dst)
+    blocks = moe_blocks(runner)
+    assert isinstance(blocks[0].gate, NVFP4Linear) and type(blocks[2].gate) is Linear
+    assert position_logits(runner, random_prompts([9], seed=4)[0]).isfinite().all()

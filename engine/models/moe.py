@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.models.layers import Linear
 from engine.moe_config import MoeConfig
-from kernels.fused_moe import ExpertOperand, NVFP4ExpertWeights, fused_experts, prepare_experts, route
+from kernels.fused_moe import ExpertOperand, NVFP4ExpertWeights, fused_experts, prepare_experts, route, select_experts
 
 
 class Experts(nn.Module):
@@ -68,8 +68,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = moe.num_experts_per_tok
         self.renormalize = moe.norm_topk_prob
-        # The router stays in the model dtype (never NVFP4); it is applied in float32.
-        self.gate = Linear(hidden_size, [moe.num_experts])
+        # The router stays in the model dtype (never quantized at load); it is applied in float32.
+        self.gate: nn.Module = Linear(hidden_size, [moe.num_experts])
         self.experts: nn.Module = Experts(moe.num_experts, hidden_size, moe.moe_intermediate_size)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: Linear | None = None
@@ -78,7 +78,10 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(hidden_size, [1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = route(x, self.gate.weight, self.top_k, self.renormalize)  # [T, k] fp32, int64
+        if isinstance(self.gate, Linear):
+            topk_weights, topk_ids = route(x, self.gate.weight, self.top_k, self.renormalize)  # [T, k] fp32, int64
+        else:  # a checkpoint that stored its router in NVFP4 (ModelOpt usually excludes it): run it as stored
+            topk_weights, topk_ids = select_experts(self.gate(x).float(), self.top_k, self.renormalize)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
