@@ -1,4 +1,4 @@
-"""`python -m bench {serve,plot,compare,offline,soak,context,tiny-model}`: flags to configs, runs, tables and files."""
+"""`python -m bench {serve,plot,compare,offline,soak,context,tiny-model,moe-models}`: flags to configs, runs, tables and files."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from bench.report import (Result, format_compare, format_summary, format_sweep, 
                           result_document, write_results)
 from bench.serve import ENDPOINTS, EndpointError, Load, Target, discover_model, probe_target, \
     run_load
+from bench.moe_models import add_arguments as add_moe_model_arguments
+from bench.moe_models import cmd_moe_models
 from bench.soak import add_arguments as add_soak_arguments
 from bench.soak import cmd_soak
 from bench.stats import RequestRecord, Slo, summarize
@@ -126,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("dst", help="folder to write")
     t.add_argument("--hidden-size", type=int, default=256, help="model width")
     t.add_argument("--num-layers", type=int, default=8, help="decoder layers")
+    m = sub.add_parser("moe-models", help="write a random Qwen3-MoE checkpoint and its every-expert-active "
+                                          "twin, for `offline` to compare")
+    add_moe_model_arguments(m)
 
     k = sub.add_parser("soak", help="mixed valid, invalid and disconnecting clients for a while; then "
                                     "check nothing leaked (exit 1 if anything did)")
@@ -307,7 +312,8 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"serve": cmd_serve, "plot": cmd_plot, "compare": cmd_compare,
-                "offline": cmd_offline, "soak": cmd_soak, "context": cmd_context, "tiny-model": cmd_tiny_model}
+                "offline": cmd_offline, "soak": cmd_soak, "context": cmd_context, "tiny-model": cmd_tiny_model,
+                "moe-models": cmd_moe_models}
     return commands[args.command](args)
 
 

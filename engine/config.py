@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from engine.hybrid_config import HYBRID_ARCHITECTURES, HybridConfig, hybrid_from_dict, text_fields
+from engine.moe_config import MoeConfig, moe_config_from_dict
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
     **{arch: "qwen3_5" for arch in HYBRID_ARCHITECTURES},
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -42,7 +44,7 @@ class RopeConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
-    model_type: str  # "qwen3" | "llama" | "qwen3_5"
+    model_type: str  # "qwen3" | "llama" | "qwen3_5" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -62,6 +64,7 @@ class ModelConfig:
     bos_token_id: int | None
     quantization: dict[str, Any] | None = None  # the checkpoint's quantization config, if any
     hybrid: HybridConfig | None = None  # Qwen3.5/3.6: Gated DeltaNet layers beside gated attention
+    moe: MoeConfig | None = None  # mixture-of-experts models: experts, top-k, which layers are sparse
 
     @property
     def num_kv_layers(self) -> int:
@@ -120,6 +123,10 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         if folder is not None:
             eos_ids = _merge_generation_eos(folder, eos_ids)
+        try:
+            moe = moe_config_from_dict(raw, model_type, source)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return ModelConfig(
             architecture=arch,
             model_type=model_type,
@@ -136,12 +143,13 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_5"),
+            qk_norm=model_type in ("qwen3", "qwen3_5", "qwen3_moe"),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             quantization=raw.get("quantization_config"),
             hybrid=hybrid,
+            moe=moe,
         )
 
 

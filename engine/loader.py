@@ -21,6 +21,8 @@ from engine.models.decoder import DecoderForCausalLM
 from engine.models.layers import Linear, RotaryEmbedding
 from engine.models.qwen3_5 import HybridForCausalLM
 from engine.models.qwen3_5_weights import FUSED_LINEARS, LINEAR_ATTN_RULES, canonical_name, skipped_part
+from engine.models.moe import NVFP4Experts
+from engine.moe_loader import ExpertLoader, map_moe_name
 from engine.quantization import (
     LINEAR_SUFFIXES,
     NVFP4LinearBuilder,
@@ -102,7 +104,8 @@ def map_name(name: str) -> tuple[str, int | None] | None:
         pm = pattern.search(rest)
         if pm is not None:
             return f"layers.{layer}." + target.format(*pm.groups()), shard
-    return None
+    moe = map_moe_name(rest)  # a MoE block's router and shared expert (experts: ExpertLoader)
+    return None if moe is None else (f"layers.{layer}.{moe[0]}", moe[1])
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
     """Resident weight bytes (not the rotary tables, which are derived, not loaded)."""
     # NOTE: an NVFP4Linear's prepared operand is deliberately no buffer, so state_dict misses it.
     tensors = {t.data_ptr(): t.nbytes for t in model.state_dict().values()}
-    linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    linears = [m for m in model.modules() if isinstance(m, (NVFP4Linear, NVFP4Experts))]
     nvfp4 = sum(m.weight_nbytes for m in linears)
     return WeightBytes(sum(tensors.values()) + nvfp4, nvfp4, len(linears))
 
@@ -204,10 +207,11 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     names = [canonical_name(n) for n in tensor_names(files)]  # ConditionalGeneration: text model as model.*
     model = _meta_model(cfg, dtype, max_len)
     pending = _nvfp4_plan(model, set(names), quantization, dtype, device)
+    experts = ExpertLoader(model, set(names), quantization, dtype, device)
     _materialize(model, list(pending), device, max_len)
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
-    expected = _expected_tensors(params, modules, cfg)
+    expected = {e for e in _expected_tensors(params, modules, cfg) if e[0] not in experts.float_param_paths()}
     skipped = tensor_roles(quantization.checkpoint_format)[1] if quantization and quantization.checkpoint_format else ()
     seen: set[tuple[str, int | None]] = set()
     unused: list[str] = []
@@ -221,6 +225,11 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                 left_out.setdefault(part, []).append(name)
                 continue
             name = canonical_name(name)
+            try:
+                if experts.add(name, tensor):
+                    continue
+            except ConfigError as e:
+                raise ConfigError(f"{path}: {e}") from None
             mapped = map_name(name)
             if mapped is None or (mapped[0].startswith("lm_head.") and cfg.tie_word_embeddings):
                 unused.append(name)
@@ -255,6 +264,10 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     if missing:
         pname, shard = missing[0]
         raise ConfigError(f"{path}: missing tensor for '{_hf_name(pname, shard)}' ({len(missing)} missing in all)")
+    try:
+        experts.finish()
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     for module_path, builder in pending.items():
         try:
             finished = builder.build()

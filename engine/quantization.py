@@ -49,8 +49,10 @@ _MARKER = {MODELOPT: "weight_scale", COMPRESSED_TENSORS: "weight_packed"}
 # The HF linears quantized at load and by `fp4serve quantize`: attention and MLP projections.
 # lm_head, embeddings and norms stay in the model dtype (the usual exclude list).
 # Hybrids (Qwen3.5): also the DeltaNet qkv/z/out projections; in_proj_a/b stay float (see qwen3_5.py).
+# MoE models add each expert's and the shared expert's projections; the router (`mlp.gate`) stays float.
 _QUANTIZABLE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
-                          r"|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))$")
+                          r"|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
+                          r"|mlp\.experts\.\d+\.(gate|up|down)_proj|mlp\.shared_expert\.(gate|up|down)_proj)$")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """`fp4serve quantize SRC DST`: write an NVFP4 copy of a float HF checkpoint in the ModelOpt or
-compressed-tensors layout (q/k/v/o and gate/up/down quantized, one tensor set per HF linear;
-lm_head, embeddings and norms unchanged), with its config, tokenizer and generation files."""
+compressed-tensors layout (q/k/v/o and gate/up/down quantized, MoE experts one by one; one tensor
+set per HF linear; lm_head, embeddings, norms and MoE routers unchanged), with its config,
+tokenizer and generation files."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tqdm import tqdm
 from engine.config import ConfigError, ModelConfig
 from engine.loader import checkpoint_files, tensor_names
 from engine.models.qwen3_5_weights import canonical_name
+from engine.moe_loader import split_fused_experts
 from engine.quantization import (
     CHECKPOINT_FORMATS,
     HF_QUANT_CONFIG,
@@ -100,21 +102,24 @@ def _write_tensors(src: Path, files: list[Path], out: Path, checkpoint_format: s
         for f in files:
             written: dict[str, torch.Tensor] = {}
             with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
-                    tensor = st.get_tensor(name)
-                    before += tensor.nbytes
-                    module, _, leaf = name.rpartition(".")
-                    # ConditionalGeneration checkpoints name the text model model.language_model.*
-                    if leaf == "weight" and is_quantizable(canonical_name(module)):
-                        nvfp4 = quantize_weight(tensor.to(device), name)
-                        parts = {f"{module}.{suffix}": t.cpu().contiguous()
-                                 for suffix, t in weight_to_tensors(checkpoint_format, nvfp4).items()}
-                        linear_before += tensor.nbytes
-                        linear_after += sum(t.nbytes for t in parts.values())
-                        num_quantized += 1
-                    else:
-                        parts = {name: tensor}
-                    written.update(parts)
+                for stored_name in st.keys():
+                    stored = st.get_tensor(stored_name)
+                    before += stored.nbytes
+                    # Fused MoE experts are written per expert, the layout ModelOpt and
+                    # compressed-tensors use, each expert with its own global scales.
+                    for name, tensor in (split_fused_experts(stored_name, stored) or {stored_name: stored}).items():
+                        module, _, leaf = name.rpartition(".")
+                        # ConditionalGeneration checkpoints name the text model model.language_model.*
+                        if leaf == "weight" and is_quantizable(canonical_name(module)):
+                            nvfp4 = quantize_weight(tensor.to(device), name)
+                            parts = {f"{module}.{suffix}": t.cpu().contiguous()
+                                     for suffix, t in weight_to_tensors(checkpoint_format, nvfp4).items()}
+                            linear_before += tensor.nbytes
+                            linear_after += sum(t.nbytes for t in parts.values())
+                            num_quantized += 1
+                        else:
+                            parts = {name: tensor}
+                        written.update(parts)
                     bar.update(1)
             save_file(written, str(out / f.name), metadata={"format": "pt"})
             after += sum(t.nbytes for t in written.values())

@@ -118,7 +118,47 @@ def make_hybrid_checkpoint(
     if chat_template is None:
         write_word_tokenizer(dst, text["vocab_size"])
     else:
-        from engine.qwen_tokenizer import write_qwen_tokenizer_files
+        from fp4serve_tools.qwen_tokenizer import write_qwen_tokenizer_files
 
         write_qwen_tokenizer_files(dst, chat_template)
+    return dst
+
+
+MOE_TINY = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def make_moe_checkpoint(dst: Path, seed: int = 0, fused_experts: bool = False, tie: bool = False, init_std: float = 0.1,
+                        **overrides: Any) -> Path:
+    """A tiny random Qwen3MoeForCausalLM (transformers' own classes). `fused_experts`: rewrite the
+    per-expert tensors save_pretrained writes as fused `mlp.experts.gate_up_proj` [E, 2I, H] and
+    `mlp.experts.down_proj` [E, H, I], the layout some tools write."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    dst.mkdir(parents=True, exist_ok=True)
+    kwargs = {**TINY, **MOE_TINY, "num_hidden_layers": 3, **overrides, "tie_word_embeddings": tie,
+              "eos_token_id": EOS_ID, "bos_token_id": 0, "initializer_range": init_std, "rms_norm_eps": 1e-6}
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**kwargs)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # spread the router so top-k choices differ by token
+                p.copy_(torch.randn_like(p))
+    model.save_pretrained(dst, safe_serialization=True)
+    if fused_experts:
+        [weights_file] = list(dst.glob("*.safetensors"))
+        tensors = load_file(weights_file)
+        for layer in range(kwargs["num_hidden_layers"]):
+            prefix = f"model.layers.{layer}.mlp.experts"
+            if f"{prefix}.0.gate_proj.weight" not in tensors:
+                continue
+            per = {p: [tensors.pop(f"{prefix}.{e}.{p}_proj.weight") for e in range(kwargs["num_experts"])]
+                   for p in ("gate", "up", "down")}
+            tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(per["gate"], per["up"])])
+            tensors[f"{prefix}.down_proj"] = torch.stack(per["down"])
+        save_file(tensors, str(weights_file), metadata={"format": "pt"})
+    write_word_tokenizer(dst, kwargs["vocab_size"])
     return dst

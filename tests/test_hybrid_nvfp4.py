@@ -14,7 +14,7 @@ import torch
 from engine.batch import build_forward_batch
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
-from engine.quantize import quantize_checkpoint
+from fp4serve_tools.quantize import quantize_checkpoint
 from kernels.nvfp4_matmul import NVFP4Linear
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import SamplingParams

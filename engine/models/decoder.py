@@ -15,6 +15,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
+from engine.models.moe import SparseMoeBlock
 
 
 class Attention(nn.Module):
@@ -61,13 +62,20 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def make_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    """The MLP slot of layer `layer_idx`: a sparse MoE block where the config says so, else dense."""
+    if cfg.moe is not None and cfg.moe.is_moe_layer(layer_idx):
+        return SparseMoeBlock(cfg.hidden_size, cfg.moe)
+    return MLP(cfg)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = make_mlp(cfg, layer_idx)
 
     def forward(
         self,
@@ -86,7 +94,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_len)
         # With tied embeddings lm_head shares embed_tokens' weight (set by the loader).
