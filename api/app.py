@@ -37,6 +37,8 @@ from api.inflight import InFlight, InFlightMiddleware
 from api.limits import RequestLimits
 from api.metrics import ServerMetrics
 from api.routes import ROUTES
+from api.stats import stats_routes
+from api.ui import ui_routes
 from engine.async_engine import EngineDeadError, EngineOverloadedError, QueueLimits
 from engine.config import ConfigError, EngineConfig
 from scheduler.request import ParamError
@@ -69,6 +71,7 @@ class ServerConfig:
     queue: QueueLimits = QueueLimits(max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS)
     request_timeout_s: float | None = None  # from arrival to the last byte; None: no limit
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # how long a drain waits for in-flight requests
+    ui: bool = True  # the web page at / (api/ui.py)
 
     def __post_init__(self) -> None:
         assert self.max_request_bytes > 0, "max_request_bytes must be positive"
@@ -241,7 +244,7 @@ def build_app(
     if config.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
     app = Starlette(
-        routes=ROUTES,
+        routes=[*ROUTES, *stats_routes(), *(ui_routes(config.url) if config.ui else [])],
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={
