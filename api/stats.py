@@ -158,7 +158,7 @@ def summarize(window: StatsWindow, registries: Iterable[CollectorRegistry], now:
         "prefix_cache": {
             "queried_tokens": int(queried),
             "hit_tokens": int(hits),
-            "hit_rate": hits / queried if queried else None,
+            "hit_rate": round(hits / queried, 4) if queried else None,
         },
         "tokens": {
             "prompt_total": int(c["prompt_tokens"]),
@@ -176,13 +176,14 @@ def summarize(window: StatsWindow, registries: Iterable[CollectorRegistry], now:
 
 def _rate(current: Snapshot, earlier: Snapshot, key: str) -> float:
     elapsed = current.t - earlier.t
-    return (current.counters[key] - earlier.counters.get(key, 0.0)) / elapsed if elapsed > 0 else 0.0
+    return round((current.counters[key] - earlier.counters.get(key, 0.0)) / elapsed, 3) if elapsed > 0 else 0.0
 
 
 def _percentiles(histogram: Histogram) -> dict[str, float | int | None]:
     out: dict[str, float | int | None] = {"count": int(histogram.total)}
     for q in QUANTILES:
-        out[f"p{round(q * 100)}"] = histogram.quantile(q)
+        value = histogram.quantile(q)
+        out[f"p{round(q * 100)}"] = None if value is None else round(value, 6)  # to the microsecond
     return out
 
 

@@ -163,7 +163,10 @@ def test_markdown_reasoning_and_code_render_as_elements(page: Any, core: PacedCo
     reply = wait_done(page)
     reasoning = reply.find_element(By.CSS_SELECTOR, "details.reasoning")
     assert reasoning.is_displayed() and reasoning.get_attribute("open") is None  # folded once the answer began
-    assert "a short example will do" in text_of(reply, ".reasoning-body")
+    body = reasoning.find_element(By.CSS_SELECTOR, ".reasoning-body")
+    assert not body.is_displayed()
+    reasoning.find_element(By.TAG_NAME, "summary").click()
+    assert body.is_displayed() and "a short example will do" in body.text
     assert text_of(reply, ".content strong") == "stream=True"
     code = text_of(reply, ".content pre code")
     assert code.startswith("for chunk in client.chat.completions.create(") and code.endswith('end="")')

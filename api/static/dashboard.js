@@ -99,8 +99,8 @@ export class Dashboard {
     legend("itl-legend", itl);
     setText(
       "window-hint",
-      `Percentiles over the last ${Math.round(s.latency.window_s)} s (${ttft.count} first tokens, ` +
-        `${itl.count} gaps); charts show the last 5 minutes.`,
+      `Percentiles over the last ${Math.round(s.latency.window_s)} s (${ttft.count} TTFT and ` +
+        `${itl.count} ITL samples); charts show up to the last 5 minutes.`,
     );
   }
 }
