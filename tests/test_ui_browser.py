@@ -37,7 +37,12 @@ MARKDOWN_REPLY = (
     "    print(chunk.choices[0].delta.content or \"\", end=\"\")\n```\n\n"
     "- the first chunk carries the role\n- the last one carries `usage` when asked"
 )
-HOSTILE_REPLY = 'Look: <script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"> <b>bold?</b>'
+HOSTILE_LINE = (
+    'Look: <script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"> <b>bold?</b> '
+    "[click](javascript:window.__pwned=3)"
+)
+HOSTILE_CODE = '<script>window.__pwned = 4</script><iframe src="/"></iframe>'
+HOSTILE_REPLY = f"{HOSTILE_LINE}\n\n```html\n{HOSTILE_CODE}\n```"
 # Records the length of the last reply's text at every DOM change, so that no intermediate
 # length is missed between two polls of the test.
 RECORD_LENGTHS = """
@@ -198,10 +203,11 @@ def test_model_reply_with_a_script_tag_is_shown_as_text(page: Any, core: PacedCo
     send(page, "Say something dangerous")
     reply = wait_done(page)
     for attempt in ("live", "restored from localStorage"):
-        assert text_of(reply, ".content") == HOSTILE_REPLY, attempt
+        assert text_of(reply, ".content p") == HOSTILE_LINE, attempt
+        assert text_of(reply, ".content pre code") == HOSTILE_CODE, attempt
         counts = page.execute_script(
             "const m = document.getElementById('messages');"
-            "return [m.querySelectorAll('script, img, b').length, window.__pwned === undefined];"
+            "return [m.querySelectorAll('script, img, b, iframe, a').length, window.__pwned === undefined];"
         )
         assert counts == [0, True], attempt
         # The conversation is kept in localStorage: a reload shows it again, rendered the same way.
