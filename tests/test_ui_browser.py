@@ -283,3 +283,39 @@ def test_with_an_api_key_the_page_works_only_once_the_key_is_entered(browser: An
         screenshot(browser, "api-key")
         # The failed request logged a 401 in the console; nothing else may have.
         assert [e for e in console_errors(browser) if "401" not in e["message"]] == []
+
+
+RENDER_MARKDOWN = """
+const [texts, done] = [arguments[0], arguments[arguments.length - 1]];
+import('/ui/markdown.js').then((md) => done(texts.map((text) => {
+  const box = document.createElement('div');
+  box.append(md.renderMarkdown(text));
+  return box.innerHTML;  // reading is fine: only writing HTML strings is refused
+})));
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "html"),
+    [
+        ("**bold**, *it* and `a<b>`",
+         '<p><strong>bold</strong>, <em>it</em> and <code class="inline">a&lt;b&gt;</code></p>'),
+        ("<script>alert(1)</script>\nline 2", "<p>&lt;script&gt;alert(1)&lt;/script&gt;<br>line 2</p>"),
+        ("## Title\n1. one\n2. **two**",
+         '<h4 class="md-heading">Title</h4><ol><li>one</li><li><strong>two</strong></li></ol>'),
+        ("> quoted\n\n- a\n  more\n- b\n\n---",
+         "<blockquote><p>quoted</p></blockquote><ul><li>a<br>more</li><li>b</li></ul><hr>"),
+        ("[x](javascript:alert(1)) [y](/relative)", "<p>[x](javascript:alert(1)) [y](/relative)</p>"),
+        ("[docs](https://example.org/a?b=1)",
+         '<p><a href="https://example.org/a?b=1" target="_blank" rel="noopener noreferrer nofollow" '
+         'title="https://example.org/a?b=1">docs</a></p>'),
+    ],
+)
+def test_markdown_renderer_builds_elements_and_escapes_everything_else(page: Any, text: str, html: str) -> None:
+    assert page.execute_async_script(RENDER_MARKDOWN, [text]) == [html]
+
+
+def test_a_code_block_still_streaming_renders_open(page: Any) -> None:
+    [html] = page.execute_async_script(RENDER_MARKDOWN, ["Code:\n```python\nprint('<b>')"])
+    assert html.startswith("<p>Code:</p><div class=\"code-block\">")
+    assert '<pre class="open"><code data-lang="python">print(\'&lt;b&gt;\')</code></pre>' in html

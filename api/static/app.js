@@ -21,7 +21,13 @@ const EXAMPLE_TOOLS = [
     },
   },
 ];
-const SETTING_INPUTS = { system: "system-prompt", temperature: "temperature", top_p: "top-p", max_tokens: "max-tokens", tools: "tools" };
+const SETTING_INPUTS = {
+  system: "system-prompt",
+  temperature: "temperature",
+  top_p: "top-p",
+  max_tokens: "max-tokens",
+  tools: "tools",
+};
 
 const byId = (id) => document.getElementById(id);
 const store = new Store();

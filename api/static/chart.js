@@ -68,7 +68,8 @@ export class LineChart {
     ctx.textAlign = "left";
     ctx.textBaseline = "alphabetic";
     const span = Math.min(this.spanMs, Math.max(MIN_SPAN_MS, this.points.length ? now - this.points[0].t : 0));
-    ctx.fillText(span >= 90000 ? "-" + Math.round(span / 60000) + " min" : "-" + Math.round(span / 1000) + " s", left, height - 2);
+    const spanText = span >= 90000 ? Math.round(span / 60000) + " min" : Math.round(span / 1000) + " s";
+    ctx.fillText("-" + spanText, left, height - 2);
     ctx.textAlign = "right";
     ctx.fillText("now", width - right, height - 2);
     const x = (t) => left + plotW * (1 - (now - t) / span);

@@ -97,7 +97,8 @@ class AssistantView {
 
   finish(message) {
     this.update(message);
-    this.summary.textContent = message.reasoning ? "Reasoning (" + message.reasoning.length + " characters)" : "Reasoning";
+    const characters = message.reasoning.length;
+    this.summary.textContent = characters ? "Reasoning (" + characters + " characters)" : "Reasoning";
     this.error.hidden = !message.error;
     this.error.textContent = message.error || "";
     this.meta.textContent = statsText(message.stats);
@@ -143,7 +144,9 @@ export class Chat {
         views.push(view.root);
       }
     }
-    if (!views.length) views.push(el("p", "empty", "Send a message to start. Enter sends, Shift+Enter adds a new line."));
+    if (!views.length) {
+      views.push(el("p", "empty", "Send a message to start. Enter sends, Shift+Enter adds a new line."));
+    }
     this.messages.replaceChildren(...views);
     this.scroll(true);
   }

@@ -8,7 +8,13 @@ const HEADING = /^(#{1,6})\s+(.*)$/;
 const RULE = /^\s*([-*_])(\s*\1){2,}\s*$/;
 const QUOTE = /^\s*>\s?(.*)$/;
 const LIST_ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
-const INLINE = /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*|\*(?=[^\s*])([^*]*?[^\s*])\*|\[([^\]\n]+)\]\(([^()\s]+)\)/;
+// Alternatives, in order: `code`, **bold**, *italic*, [label](target).
+const INLINE = new RegExp([
+  /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)/.source,
+  /\*\*(?=\S)([\s\S]*?\S)\*\*/.source,
+  /\*(?=[^\s*])([^*]*?[^\s*])\*/.source,
+  /\[([^\]\n]+)\]\(([^()\s]+)\)/.source,
+].join("|"));
 
 function el(tag, className, text) {
   const node = document.createElement(tag);
