@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts" / "ui"
 APT_PACKAGES = ("chromium", "chromium-driver")
 CHROMIUM_FLAGS = (
-    "--headless=new",
+    "--headless",
     "--no-sandbox",  # CI runs as root, where Chromium's sandbox cannot start
     "--disable-gpu",
     "--disable-quic",

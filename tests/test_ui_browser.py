@@ -187,7 +187,13 @@ def test_markdown_reasoning_and_code_render_as_elements(page: Any, core: PacedCo
 def test_tool_calls_are_shown(page: Any, core: PacedCore) -> None:
     from selenium.webdriver.common.by import By
 
+    set_setting(page, "tools", "[{not json")
+    send(page, "Weather in Paris?")
+    assert page.find_element(By.ID, "tools-error").text.startswith("Tools: not valid JSON")
+    assert by_testid(page, "chat-message-user") == []  # nothing was sent
+    page.find_element(By.ID, "tools").clear()
     page.find_element(By.ID, "tools-example").click()
+    by_testid(page, "chat-input")[0].clear()
     core.expect('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>')
     send(page, "Weather in Paris?")
     reply = wait_done(page)
@@ -221,6 +227,27 @@ def test_model_reply_with_a_script_tag_is_shown_as_text(page: Any, core: PacedCo
     )
     assert refused == "TypeError"
     assert ["TrustedHTML" in e["message"] for e in console_errors(page)] == [True]  # (reading drains the log)
+
+
+def test_conversations_are_kept_in_local_storage_and_switched(page: Any, core: PacedCore) -> None:
+    from selenium.webdriver.common.by import By
+
+    core.expect("First answer.")
+    send(page, "First question")
+    wait_done(page)
+    page.find_element(By.ID, "new-chat").click()
+    assert by_testid(page, "chat-message-user") == []
+    core.expect("Second answer.")
+    send(page, "Second question")
+    wait_done(page)
+    titles = [b.text for b in page.find_elements(By.CSS_SELECTOR, "#conversations .open")]
+    assert titles == ["Second question", "First question"]
+    page.refresh()
+    wait_for(lambda: by_testid(page, "chat-message-user"), what="the stored conversation")
+    assert [u.text for u in by_testid(page, "chat-message-user")] == ["Second question"]
+    page.find_elements(By.CSS_SELECTOR, "#conversations .open")[1].click()
+    assert [u.text for u in by_testid(page, "chat-message-user")] == ["First question"]
+    assert [text_of(r, ".content") for r in by_testid(page, "chat-message-assistant")] == ["First answer."]
 
 
 def test_stop_aborts_the_request_and_the_server_shows_zero_running(page: Any, server: InProcessServer) -> None:

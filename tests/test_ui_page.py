@@ -182,3 +182,14 @@ def test_stats_on_a_real_server_agree_with_metrics(server: InProcessServer) -> N
     assert stats["requests"]["running"] == 0 and stats["requests"]["finished"]["length"] >= 1
     assert stats["latency"]["ttft_s"]["count"] >= 1 and stats["latency"]["ttft_s"]["p50"] > 0
     assert stats["latency"]["itl_s"]["count"] >= 7
+
+
+def test_without_chromium_and_without_root_the_browser_tests_skip_saying_how_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tests.browser
+
+    monkeypatch.setattr(tests.browser.shutil, "which", lambda name: "/usr/bin/apt-get" if name == "apt-get" else None)
+    monkeypatch.setattr(tests.browser.os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install chromium chromium-driver"):
+        tests.browser.ensure_chromium()
