@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.resources
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +17,7 @@ from starlette.testclient import TestClient
 from api.app import ServerConfig, build_app
 from api.cli import build_parser, server_config
 from api.metrics import ServerMetrics
-from api.stats import LATENCY_WINDOW_S, Histogram, StatsWindow, read_snapshot, summarize
+from api.stats import LATENCY_WINDOW_S, REUSE_S, Histogram, StatsFeed, StatsWindow, read_snapshot, summarize
 from api.ui import CONTENT_SECURITY_POLICY
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
@@ -159,6 +160,16 @@ def test_read_snapshot_takes_counters_and_histograms_by_name() -> None:
     assert gauges["running"] == 0
 
 
+def test_dashboards_polling_together_share_one_reading() -> None:
+    engine = EngineMetrics("m")
+    feed = StatsFeed()
+    first = feed.read([engine.registry])
+    engine.generation_tokens.inc(5)
+    assert feed.read([engine.registry]) is first
+    time.sleep(REUSE_S)
+    assert feed.read([engine.registry])["tokens"]["generation_total"] == 5
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[InProcessServer]:
     with in_process_server(ServerConfig(engine=EngineConfig(kv_cache_memory="32MiB", max_model_len=512))) as running:
@@ -173,6 +184,7 @@ def test_stats_on_a_real_server_agree_with_metrics(server: InProcessServer) -> N
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "ignore_eos": True,
         })
         assert reply.status_code == 200
+        time.sleep(REUSE_S)  # a newer reading than `before`
         stats = http.get("/stats").json()
         metrics = http.get("/metrics").text
     assert stats["object"] == "stats" and stats["status"] == "ready"
