@@ -54,6 +54,19 @@ new MutationObserver(() => {
 """
 
 
+SERIES_RGB = ([0x2F, 0x7D, 0x4F], [0xC9, 0x8A, 0x12], [0xB2, 0x3B, 0x3B])  # dashboard.js's p50, p90, p99
+COUNT_PIXELS = """
+const [id, rgb] = arguments;
+const canvas = document.getElementById(id);
+const data = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+let n = 0;
+for (let i = 0; i < data.length; i += 4) {
+  if (data[i + 3] > 200 && [0, 1, 2].every((c) => Math.abs(data[i + c] - rgb[c]) < 24)) n += 1;
+}
+return n;
+"""
+
+
 class PacedCore(ScriptedCore):
     """A ScriptedCore whose steps take at least STEP_DELAY_S, so that a stream can be watched."""
 
@@ -279,6 +292,11 @@ def test_dashboard_token_counter_rises_after_a_chat(page: Any, core: PacedCore, 
     assert by_testid(page, "metric-waiting")[0].text == "0"
     assert page.find_element("id", "info-device").text == "cpu"
     assert page.find_element("id", "info-backend").text == "torch"
+    # The live charts drew the percentiles: pixels in a series' colour (p99 is drawn last, on top
+    # of the others where they are equal, as they are with one request).
+    for chart in ("ttft-chart", "itl-chart"):
+        wait_for(lambda: sum(page.execute_script(COUNT_PIXELS, chart, rgb) for rgb in SERIES_RGB) > 10,
+                 timeout=5, what=f"the {chart} lines")
 
 
 def test_with_an_api_key_the_page_works_only_once_the_key_is_entered(browser: Any, core: PacedCore) -> None:

@@ -79,16 +79,21 @@ export class LineChart {
       ctx.lineWidth = 1.5;
       ctx.beginPath();
       let drawing = false;
-      for (const p of this.points) {
+      this.points.forEach((p, i) => {
         const v = p.values[k];
         if (v == null) {
           drawing = false;
-          continue;
+          return;
         }
         if (drawing) ctx.lineTo(x(p.t), y(v));
         else ctx.moveTo(x(p.t), y(v));
         drawing = true;
-      }
+        const before = this.points[i - 1], after = this.points[i + 1];
+        if ((!before || before.values[k] == null) && (!after || after.values[k] == null)) {
+          ctx.fillStyle = s.color; // a lone point: a dot, since a line needs two
+          ctx.fillRect(x(p.t) - 1.5, y(v) - 1.5, 3, 3);
+        }
+      });
       ctx.stroke();
     });
   }
