@@ -57,6 +57,7 @@ export class Dashboard {
 
   async tick() {
     try {
+      if (document.hidden) return; // a background tab costs the server nothing
       if (this.polls % HEALTH_EVERY === 0) await this.readHealth();
       await this.readStats();
     } catch (error) {
