@@ -28,6 +28,8 @@ from api.errors import (
 from api.generation import ClientDisconnected
 from api.inflight import InFlightMiddleware
 from api.routes import ROUTES
+from api.stats import stats_routes
+from api.ui import ui_routes
 from api.state import (
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -75,7 +77,7 @@ def build_app(
     if config.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
     app = Starlette(
-        routes=ROUTES,
+        routes=[*ROUTES, *stats_routes(), *(ui_routes(config.url) if config.ui else [])],
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={

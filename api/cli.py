@@ -120,6 +120,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--reasoning-parser", default=None, metavar="NAME",
                       help="split <think> reasoning into reasoning_content: qwen3, or auto (from the chat "
                       "template); default: none")
+    http.add_argument("--no-ui", action="store_true",
+                      help="do not serve the built-in web page (chat playground and live dashboard) at /; "
+                      "/stats, its JSON feed, stays")
     http.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log verbosity")
     _add_robustness_arguments(parser)
 
@@ -225,6 +228,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         queue=QueueLimits(max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens),
         request_timeout_s=args.request_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
+        ui=not args.no_ui,
     )
 
 
@@ -315,7 +319,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     serve_parser = commands.add_parser(
         "serve", help="serve a model over the OpenAI API", formatter_class=_HelpFormatter,
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-        "/v1/models, /health, /metrics, /version).",
+        "/v1/models, /health, /metrics, /stats, /version) and a web page at / (chat playground, live dashboard).",
     )
     add_serve_arguments(serve_parser)
     serve_parser.set_defaults(run=serve)

@@ -51,6 +51,7 @@ class ServerConfig:
     queue: QueueLimits = QueueLimits(max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS)
     request_timeout_s: float | None = None  # from arrival to the last byte; None: no limit
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # how long a drain waits for in-flight requests
+    ui: bool = True  # the web page at / (api/ui.py)
 
     def __post_init__(self) -> None:
         if self.max_request_bytes <= 0:
