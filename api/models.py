@@ -10,11 +10,45 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from api.errors import APIError, bad_request
+from api.limits import RequestLimits
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+DEFAULT_LIMITS = RequestLimits()
+
+
+def _limits(info: ValidationInfo) -> RequestLimits:
+    """The server's limits (--max-n, ...), handed in as the validation context."""
+    return (info.context or {}).get("limits") or DEFAULT_LIMITS
+
+
+def _at_most(value: int | None, name: str, low: int, cap: int, flag: str) -> int | None:
+    if value is not None and value > cap:
+        raise ValueError(f"{name} must be between {low} and {cap} on this server ({flag}), got {value}")
+    return value
+
+
+def _too_many(name: str, count: int, cap: int, flag: str) -> ValueError:
+    return ValueError(f"{name} has {count} entries; this server allows at most {cap} ({flag})")
+
+
+def _output_cap(value: int | None, name: str, limits: RequestLimits) -> int | None:
+    cap = limits.max_output_tokens
+    if value is not None and cap is not None and value > cap:
+        raise ValueError(f"{name} is {value}; this server generates at most {cap} tokens per request (--max-output-tokens)")
+    return value
 
 
 def _integral(value: Any) -> Any:
@@ -81,6 +115,20 @@ class StreamOptionsModel(Request):
     include_usage: Bool | None = None
 
 
+class ToolsRequest(Request):
+    """`tools` (shapes read by api/messages.py), at most --max-tools of them."""
+
+    tools: Any = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_limit(cls, value: Any, info: ValidationInfo) -> Any:
+        cap = _limits(info).max_tools
+        if isinstance(value, list) and len(value) > cap:
+            raise _too_many("tools", len(value), cap, "--max-tools")
+        return value
+
+
 class SamplingRequest(Request):
     """The fields chat and completions share: how to sample and when to stop (OpenAI's ranges;
     top_k, min_p, repetition_penalty and the rest as vLLM accepts them)."""
@@ -107,10 +155,41 @@ class SamplingRequest(Request):
     return_token_ids: Bool | None = None
     response_format: Any = None  # api/response_format.py
 
+    # ---- the server's limits, as validators ----------------------------------------------------
+    @field_validator("n")
+    @classmethod
+    def _n_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return _at_most(value, "n", 1, _limits(info).max_n, "--max-n")
 
-class ChatCompletionRequest(SamplingRequest):
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return _output_cap(value, "max_tokens", _limits(info))
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limit(cls, value: Any, info: ValidationInfo) -> Any:
+        limits = _limits(info)
+        stop = [value] if isinstance(value, str) else (value or [])
+        if len(stop) > limits.max_stop:
+            raise _too_many("stop", len(stop), limits.max_stop, "--max-stop")
+        longest = max((len(s) for s in stop), default=0)
+        if longest > limits.max_stop_length:
+            raise ValueError(f"stop has a string of {longest} characters; this server allows at most "
+                             f"{limits.max_stop_length} (--max-stop-length)")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_limit(cls, value: Any, info: ValidationInfo) -> Any:
+        limits = _limits(info)
+        if value is not None and len(value) > limits.max_stop:
+            raise _too_many("stop_token_ids", len(value), limits.max_stop, "--max-stop")
+        return value
+
+
+class ChatCompletionRequest(SamplingRequest, ToolsRequest):
     messages: Any = None  # api/messages.py
-    tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -119,6 +198,16 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: Bool | None = None
     top_logprobs: Int | None = Field(None, ge=0)
     max_completion_tokens: Int | None = Field(None, ge=1)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return _at_most(value, "top_logprobs", 0, _limits(info).max_logprobs, "--max-logprobs")
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion_tokens_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return _output_cap(value, "max_completion_tokens", _limits(info))
 
 
 class CompletionRequestModel(SamplingRequest):
@@ -132,11 +221,15 @@ class CompletionRequestModel(SamplingRequest):
     def _integral_logprobs(cls, value: Any) -> Any:
         return _integral(value)
 
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return _at_most(value, "logprobs", 0, _limits(info).max_logprobs, "--max-logprobs")
 
-class TokenizeRequestModel(Request):
+
+class TokenizeRequestModel(ToolsRequest):
     prompt: Str | None = None
     messages: Any = None
-    tools: Any = None
     add_generation_prompt: Bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: Bool | None = None
@@ -148,10 +241,11 @@ class DetokenizeRequestModel(Request):
     tokens: Annotated[Any, AfterValidator(_token_id_list)] = None
 
 
-def validate(model: type[Request], body: dict[str, Any]) -> Any:
-    """The body as `model`; APIError (400 naming the parameter) when a field is wrong."""
+def validate(model: type[Request], body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> Any:
+    """The body as `model` within the server's `limits`; APIError (400 naming the parameter)
+    when a field is wrong."""
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, context={"limits": limits})
     except ValidationError as e:
         raise request_error(e) from None
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from api.errors import bad_request
-from api.limits import RequestLimits, check_max_tokens, check_stop, too_many
+from api.limits import RequestLimits
 from api.messages import parse_messages, parse_tool_choice, parse_tools
 from api.models import (
     ChatCompletionRequest,
@@ -91,18 +91,16 @@ class DetokenizeRequest:
 
 
 def parse_chat_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
-    m: ChatCompletionRequest = validate(ChatCompletionRequest, body)
-    tools = _tools(m.tools, limits)
+    m: ChatCompletionRequest = validate(ChatCompletionRequest, body, limits)
+    tools = parse_tools(m.tools)
     tool_choice = parse_tool_choice(m.tool_choice, tools)
     response_format = parse_response_format(m.response_format)
     refuse_with_tool_choice(response_format, tool_choice)
-    top_logprobs = _capped(m.top_logprobs, "top_logprobs", 0, limits.max_logprobs, "--max-logprobs")
+    top_logprobs = m.top_logprobs
     if top_logprobs is not None and not m.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     wanted = (top_logprobs or 0) if m.logprobs else None
-    max_tokens_param = "max_completion_tokens" if m.max_completion_tokens is not None else "max_tokens"
     max_tokens = m.max_completion_tokens or m.max_tokens
-    check_max_tokens(max_tokens, limits, max_tokens_param)
     return ChatRequest(
         model=m.model,
         messages=parse_messages(m.messages),
@@ -111,7 +109,7 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIM
         parallel_tool_calls=_default(m.parallel_tool_calls, True),
         template_kwargs=_template_kwargs(m.chat_template_kwargs, m.enable_thinking),
         add_generation_prompt=_default(m.add_generation_prompt, True),
-        params=_sampling_params(m, max_tokens, wanted, limits),
+        params=_sampling_params(m, max_tokens, wanted),
         max_tokens=max_tokens,
         top_logprobs=wanted,
         stream=_stream_options(m.stream, m.stream_options),
@@ -121,17 +119,16 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIM
 
 
 def parse_completion_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> CompletionRequest:
-    m: CompletionRequestModel = validate(CompletionRequestModel, body)
+    m: CompletionRequestModel = validate(CompletionRequestModel, body, limits)
     for unsupported in ("echo", "suffix"):
         if getattr(m, unsupported):
             raise bad_request(f"{unsupported} is not supported by this server", unsupported)
     response_format = parse_response_format(m.response_format)
-    logprobs = _capped(m.logprobs, "logprobs", 0, limits.max_logprobs, "--max-logprobs")
-    check_max_tokens(m.max_tokens, limits, "max_tokens")
+    logprobs = m.logprobs
     return CompletionRequest(
         model=m.model,
         prompts=parse_prompts(m.prompt),
-        params=_sampling_params(m, m.max_tokens, logprobs, limits),
+        params=_sampling_params(m, m.max_tokens, logprobs),
         max_tokens=m.max_tokens,
         logprobs=logprobs,
         stream=_stream_options(m.stream, m.stream_options),
@@ -145,13 +142,13 @@ def parse_tokenize_request(body: dict[str, Any], limits: RequestLimits = DEFAULT
         raise bad_request("send a prompt (a string) or messages (a chat) to tokenize", "messages")
     if body.get("prompt") is not None and body.get("messages") is not None:
         raise bad_request("send a prompt or messages, not both", "prompt")
-    m: TokenizeRequestModel = validate(TokenizeRequestModel, body)
+    m: TokenizeRequestModel = validate(TokenizeRequestModel, body, limits)
     chat = m.messages is not None
     return TokenizeRequest(
         model=m.model,
         prompt=m.prompt,
         messages=parse_messages(m.messages) if chat else None,
-        tools=_tools(m.tools, limits) if chat else None,
+        tools=parse_tools(m.tools) if chat else None,
         add_generation_prompt=_default(m.add_generation_prompt, True),
         template_kwargs=_template_kwargs(m.chat_template_kwargs, m.enable_thinking),
         # vLLM's defaults: a prompt gets the tokenizer's special tokens, a rendered chat does not.
@@ -223,17 +220,16 @@ def resolve_max_tokens(
 
 
 def _sampling_params(
-    m: SamplingRequest, max_tokens: int | None, logprobs: int | None, limits: RequestLimits
+    m: SamplingRequest, max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams:
     min_tokens = m.min_tokens or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
     stop = (m.stop,) if isinstance(m.stop, str) else tuple(m.stop or ())
     stop_token_ids = tuple(m.stop_token_ids or ())
-    check_stop(stop, list(stop_token_ids), limits)
     try:
         return SamplingParams(
-            n=_capped(m.n, "n", 1, limits.max_n, "--max-n") or 1,
+            n=m.n or 1,
             max_tokens=max_tokens,
             min_tokens=min_tokens,
             temperature=_default(m.temperature, 1.0),
@@ -256,13 +252,6 @@ def _sampling_params(
         raise bad_request(e.message, e.param) from None
 
 
-def _tools(raw: Any, limits: RequestLimits) -> list[dict[str, Any]] | None:
-    tools = parse_tools(raw)
-    if tools and len(tools) > limits.max_tools:
-        raise too_many("tools", len(tools), limits.max_tools, "--max-tools")
-    return tools
-
-
 def _template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None) -> dict[str, Any]:
     """chat_template_kwargs, plus a top-level enable_thinking (which they override)."""
     template_kwargs = dict(kwargs or {})
@@ -277,13 +266,6 @@ def _template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None
 def _stream_options(stream: bool | None, options: StreamOptionsModel | None) -> StreamOptions:
     streaming = bool(stream)
     return StreamOptions(stream=streaming, include_usage=streaming and bool(options and options.include_usage))
-
-
-def _capped(value: int | None, name: str, low: int, cap: int, flag: str) -> int | None:
-    """A value already checked to be at least `low`, at most the server's `cap` (set by `flag`)."""
-    if value is not None and value > cap:
-        raise bad_request(f"{name} must be between {low} and {cap} on this server ({flag}), got {value}", name)
-    return value
 
 
 def _default(value: Any, default: Any) -> Any:

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -86,7 +87,7 @@ class EngineCoreLoop:
             return self._step_failed(e)
         self.num_failures = 0
         outputs = self.core.update(out, result)
-        self.emit(EngineCoreOutputs(**{**outputs.__dict__, "step_time_s": time.perf_counter() - t0}))
+        self.emit(replace(outputs, step_time_s=time.perf_counter() - t0))
         return True
 
     def _step_failed(self, error: Exception) -> bool:

@@ -10,6 +10,7 @@ from starlette.testclient import TestClient
 
 from api.app import ServerConfig, build_app
 from api.errors import APIError
+from api.limits import RequestLimits
 from api.models import ChatCompletionRequest, openapi_schema, validate
 from engine.config import EngineConfig
 
@@ -57,3 +58,24 @@ def test_openapi_json_is_served_while_the_model_loads() -> None:
     with TestClient(app) as client:
         response = client.get("/openapi.json")
     assert response.status_code == 200 and response.json()["openapi"] == "3.1.0"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "flag"),
+    [
+        ({"n": 3}, "n", "--max-n"),
+        ({"max_tokens": 9}, "max_tokens", "--max-output-tokens"),
+        ({"max_completion_tokens": 9}, "max_completion_tokens", "--max-output-tokens"),
+        ({"stop": ["a", "b", "c"]}, "stop", "--max-stop"),
+        ({"stop": "abcdef"}, "stop", "--max-stop-length"),
+        ({"stop_token_ids": [1, 2, 3]}, "stop_token_ids", "--max-stop"),
+        ({"logprobs": True, "top_logprobs": 3}, "top_logprobs", "--max-logprobs"),
+        ({"tools": [{}, {}]}, "tools", "--max-tools"),
+    ],
+)
+def test_server_limits_are_validators_naming_the_flag(body: dict[str, Any], param: str, flag: str) -> None:
+    limits = RequestLimits(max_n=2, max_output_tokens=8, max_stop=2, max_stop_length=5, max_logprobs=2, max_tools=1)
+    with pytest.raises(APIError) as info:
+        validate(ChatCompletionRequest, body, limits)
+    assert info.value.param == param and flag in info.value.message
+    validate(ChatCompletionRequest, body)  # within the default limits
