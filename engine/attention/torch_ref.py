@@ -7,6 +7,7 @@ each with a causal mask offset by the tokens already cached.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,9 @@ from engine.batch import ForwardBatch
 # NOTE: the cache [P, 2, bs, H, D] is addressed through its flat view [P * 2 * bs, H, D]:
 # K of (page, offset) is row page*2*bs + offset, V is that + bs. index_copy_/index_select on
 # the flat view are ~10x faster than advanced indexing with a slice in the middle.
+
+
+_SMALL_DECODE_BATCH = 4  # decode batches up to this size skip SDPA (see _small_decode_attention)
 
 
 @dataclass(frozen=True)
@@ -120,10 +124,12 @@ class TorchAttentionBackend:
         return out
 
     def _decode_attention(self, q: torch.Tensor, flat: torch.Tensor, d: _DecodeGroup) -> torch.Tensor:
-        """q [Bd, Hq, D] of the decode rows -> [Bd, Hq, D]: one SDPA call over their gathered keys."""
+        """q [Bd, Hq, D] of the decode rows -> [Bd, Hq, D] over their gathered keys."""
         num = len(d.rows)
         keys = flat.index_select(0, d.k_rows).view(num, d.lmax, *flat.shape[1:])  # [Bd, L, Hkv, D]
         values = flat.index_select(0, d.k_rows + self._block_size).view(num, d.lmax, *flat.shape[1:])
+        if num <= _SMALL_DECODE_BATCH:
+            return self._small_decode_attention(q, keys.to(q.dtype), values.to(q.dtype), d.mask)
         o = F.scaled_dot_product_attention(
             q[:, :, None, :],  # [Bd, Hq, 1, D]
             keys.transpose(1, 2).to(q.dtype),
@@ -133,3 +139,21 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )
         return o[:, :, 0, :]
+
+    def _small_decode_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Softmax attention as two batched matmuls, each query head grouped with its KV head.
+
+        NOTE: at a batch of a few rows, the CPU flash-attention kernel splits 9-36 head tasks over
+        the OpenMP threads: one parallel region per layer whose wake-up, on a busy machine, cost
+        far more than its ~30 us of work (py-spy: 44% of a batch-1 step's wall time inside it,
+        docs/PERF.md). These small matmuls run on the calling thread."""
+        num, lmax, num_kv_heads, head_dim = keys.shape
+        group = self.num_heads // num_kv_heads
+        scores = torch.matmul(q.reshape(num, num_kv_heads, group, head_dim), keys.permute(0, 2, 3, 1))  # [B, Hkv, G, L]
+        scores.mul_(self.scale)
+        if mask is not None:
+            scores.masked_fill_(~mask, -math.inf)  # mask [B, 1, 1, L]
+        out = torch.matmul(scores.softmax(dim=-1), values.transpose(1, 2))  # [B, Hkv, G, D]
+        return out.reshape(num, self.num_heads, head_dim)
