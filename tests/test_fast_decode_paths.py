@@ -61,7 +61,8 @@ def _decode_batch(seq_lens: list[int], block_size: int, order: list[int]) -> For
         request_ids=[str(i) for i in order], sample_request_ids=[str(i) for i in order])
 
 
-@pytest.mark.parametrize("seq_lens", [[1], [37], [5, 16, 17, 40], [33, 33], [3, 9, 16, 17, 30, 47]])  # small path; SDPA past 4
+# Up to 4 rows take the small-matmul path, more take SDPA.
+@pytest.mark.parametrize("seq_lens", [[1], [37], [5, 16, 17, 40], [33, 33], [3, 9, 16, 17, 30, 47]])
 def test_pure_decode_attention_equals_a_per_request_softmax(seq_lens: list[int]) -> None:
     bs, hq, hkv, d = 16, 6, 2, 8
     g = torch.Generator().manual_seed(len(seq_lens))
