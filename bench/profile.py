@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.offline import OfflineEngine
-from scheduler.request import SamplingParams
 
 # Module class name -> the kind its self time counts as. Classes not named here are not timed
 # (their time stays in the nearest timed ancestor).
@@ -121,6 +120,8 @@ def profile_decode(engine: OfflineEngine, batch_size: int, prompt_len: int, num_
                    temperature: float = 0.0, op_table: bool = False) -> tuple[StepProfile, str | None]:
     """Fill a decode batch of `batch_size` requests, then time `num_steps` steps plain and
     `num_steps` steps with hooks (and, with `op_table`, `num_steps` more under torch.profiler)."""
+    from scheduler.request import SamplingParams
+
     vocab = engine.core.runner.model_config.vocab_size
     total = 3 * num_steps + 8 + (num_steps if op_table else 0)
     params = SamplingParams(max_tokens=total, min_tokens=total, ignore_eos=True, temperature=temperature)
