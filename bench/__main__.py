@@ -1,4 +1,4 @@
-"""`python -m bench {serve,plot,compare,offline,soak,context,tiny-model,moe-models}`: flags to configs, runs, tables and files."""
+"""`python -m bench {serve,plot,compare,offline,profile,soak,context,tiny-model,moe-models}`: flags to configs, runs, tables and files."""
 
 from __future__ import annotations
 
@@ -131,6 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("moe-models", help="write a random Qwen3-MoE checkpoint and its every-expert-active "
                                           "twin, for `offline` to compare")
     add_moe_model_arguments(m)
+
+    f = sub.add_parser("profile", help="where a decode step's time goes (matmuls, attention, norms, RoPE, "
+                                       "sampling, Python) at given batch sizes, in-process")
+    f.add_argument("--model", help="checkpoint folder (default: the embedded demo model)")
+    f.add_argument("--dtype", default="auto", help="as fp4serve serve --dtype")
+    f.add_argument("--batch-size", type=_ints, default=[1, 32], help="decode batch sizes, e.g. 1,32")
+    f.add_argument("--input-len", type=int, default=32, help="prompt tokens of every request")
+    f.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size (and per mode)")
+    f.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    f.add_argument("--max-model-len", type=int, default=2048, help="context length of the engine")
+    f.add_argument("--kv-cache-memory", default="512MiB", help='KV cache size ("512MiB")')
+    f.add_argument("--op-table", action="store_true",
+                   help="also print torch.profiler's table of the top aten ops (its overhead inflates "
+                        "small ops; read it for counts and the big kernels)")
+    f.add_argument("--out", help="write results as JSON here")
 
     k = sub.add_parser("soak", help="mixed valid, invalid and disconnecting clients for a while; then "
                                     "check nothing leaked (exit 1 if anything did)")
@@ -309,11 +324,34 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from bench.profile import format_profile, profile_decode
+    from engine.config import EngineConfig
+    from engine.offline import OfflineEngine
+
+    engine = OfflineEngine.from_config(EngineConfig(
+        model=args.model, dtype=args.dtype, max_num_seqs=max(args.batch_size),
+        max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory))
+    profiles = []
+    for batch_size in args.batch_size:
+        prof, table = profile_decode(engine, batch_size, args.input_len, args.steps, args.temperature,
+                                     op_table=args.op_table)
+        profiles.append(prof)
+        if table is not None:
+            print(f"torch.profiler, batch {batch_size}:\n{table}")
+    print(format_profile(profiles, f"decode step: {args.model or 'demo'}, in={args.input_len}"))
+    if args.out:
+        config = {k: v for k, v in vars(args).items() if k != "func"}
+        Path(args.out).write_bytes(orjson.dumps({"config": config, "profiles": [p.to_dict() for p in profiles]},
+                                                option=orjson.OPT_INDENT_2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"serve": cmd_serve, "plot": cmd_plot, "compare": cmd_compare,
                 "offline": cmd_offline, "soak": cmd_soak, "context": cmd_context, "tiny-model": cmd_tiny_model,
-                "moe-models": cmd_moe_models}
+                "moe-models": cmd_moe_models, "profile": cmd_profile}
     return commands[args.command](args)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.outputs import SampledToken
-from engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
+from engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, draw_inverse_cdf
 from scheduler.request import SamplingParams
 
 CPU = torch.device("cpu")
@@ -356,3 +356,41 @@ def test_penalty_state_is_per_request_across_pool_growth_and_slot_reuse(num_requ
 
 def test_empty_step_returns_nothing() -> None:
     assert make_sampler().sample(torch.zeros(0, 6), []) == []
+
+
+# --- the two-level inverse-CDF draw ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab_size,block_size", [(1000, 256), (1024, 256), (7, 4), (5, 8)])
+def test_two_level_draw_picks_the_bucket_a_full_cumsum_picks(vocab_size: int, block_size: int) -> None:
+    generator = torch.Generator().manual_seed(vocab_size)
+    logits = torch.randn(64, vocab_size, generator=generator) * 3
+    logits[logits < -1.0] = NEG_INF  # masked tokens: empty buckets, in runs that span blocks
+    probs = logits.softmax(dim=-1)  # [R, V]
+    u = torch.rand(64, 1, generator=generator)
+    u[0], u[1] = 0.0, math.nextafter(1.0, 0.0)  # both ends
+    cdf = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, u.double() * cdf[:, -1:], right=True)[:, 0].clamp(max=vocab_size - 1)
+    drawn = draw_inverse_cdf(probs, u, block_size)
+    assert bool((probs.gather(1, drawn[:, None]) > 0).all()), "a masked token was drawn"
+    # Bucket edges computed in float32 two ways may differ by rounding: only a row whose u sits
+    # within 1e-5 of an edge may disagree, and then by one neighbouring live token.
+    near_edge = ((cdf - u.double() * cdf[:, -1:]).abs() < 1e-5).any(dim=-1)
+    assert torch.equal(drawn[~near_edge], expected[~near_edge])
+
+
+def test_two_level_draw_never_takes_a_zero_probability_token_at_the_ends() -> None:
+    probs = torch.zeros(2, 600)
+    probs[:, 300] = 0.25
+    probs[:, 599 - 80] = 0.75  # the last live token is not the vocabulary's last
+    for u in (0.0, 0.2499, 0.25, math.nextafter(1.0, 0.0)):
+        drawn = draw_inverse_cdf(probs, torch.full((2, 1), u), 256).tolist()
+        assert drawn == [300, 300] if u < 0.25 else drawn == [519, 519], (u, drawn)
+
+
+def test_two_level_draw_follows_the_distribution() -> None:
+    probs = torch.tensor([[0.1, 0.0, 0.3, 0.0, 0.0, 0.6, 0.0]]).expand(20000, 7).contiguous()
+    drawn = draw_inverse_cdf(probs, torch.rand(20000, 1, generator=torch.Generator().manual_seed(0)), 2)
+    counts = torch.bincount(drawn, minlength=7).float() / 20000
+    assert counts[[1, 3, 4, 6]].sum() == 0
+    assert counts[[0, 2, 5]].tolist() == pytest.approx([0.1, 0.3, 0.6], abs=0.015)

@@ -7,6 +7,7 @@ each with a causal mask offset by the tokens already cached.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,12 +21,16 @@ from engine.batch import ForwardBatch
 # the flat view are ~10x faster than advanced indexing with a slice in the middle.
 
 
+_SMALL_DECODE_BATCH = 4  # decode batches up to this size skip SDPA (see _small_decode_attention)
+
+
 @dataclass(frozen=True)
 class _DecodeGroup:
     rows: torch.Tensor  # [Bd] int64: query rows of the decode requests
     k_rows: torch.Tensor  # [Bd * Lmax] int64: flat cache rows of each key position (padded)
     lmax: int
-    mask: torch.Tensor  # [Bd, 1, 1, Lmax] bool: True where a key exists
+    mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool: True where a key exists; None: no padding
+    all_rows: bool  # the batch is these decode rows, in order: no gather of q, no scatter of out
 
 
 @dataclass(frozen=True)
@@ -82,12 +87,13 @@ class TorchAttentionBackend:
             padded = torch.zeros(len(decode_rows), lmax, dtype=torch.int64)
             for j, rows in enumerate(decode_k_rows):
                 padded[j, : len(rows)] = rows
-            lens = torch.tensor(decode_lens)
+            mask = torch.arange(lmax)[None, :] < torch.tensor(decode_lens)[:, None]  # [Bd, Lmax]
             self._decode = _DecodeGroup(
                 rows=torch.tensor(decode_rows, device=dev),
                 k_rows=padded.flatten().to(dev),
                 lmax=lmax,
-                mask=(torch.arange(lmax)[None, :] < lens[:, None]).to(dev)[:, None, None, :],
+                mask=None if min(decode_lens) == lmax else mask.to(dev)[:, None, None, :],
+                all_rows=not self._prefills and decode_rows == list(range(len(decode_rows))),
             )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -97,21 +103,12 @@ class TorchAttentionBackend:
         # Write every new K/V of the batch first: same-step prefix hits read them.
         flat.index_copy_(0, self._new_k_rows, k.to(flat.dtype))
         flat.index_copy_(0, self._new_k_rows + bs, v.to(flat.dtype))
+        d = self._decode
+        if d is not None and d.all_rows:
+            return self._decode_attention(q, flat, d)
         out = torch.empty_like(q)
-        if self._decode is not None:
-            d = self._decode
-            num = len(d.rows)
-            keys = flat.index_select(0, d.k_rows).view(num, d.lmax, *flat.shape[1:])  # [Bd, L, Hkv, D]
-            values = flat.index_select(0, d.k_rows + bs).view(num, d.lmax, *flat.shape[1:])
-            o = F.scaled_dot_product_attention(
-                q[d.rows][:, :, None, :],  # [Bd, Hq, 1, D]
-                keys.transpose(1, 2).to(q.dtype),
-                values.transpose(1, 2).to(q.dtype),
-                attn_mask=d.mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[d.rows] = o[:, :, 0, :]
+        if d is not None:
+            out[d.rows] = self._decode_attention(q[d.rows], flat, d)
         for p in self._prefills:
             keys = flat.index_select(0, p.k_rows)  # [L, Hkv, D]
             values = flat.index_select(0, p.k_rows + bs)
@@ -125,3 +122,38 @@ class TorchAttentionBackend:
             )
             out[p.q_start : p.q_end] = o[0].transpose(0, 1)
         return out
+
+    def _decode_attention(self, q: torch.Tensor, flat: torch.Tensor, d: _DecodeGroup) -> torch.Tensor:
+        """q [Bd, Hq, D] of the decode rows -> [Bd, Hq, D] over their gathered keys."""
+        num = len(d.rows)
+        keys = flat.index_select(0, d.k_rows).view(num, d.lmax, *flat.shape[1:])  # [Bd, L, Hkv, D]
+        values = flat.index_select(0, d.k_rows + self._block_size).view(num, d.lmax, *flat.shape[1:])
+        if num <= _SMALL_DECODE_BATCH:
+            return self._small_decode_attention(q, keys.to(q.dtype), values.to(q.dtype), d.mask)
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [Bd, Hq, 1, D]
+            keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype),
+            attn_mask=d.mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return o[:, :, 0, :]
+
+    def _small_decode_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Softmax attention as two batched matmuls, each query head grouped with its KV head.
+
+        NOTE: at a batch of a few rows, the CPU flash-attention kernel splits 9-36 head tasks over
+        the OpenMP threads: one parallel region per layer whose wake-up, on a busy machine, cost
+        far more than its ~30 us of work (py-spy: 44% of a batch-1 step's wall time inside it,
+        docs/PERF.md). These small matmuls run on the calling thread."""
+        num, lmax, num_kv_heads, head_dim = keys.shape
+        group = self.num_heads // num_kv_heads
+        scores = torch.matmul(q.reshape(num, num_kv_heads, group, head_dim), keys.permute(0, 2, 3, 1))  # [B, Hkv, G, L]
+        scores.mul_(self.scale)
+        if mask is not None:
+            scores.masked_fill_(~mask, -math.inf)  # mask [B, 1, 1, L]
+        out = torch.matmul(scores.softmax(dim=-1), values.transpose(1, 2))  # [B, Hkv, G, D]
+        return out.reshape(num, self.num_heads, head_dim)

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
+from engine.models.layers import Linear, PositionedRotary, RMSNorm, RotaryEmbedding
 from engine.models.moe import SparseMoeBlock
 
 
@@ -35,18 +35,26 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]
         positions: torch.Tensor,  # [T] int64
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | PositionedRotary,
         kv_cache: torch.Tensor,  # [num_pages, 2, block_size, Hkv, D]
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, positions)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        q_size, kv_size, _ = self.qkv_sizes
+        if self.q_norm is None and isinstance(rotary, PositionedRotary):
+            # q and k are adjacent columns: one rotation of both heads' sets together.
+            qk = rotary.rotate(qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim))
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotary(q, k, positions)
         out = backend.forward(q, k, v, kv_cache)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -59,7 +67,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # silu's output is ours to write
 
 
 def make_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
@@ -81,7 +89,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | PositionedRotary,
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -110,8 +118,9 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
+        rotary = self.rotary.at(positions, x.dtype)  # cos/sin gathered once for all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, backend)
+            x = layer(x, positions, rotary, kv_cache, backend)
         return self.norm(x)
 
     def keep_transposed_lm_head(self) -> None:
