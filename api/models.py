@@ -106,6 +106,7 @@ class SamplingRequest(Request):
     stream_options: StreamOptionsModel | None = None
     return_token_ids: Bool | None = None
     response_format: Any = None  # api/response_format.py
+    priority: Int | None = Field(None, ge=-(1 << 31), le=(1 << 31) - 1)  # vLLM's: lower is served first
 
 
 class ChatCompletionRequest(SamplingRequest):
