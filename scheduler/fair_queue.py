@@ -75,7 +75,8 @@ class FairQueue:
             per_key[r.key].append(r)
         heap = []
         for key, queue in per_key.items():
-            queue.sort(key=lambda r: (r.priority, r.arrival_time), reverse=True)  # pop() takes the first
+            queue.sort(key=lambda r: (r.priority, r.arrival_time))  # stable: ties keep queue order
+            queue.reverse()  # pop() takes the first
             heap.append((self.vtime.get(key, 0.0), queue[-1].arrival_time, key))
         heapq.heapify(heap)
         ordered: list[Request] = []

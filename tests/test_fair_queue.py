@@ -143,3 +143,11 @@ def test_backlogged_keys_stay_within_the_bound_of_their_weights(
         assert max(v) - min(v) <= bound, (v, bound)
         checked += 1
     assert checked > 10
+
+
+def test_ties_keep_queue_order() -> None:
+    """The n samples of one request share an arrival time: they start in order (sample 0 first)."""
+    s = scheduler("fair", max_num_seqs=1)
+    for i in range(3):
+        s.add_request(request(f"r-{i}", "a", 4, 1, arrival=0))
+    assert admission_order(s) == ["r-0", "r-1", "r-2"]
