@@ -12,7 +12,9 @@ Bound (tests/test_fair_queue.py checks it with hypothesis): while keys a and b b
 waiting, V_a - V_b <= (max_num_seqs + 1) * W / min(w_a, w_b), where W bounds the tokens one request
 costs (prompt + max_tokens). Why: a key is admitted only while its V is the (tentative) minimum;
 after that its V grows only by the work of requests it already has running (at most max_num_seqs
-of them, each at most W), and one step's tentative charge for the other key is at most W.
+of them, each at most W), and one step's tentative charge for the other key is at most W. So in
+any window [t1, t2] in which both keys have a backlog, their tokens served per weight differ by at
+most twice that bound.
 
 A starved key does NOT preempt the most-served key's running request by default: on recompute
 the victim's KV work is thrown away (on CPU a long prompt costs seconds), and a slot frees as soon
