@@ -10,13 +10,15 @@ import argparse
 import statistics
 import time
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.core_types import EngineCoreRequest
-from scheduler.request import SamplingParams
 
 
 def measure(model: str | None, threshold: int, long_len: int, num_decoders: int) -> dict[str, float]:
+    # NOTE: imported here, as bench/__main__.py's offline subcommand does (tests/test_layering.py).
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from engine.core_types import EngineCoreRequest
+    from scheduler.request import SamplingParams
+
     core = EngineCore(EngineConfig(model=model, max_model_len=long_len + 64, kv_cache_memory="512MiB",
                                    max_num_batched_tokens=4096, long_prefill_token_threshold=threshold,
                                    engine_process=False, enable_prefix_caching=False))
