@@ -47,10 +47,13 @@ class RateLimiter:
         self.in_flight: dict[str, int] = defaultdict(int)
 
     # ---- the windows ----------------------------------------------------------------------------
-    def _prune(self, name: str, now: float) -> None:
+    def _prune(self, record: KeyRecord, now: float) -> None:
+        name = record.name
         requests = self._requests[name]
         while requests and requests[0] <= now - WINDOW_S:
             requests.popleft()
+        if record.tpm is None:
+            return
         marks = self._token_marks[name]
         marks.append((now, self._tokens_used(name)))
         # Keep one mark at or before the window's start: the baseline the window's tokens count from.
@@ -68,7 +71,7 @@ class RateLimiter:
     def acquire(self, record: KeyRecord) -> Response | None:
         """None: admitted (call `release` when it ends); else the 429 to send."""
         name, now = record.name, self._clock()
-        self._prune(name, now)
+        self._prune(record, now)
         if record.max_concurrent is not None and self.in_flight[name] >= record.max_concurrent:
             return self._refuse(record, "requests", f"{record.max_concurrent} concurrent requests", 1.0)
         requests = self._requests[name]
@@ -79,13 +82,14 @@ class RateLimiter:
             used, reset = self._tokens_in_window(name)
             if used >= record.tpm:
                 return self._refuse(record, "tokens", f"{record.tpm} tokens per minute", reset)
-        requests.append(now)
+        if record.rpm is not None:  # NOTE: a key without the limit keeps no window
+            requests.append(now)
         self.in_flight[name] += 1
         return None
 
     def release(self, record: KeyRecord) -> None:
         self.in_flight[record.name] -= 1
-        self._prune(record.name, self._clock())
+        self._prune(record, self._clock())
 
     def headers(self, record: KeyRecord) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers for the key's configured limits."""

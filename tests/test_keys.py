@@ -95,3 +95,16 @@ def test_windows_slide_and_refusals_hold_nothing() -> None:
 
 def test_format_reset() -> None:
     assert (format_reset(0.02), format_reset(1.2), format_reset(360)) == ("20ms", "2s", "6m0s")
+
+
+def test_the_body_priority_joins_the_key_owner() -> None:
+    from api.keys import bind_request_priority
+    from engine.core_types import Owner, current_owner
+
+    token = current_owner.set(KeyRecord("a", weight=2.0, priority=1).owner)
+    try:
+        bind_request_priority(-3)
+        assert current_owner.get() == Owner(key="a", weight=2.0, key_priority=1, priority=-3)
+    finally:
+        current_owner.reset(token)
+    assert current_owner.get() == Owner()
