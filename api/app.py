@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
-from api.auth import APIKeyMiddleware
+from api.keys import KeyMiddleware
 from api.errors import (
     APIError,
     handle_api_error,
@@ -74,8 +74,7 @@ def build_app(
         middleware.append(
             Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"])
         )
-    if config.api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
+    middleware.append(Middleware(KeyMiddleware, ring=state.keys, limiter=state.limiter))
     app = Starlette(
         routes=[*ROUTES, *stats_routes(), *(ui_routes(config.url) if config.ui else [])],
         middleware=middleware,

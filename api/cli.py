@@ -19,6 +19,7 @@ from typing import Any
 from api.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig
 from api.errors import OVERLOADED_RETRY_AFTER_S
 from api.limits import HARD_MAX_LOGPROBS, RequestLimits
+from api.team_args import add_team_arguments, team_engine_settings, team_server_settings
 from engine.async_engine import MAX_CONSECUTIVE_FAILURES, QueueLimits
 from engine.config import ConfigError, EngineConfig
 
@@ -125,6 +126,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       "/stats, its JSON feed, stays")
     http.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log verbosity")
     _add_robustness_arguments(parser)
+    add_team_arguments(parser)
 
 
 def _add_robustness_arguments(parser: argparse.ArgumentParser) -> None:
@@ -205,6 +207,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         num_state_slots=args.num_state_slots,
         linear_attention_backend=args.linear_attention_backend,
         seed=args.seed,
+        **team_engine_settings(args),
     )
     _check_parser_names(args.tool_parser, args.reasoning_parser)
     origins = tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip())
@@ -229,6 +232,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         request_timeout_s=args.request_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         ui=not args.no_ui,
+        **team_server_settings(args),
     )
 
 

@@ -154,6 +154,7 @@ class SamplingRequest(Request):
     stream_options: StreamOptionsModel | None = None
     return_token_ids: Bool | None = None
     response_format: Any = None  # api/response_format.py
+    priority: Int | None = Field(None, ge=-(1 << 31), le=(1 << 31) - 1)  # vLLM's: lower is served first
 
     # ---- the server's limits, as validators ----------------------------------------------------
     @field_validator("n")

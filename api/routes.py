@@ -5,22 +5,24 @@ in api/chat.py and api/completions.py."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
+import logging
 from dataclasses import replace
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api.auth import APIKeyMiddleware
+from api.keys import KEY_STATE, OPEN, KeyRecord, bind_request_priority, token_from_headers, unauthorized_message
 from api.chat import ChatResponder, prompt_closes_reasoning, prompt_opens_reasoning
 from api.completions import CompletionResponder
 from api.errors import APIError, bad_request
-from api.generation import start_outputs, unless_disconnected
+from api.generation import ClientDisconnected, start_outputs, unless_disconnected
 from api.inflight import request_deadline
 from api.protocol import (
     ChatRequest,
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
     from api.state import ServerState
     from engine.async_engine import AsyncEngine
 
+logger = logging.getLogger("fp4serve")
+
 # NOTE: an oversized body is still read (and dropped) up to this much more: answering while the
 # client is still sending makes the close reset the connection, and the client never sees the 413.
 DRAIN_BYTES = 64 << 20
@@ -54,7 +58,30 @@ def server_state(request: Request) -> ServerState:
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object, read with a cap: Content-Length may be absent or wrong."""
+    """The body as a JSON object, read with a cap (Content-Length may be absent or wrong) and
+    within --body-timeout: a slow upload gets a 408; a client that leaves mid-upload one INFO line."""
+    timeout_s = server_state(request).config.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            body = await _read_body(request, limit)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s (--body-timeout)",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        logger.info("client left while sending the body of %s %s", request.method, request.url.path)
+        raise ClientDisconnected() from None
+    if not body:
+        raise bad_request("request body is empty; send a JSON object")
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(payload, dict):
+        raise bad_request("request body must be a JSON object")
+    return payload
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     too_big = declared is not None and declared.isdigit() and int(declared) > limit
     chunks, size = [], 0
@@ -67,16 +94,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
             break
     if too_big:
         raise APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
-    body = b"".join(chunks)
-    if not body:
-        raise bad_request("request body is empty; send a JSON object")
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise bad_request(f"request body is not valid JSON: {e}") from None
-    if not isinstance(payload, dict):
-        raise bad_request("request body must be a JSON object")
-    return payload
+    return b"".join(chunks)
 
 
 def check_model(requested: str | None, engine: AsyncEngine) -> None:
@@ -92,6 +110,7 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json(request, state.config.max_request_bytes)
     limits = state.config.limits
     chat = parse_chat_request(body, limits)
+    bind_request_priority(body.get("priority"))
     check_model(chat.model, engine)
     inputs = engine.input_processor
     with state.admission.preparing(engine):
@@ -142,6 +161,10 @@ async def completions(request: Request) -> Response:
     body = await read_json(request, state.config.max_request_bytes)
     limits = state.config.limits
     req = parse_completion_request(body, limits)
+    bind_request_priority(body.get("priority"))
+    if len(req.prompts) > state.config.max_prompts:
+        raise bad_request(f"{len(req.prompts)} prompts in one request; the limit is {state.config.max_prompts} "
+                          "(--max-prompts)", "prompt")
     check_model(req.model, engine)
     with state.admission.preparing(engine):
         prompts = [p if isinstance(p, list) else await state.run_blocking(engine.input_processor.encode, p)
@@ -204,16 +227,27 @@ async def detokenize(request: Request) -> Response:
 
 
 def _check_api_key(request: Request, state: ServerState) -> None:
-    """NOTE: api/auth.py's middleware guards /v1/* only, and these routes live at the root as in
-    vLLM: they check the same key, the same way, themselves."""
-    key = state.config.api_key
-    if not key:
-        return
-    authorization = next((v for k, v in request.scope["headers"] if k == b"authorization"), None)
-    if APIKeyMiddleware(request.app, key).is_authorized(authorization):
-        return
-    message = "missing API key: send 'Authorization: Bearer <key>'" if authorization is None else "invalid API key"
-    raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    """NOTE: api/keys.py's middleware guards /v1/* only, and these routes live at the root as in
+    vLLM: they check the same keys, the same way, themselves."""
+    token, sent = token_from_headers(request.scope["headers"])
+    if state.keys.lookup(token) is None:
+        raise APIError(401, unauthorized_message(sent), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def usage(request: Request) -> Response:
+    """The caller's token and request totals since start; an admin key gets every key's."""
+    state = server_state(request)
+    record: KeyRecord = request.scope.get("state", {}).get(KEY_STATE, OPEN)
+    totals = state.engine.metrics.usage if state.engine is not None else {}
+    names = sorted(set(totals) | set(state.keys.names())) if record.admin else [record.name]
+    from engine.metrics import KeyUsage
+
+    return json_response({
+        "object": "usage",
+        "key": record.name,
+        "since": state.started_at,
+        "data": [{"key": name, **totals.get(name, KeyUsage()).as_dict()} for name in names],
+    })
 
 
 async def models(request: Request) -> Response:
@@ -283,6 +317,7 @@ ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/usage", usage, methods=["GET"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/health", health, methods=["GET"]),

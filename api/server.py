@@ -49,6 +49,8 @@ class Server:
         if handle_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._loop.add_signal_handler(sig, self._on_signal, sig.name)
+            # Swaps the key records in one assignment: requests in flight keep theirs.
+            self._loop.add_signal_handler(signal.SIGHUP, self.state.keys.reload)
         hc = HypercornConfig()
         host, port = self.config.host, self.config.port
         hc.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -104,5 +106,13 @@ def log_settings(config: ServerConfig) -> None:
         limits.max_stop, limits.max_stop_length, limits.max_tools, queue.max_queued_requests or "unbounded",
         queue.max_queued_tokens or "unbounded",
         f"{config.request_timeout_s:g} s" if config.request_timeout_s else "none", config.shutdown_timeout_s,
-        "required" if config.api_key else "not required", ", ".join(config.cors_origins) or "off",
+        "required" if config.api_key or config.api_keys_file else "not required", ", ".join(config.cors_origins) or "off",
     )
+    if config.api_keys_file:
+        from api.keys import parse_keys_file
+
+        names = [r.name for r in parse_keys_file(config.api_keys_file)]
+        logger.info("API keys from %s: %s", config.api_keys_file, ", ".join(names))
+    logger.info("scheduling policy %s, long prefill threshold %s tokens, body timeout %g s, <= %d prompts per "
+                "completion", config.engine.scheduling_policy, config.engine.long_prefill_token_threshold or "no",
+                config.body_timeout_s, config.max_prompts)

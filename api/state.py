@@ -18,8 +18,10 @@ from api.admission import Admission
 from api.chat import ParserSettings
 from api.errors import APIError
 from api.inflight import InFlight
+from api.keys import KeyRing
 from api.limits import RequestLimits
 from api.metrics import ServerMetrics
+from api.rate_limit import RateLimiter
 from engine.async_engine import QueueLimits
 from engine.config import ConfigError, EngineConfig
 
@@ -33,6 +35,8 @@ Phase = Literal["loading", "ready", "failed", "stopping"]
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (api/body.py)
+DEFAULT_MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class ServerConfig:
     request_timeout_s: float | None = None  # from arrival to the last byte; None: no limit
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # how long a drain waits for in-flight requests
     ui: bool = True  # the web page at / (api/ui.py)
+    api_keys_file: str | None = None  # TOML [[keys]] (api/keys.py); exclusive with api_key
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_prompts: int = DEFAULT_MAX_PROMPTS
 
     def __post_init__(self) -> None:
         if self.max_request_bytes <= 0:
@@ -60,6 +67,10 @@ class ServerConfig:
             raise ConfigError(f"--request-timeout: must be positive, got {self.request_timeout_s}")
         if self.shutdown_timeout_s < 0:
             raise ConfigError(f"--shutdown-timeout: must not be negative, got {self.shutdown_timeout_s}")
+        if self.body_timeout_s <= 0:
+            raise ConfigError(f"--body-timeout: must be positive, got {self.body_timeout_s}")
+        if self.max_prompts < 1:
+            raise ConfigError(f"--max-prompts: must be positive, got {self.max_prompts}")
 
     @property
     def url(self) -> str:
@@ -90,6 +101,8 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.admission = Admission(config.queue, self.metrics)
         self.in_flight = InFlight(config.request_timeout_s, self.metrics)
+        self.keys = KeyRing(config.api_key, config.api_keys_file)
+        self.limiter = RateLimiter(self.tokens_used, self.metrics)
         self.started_at = int(time.time())
         self._loader = loader
         self._on_fatal = on_fatal
@@ -104,6 +117,11 @@ class ServerState:
         if getattr(self.engine, "dead", False):
             raise APIError(503, "the engine stopped after a failure; see the server log", code="engine_dead")
         return self.engine
+
+    def tokens_used(self, key: str) -> int:
+        """A key's prompt + completion tokens since start (the output processor counts them)."""
+        usage = self.engine.metrics.usage.get(key) if self.engine is not None else None
+        return 0 if usage is None else usage.prompt_tokens + usage.completion_tokens
 
     def unavailable_reason(self) -> str:
         if self.phase == "failed" and self.engine is not None:

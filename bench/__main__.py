@@ -22,6 +22,7 @@ from bench.serve import ENDPOINTS, EndpointError, Load, Target, discover_model, 
     run_load
 from bench.moe_models import add_arguments as add_moe_model_arguments
 from bench.moe_models import cmd_moe_models
+from bench.noisy_neighbor import add_arguments as add_noisy_neighbor_arguments
 from bench.soak import add_arguments as add_soak_arguments
 from bench.soak import cmd_soak
 from bench.stats import RequestRecord, Slo, summarize
@@ -94,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slo", type=Slo.parse, help="goodput objectives: ttft=MS,tpot=MS,e2e=MS")
     s.add_argument("--no-progress", action="store_true", help="no live progress bar (for logs)")
     _add_dataset_flags(s, input_len=1024, num_requests=200)
+    s.add_argument("--scenario", choices=("load", "noisy-neighbor"), default="load",
+                   help="load: the dataset at the chosen load levels; noisy-neighbor: one key floods, another "
+                   "sends short requests, each key's TTFT percentiles (bench/noisy_neighbor.py)")
+    add_noisy_neighbor_arguments(s)
 
     p = sub.add_parser("plot", help="draw PNG charts from result files")
     p.add_argument("results", nargs="+", help="result files of `bench serve --out` (one line per file)")
@@ -218,6 +223,17 @@ async def _serve_levels(args: argparse.Namespace, target: Target, loads: Sequenc
     return results, False
 
 
+def cmd_noisy_neighbor(args: argparse.Namespace, model: str) -> int:
+    from bench.noisy_neighbor import format_result, run, scenario_from_args
+
+    result = asyncio.run(run(scenario_from_args(args, model)))
+    print(format_result(result))
+    if args.out:
+        Path(args.out).write_bytes(orjson.dumps({"scenario": "noisy-neighbor", "label": args.label, **result},
+                                                option=orjson.OPT_INDENT_2))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     notes: list[str] = []
     try:
@@ -225,6 +241,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except EndpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.scenario == "noisy-neighbor":
+        return cmd_noisy_neighbor(args, model)
     tokenizer = load_tokenizer(args.tokenizer, args.base_url, model, args.api_key)
     if not tokenizer.exact:
         notes.append("no tokenizer (--tokenizer, a local model folder, or the server's "

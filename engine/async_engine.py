@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.core_proc import MAX_CONSECUTIVE_FAILURES
-from engine.core_types import EngineCoreOutputs, EngineCoreRequest
+from engine.core_types import EngineCoreOutputs, EngineCoreRequest, Owner, current_owner
 from engine.outputs import RequestOutput
 from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerStats
@@ -168,7 +168,9 @@ class AsyncEngine:
         )
 
     # ---- requests ---------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, owner: Owner | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Validate now (raises ParamError), then stream the request's outputs.
 
         The request enters the engine when iteration starts (EngineOverloadedError then, if the
@@ -177,7 +179,8 @@ class AsyncEngine:
         """
         if self.dead:
             raise EngineDeadError(f"the engine has stopped: {self.death_reason}")
-        children = self.input_processor.process(request_id, prompt_token_ids, params)
+        owner = owner or current_owner.get()  # the HTTP request's API key (api/keys.py)
+        children = self.input_processor.process(request_id, prompt_token_ids, params, owner=owner)
         return self._stream(request_id, children)
 
     async def _stream(self, request_id: str, children: list[EngineCoreRequest]) -> AsyncIterator[RequestOutput]:

@@ -200,6 +200,11 @@ def parse_memory(text: str) -> tuple[int | None, float | None]:
     return int(number * _UNITS[unit]), None
 
 
+# Most prefill tokens one request gets per step, so decodes and short prompts keep flowing while a
+# long prompt prefills (docs/PERF.md "Fair team endpoint" has the measurement behind it).
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 512
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # a local HF checkpoint folder; None = the embedded demo model
@@ -219,6 +224,8 @@ class EngineConfig:
     linear_attention_backend: str = "auto"  # hybrid models: auto | torch | fla
     seed: int = 0
     engine_process: bool = True  # the engine core in a process of its own; False: a thread of the server's
+    scheduling_policy: str = "fair"  # fair | fcfs | priority (scheduler/fair_queue.py)
+    long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD  # 0: no per-request cap
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -231,5 +238,9 @@ class EngineConfig:
             parse_memory(self.kv_cache_memory)
         if self.num_state_slots is not None and self.num_state_slots < 1:
             raise ConfigError(f"--num-state-slots: must be positive, got {self.num_state_slots}")
+        if self.scheduling_policy not in ("fair", "fcfs", "priority"):
+            raise ConfigError(f"--scheduling-policy: '{self.scheduling_policy}' is not one of fair, fcfs, priority")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"--long-prefill-token-threshold: must not be negative, got {self.long_prefill_token_threshold}")
         if self.linear_attention_backend not in ("auto", "torch", "fla"):
             raise ConfigError(f"--linear-attention-backend: '{self.linear_attention_backend}' is not one of auto, torch, fla")

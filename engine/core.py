@@ -49,6 +49,8 @@ class EngineCore:
                 num_blocks=self.runner.num_kv_pages,
                 enable_prefix_caching=config.enable_prefix_caching and mc.hybrid is None,
                 num_state_slots=self.runner.num_state_slots,
+                scheduling_policy=config.scheduling_policy,  # type: ignore[arg-type]
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
             )
         )
         if mc.hybrid is not None and config.enable_prefix_caching:
@@ -93,6 +95,10 @@ class EngineCore:
                 request.eos_token_ids,
                 arrival_time=request.arrival_time,
                 grammar_ready=grammar_ready,
+                key=request.key,
+                weight=request.weight,
+                key_priority=request.key_priority,
+                priority=request.priority,
             )
         )
 

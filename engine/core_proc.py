@@ -113,6 +113,7 @@ def run_engine_core_proc(config: EngineConfig, conn: Connection) -> None:
     # so a signal to the whole process group must not kill the engine under in-flight requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the front reloads its API keys on SIGHUP (api/keys.py)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     try:
         from engine.core import EngineCore

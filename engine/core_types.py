@@ -8,6 +8,7 @@ scheduler's gauges), or a failure / death notice.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from scheduler.request import SamplingParams
@@ -36,6 +37,22 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class Owner:
+    """Who a request is for, as the scheduler's fair share sees it: the API key's name (never the
+    secret), its weight and priority, and the request's own vLLM `priority` (lower first)."""
+
+    key: str = "default"
+    weight: float = 1.0
+    key_priority: int = 0
+    priority: int = 0
+
+
+# Set by api/keys.py's middleware for each HTTP request (a task inherits it), read by
+# AsyncEngine.generate when no owner is passed: the routes need not thread it through.
+current_owner: ContextVar[Owner] = ContextVar("fp4serve_owner", default=Owner())
+
+
+@dataclass(frozen=True)
 class EngineCoreRequest:
     """One sample to generate, already validated (engine/input_processor.py)."""
 
@@ -44,6 +61,12 @@ class EngineCoreRequest:
     params: SamplingParams  # n == 1
     eos_token_ids: tuple[int, ...]
     arrival_time: float  # time.monotonic() in the front's process
+    # Who asked, for fair share (scheduler/fair_queue.py): the API key's name (never the secret),
+    # its weight and priority, and the request's own vLLM `priority`.
+    key: str = "default"
+    weight: float = 1.0
+    key_priority: int = 0
+    priority: int = 0
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.core_types import EngineCoreRequest
+from engine.core_types import EngineCoreRequest, Owner
 from scheduler.request import ParamError, SamplingParams
 
 if TYPE_CHECKING:
@@ -85,12 +85,18 @@ class InputProcessor:
         self._check_ids("stop_token_ids", params.stop_token_ids)
 
     def process(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, arrival_time: float | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        owner: Owner | None = None,
     ) -> list[EngineCoreRequest]:
         """Validate, then one engine request per sample (seed + index for the i-th of n, as vLLM)."""
         self.validate(prompt_token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         prompt = tuple(prompt_token_ids)
+        owner = owner or Owner()
         return [
             EngineCoreRequest(
                 request_id=child_request_id(request_id, i),
@@ -98,6 +104,10 @@ class InputProcessor:
                 params=params.for_sample(i) if params.n > 1 else params,
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival,
+                key=owner.key,
+                weight=owner.weight,
+                key_priority=owner.key_priority,
+                priority=owner.priority,
             )
             for i in range(params.n)
         ]

@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from scheduler.scheduler import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+@dataclass
+class KeyUsage:
+    """One API key's totals since start (GET /v1/usage); the key's name, never its secret."""
+
+    requests: int = 0  # finished samples
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_seconds_sum: float = 0.0
+    ttft_count: int = 0
+
+    def as_dict(self) -> dict[str, float | int]:
+        mean = self.ttft_seconds_sum / self.ttft_count if self.ttft_count else None
+        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "cached_tokens": self.cached_tokens, "mean_ttft_seconds": mean}
 
 
 class EngineMetrics:
@@ -20,18 +40,23 @@ class EngineMetrics:
             "fp4serve_kv_cache_usage_ratio", "KV pages held by live requests / all KV pages.", registry=r
         )
         self.kv_pages_total = Gauge("fp4serve_kv_cache_pages_total", "KV pages in the cache.", registry=r)
-        self.prompt_tokens = Counter("fp4serve_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
-        self.generation_tokens = Counter("fp4serve_generation_tokens", "Generated tokens.", registry=r)
+        # The token, request and TTFT series carry `key`: the API key's name ("default" without keys).
+        self.prompt_tokens = Counter(
+            "fp4serve_prompt_tokens", "Prompt tokens of admitted requests.", ["key"], registry=r
+        )
+        self.generation_tokens = Counter("fp4serve_generation_tokens", "Generated tokens.", ["key"], registry=r)
+        self.usage: dict[str, KeyUsage] = {}  # key name -> totals (the front process sees every token)
         self.prefix_queries = Counter(
             "fp4serve_prefix_cache_queries", "Tokens looked up in the prefix cache.", registry=r
         )
         self.prefix_hits = Counter("fp4serve_prefix_cache_hits", "Tokens found in the prefix cache.", registry=r)
         self.preemptions = Counter("fp4serve_num_preemptions", "Requests preempted (KV freed, recomputed later).", registry=r)
         self.requests_finished = Counter(
-            "fp4serve_request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+            "fp4serve_request_success", "Finished requests by finish reason.", ["finished_reason", "key"], registry=r
         )
         self.ttft = Histogram(
-            "fp4serve_time_to_first_token_seconds", "Arrival to first sampled token.", buckets=_LATENCY_BUCKETS, registry=r
+            "fp4serve_time_to_first_token_seconds", "Arrival to first sampled token.", ["key"], buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
             "fp4serve_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
@@ -55,6 +80,9 @@ class EngineMetrics:
         self._last_queried = 0
         self._last_hits = 0
         self._last_preemptions = 0
+
+    def key_usage(self, key: str) -> KeyUsage:
+        return self.usage.setdefault(key, KeyUsage())
 
     def observe_scheduler(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)

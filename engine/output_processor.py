@@ -32,6 +32,7 @@ class _Sample:
     last_token_time: float | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    key: str = "default"  # the API key's name (usage and per-key metrics)
 
 
 class OutputProcessor:
@@ -59,9 +60,13 @@ class OutputProcessor:
                 arrival=child.arrival_time,
                 num_prompt_tokens=len(child.prompt_token_ids),
                 prompt_token_ids=child.prompt_token_ids,
+                key=child.key,
             )
         self._children[request_id] = [c.request_id for c in children]
-        self.metrics.prompt_tokens.inc(sum(len(c.prompt_token_ids) for c in children))
+        key = children[0].key
+        num_prompt = sum(len(c.prompt_token_ids) for c in children)
+        self.metrics.prompt_tokens.labels(key=key).inc(num_prompt)
+        self.metrics.key_usage(key).prompt_tokens += num_prompt
 
     def abort(self, request_id: str) -> tuple[list[RequestOutput], list[str]]:
         """End every live sample of the request: their last outputs, and the ids the core must abort."""
@@ -121,7 +126,6 @@ class OutputProcessor:
 
     def _observe(self, step: EngineCoreOutputs) -> None:
         m = self.metrics
-        m.generation_tokens.inc(len(step.outputs))
         if step.num_batched_requests:
             m.batch_size.observe(step.num_batched_requests)
             m.batch_tokens.observe(step.num_batched_tokens)
@@ -131,9 +135,14 @@ class OutputProcessor:
             m.observe_scheduler(step.stats)
 
     def _token_output(self, core_out: EngineCoreOutput, sample: _Sample, now: float) -> RequestOutput:
+        usage = self.metrics.key_usage(sample.key)
+        self.metrics.generation_tokens.labels(key=sample.key).inc(len(core_out.new_token_ids))
+        usage.completion_tokens += len(core_out.new_token_ids)
         if sample.first_token_time is None:
             sample.first_token_time = now
-            self.metrics.ttft.observe(now - sample.arrival)
+            self.metrics.ttft.labels(key=sample.key).observe(now - sample.arrival)
+            usage.ttft_seconds_sum += now - sample.arrival
+            usage.ttft_count += 1
         else:
             self.metrics.itl.observe(now - (sample.last_token_time or now))
         sample.last_token_time = now
@@ -180,13 +189,16 @@ class OutputProcessor:
         now = time.monotonic()
         e2e = now - sample.arrival
         self.metrics.e2e.observe(e2e)
-        self.metrics.requests_finished.labels(finished_reason=reason).inc()
+        self.metrics.requests_finished.labels(finished_reason=reason, key=sample.key).inc()
+        usage = self.metrics.key_usage(sample.key)
+        usage.requests += 1
+        usage.cached_tokens += sample.num_cached_tokens
         ttft = (sample.first_token_time - sample.arrival) if sample.first_token_time else None
         decode_time = now - (sample.first_token_time or now)
         tps = (sample.num_output_tokens - 1) / decode_time if decode_time > 0 and sample.num_output_tokens > 1 else 0.0
         request_logger.info(
-            "%s prompt=%d completion=%d cached=%d ttft=%s tok/s=%.1f e2e=%.3fs finish=%s",
-            child_id, sample.num_prompt_tokens, sample.num_output_tokens, sample.num_cached_tokens,
+            "%s key=%s prompt=%d completion=%d cached=%d ttft=%s tok/s=%.1f e2e=%.3fs finish=%s",
+            child_id, sample.key, sample.num_prompt_tokens, sample.num_output_tokens, sample.num_cached_tokens,
             f"{ttft:.3f}s" if ttft is not None else "-", tps, e2e, reason,
         )
         out = RequestOutput(

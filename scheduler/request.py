@@ -148,6 +148,12 @@ class Request:
     # For a constrained request: whether its grammar has compiled. Until then the request waits
     # in the queue with status WAITING_FOR_GRAMMAR and the scheduler passes over it.
     grammar_ready: Callable[[], bool] | None = field(default=None, repr=False)
+    # Who asked (scheduler/fair_queue.py): the API key's name and fair-share weight, the key's
+    # priority and the request's own vLLM `priority` (lower first).
+    key: str = "default"
+    weight: float = 1.0
+    key_priority: int = 0
+    priority: int = 0
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"

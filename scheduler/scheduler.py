@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler.block_manager import BlockManager
+from scheduler.fair_queue import FairQueue, Policy
 from scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.slot_manager import SlotManager
@@ -25,12 +26,16 @@ class SchedulerConfig:
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
     num_state_slots: int = 0  # hybrid models: recurrent-state slots (0: the model keeps none)
+    scheduling_policy: Policy = "fcfs"  # admission order of waiting requests (scheduler/fair_queue.py)
+    long_prefill_token_threshold: int = 0  # most prefill tokens one request gets per step; 0: no cap
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must not be negative, got {self.long_prefill_token_threshold}")
         if self.num_state_slots and self.enable_prefix_caching:
             raise ValueError("prefix caching needs the recurrent state at the prefix's end: off for hybrid models")
 
@@ -63,6 +68,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_queried_tokens = 0  # counted once per admission, not per lookup
         self.num_prefix_hit_tokens = 0
+        self.fair = FairQueue(config.scheduling_policy)
 
     # ---- intake and removal ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -71,6 +77,7 @@ class Scheduler:
         request.max_model_len = min(request.max_model_len, self.config.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.fair.on_add(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         """End a request now and free its pages. Unknown or finished ids are ignored."""
@@ -89,6 +96,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self._release(request)
         del self.requests[request.request_id]
+        self.fair.on_remove(request)
         if request.request_id in self._sent_to_runner:
             self._sent_to_runner.discard(request.request_id)
             self._finished_ids.append(request.request_id)
@@ -99,6 +107,7 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        cap = self.config.long_prefill_token_threshold or budget  # per request per step
         num_new: dict[str, int] = {}
         scheduled: list[Request] = []
         num_preempted = 0
@@ -111,7 +120,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier this step
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(request.num_tokens - request.num_computed_tokens, budget, cap)
             while not self.block_manager.allocate(request, n):
                 victim = self._pick_victim(exclude=scheduled)
                 self._preempt(victim)
@@ -127,6 +136,8 @@ class Scheduler:
         # New arrivals and resumed requests, oldest first, when nothing was preempted. A request
         # whose grammar still compiles keeps its place and is passed over.
         skipped: list[Request] = []
+        if (ordered := self.fair.order(self.waiting)) is not None:
+            self.waiting = deque(ordered)
         while self.waiting and budget > 0 and num_preempted == 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if self.slots is not None and not self.slots.num_free_slots:
@@ -139,7 +150,7 @@ class Scheduler:
                 request.status = RequestStatus.WAITING
             hit = self.block_manager.find_cached_prefix(request) if not request.block_table else []
             num_cached = len(hit) * self.config.block_size
-            n = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            n = min(request.num_tokens - request.num_computed_tokens - num_cached, budget, cap)
             if not self.block_manager.allocate(request, n, hit):
                 break
             self.waiting.popleft()
@@ -157,6 +168,7 @@ class Scheduler:
             scheduled.append(request)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+        self.fair.charge(scheduled, num_new)
 
         out = SchedulerOutput(
             requests=tuple(self._describe(r, num_new[r.request_id]) for r in scheduled),

@@ -1,0 +1,179 @@
+"""A team endpoint as its users meet it: a real server with --api-keys-file and the openai client.
+Per-key limits (429 + Retry-After + x-ratelimit-*), /v1/usage, key labels in /metrics, SIGHUP
+reload, the body timeout, a client leaving mid-upload, and the prompts cap."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server_utils import RunningServer, metric, start_server
+
+pytestmark = pytest.mark.slow
+MODEL = "fp4serve-demo-qwen3"
+
+KEYS = f"""
+[[keys]]
+name = "alice"
+key = "sk-alice-secret"
+weight = 2
+rpm = 3
+
+[[keys]]
+name = "bob"
+key_sha256 = "{hashlib.sha256(b"sk-bob-secret").hexdigest()}"
+max_concurrent = 1
+tpm = 30
+
+[[keys]]
+name = "root"
+key = "sk-root-secret"
+admin = true
+"""
+
+
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.toml"
+    path.write_text(KEYS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(keys_file: Path) -> Iterator[RunningServer]:
+    s = start_server("--max-model-len", "256", "--kv-cache-memory", "16MiB", "--api-keys-file", str(keys_file),
+                     "--body-timeout", "1", "--max-prompts", "2")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def client(server: RunningServer, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url("/v1"), api_key=key, max_retries=0)
+
+
+def complete(c: openai.OpenAI, max_tokens: int = 4) -> openai.types.Completion:
+    return c.completions.create(model=MODEL, prompt="hello there", max_tokens=max_tokens,
+                                extra_body={"ignore_eos": True})
+
+
+def test_rpm_limit_answers_429_with_openai_headers(server: RunningServer) -> None:
+    alice = client(server, "sk-alice-secret")
+    for i in range(3):
+        raw = alice.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=1)
+        assert raw.headers["x-ratelimit-limit-requests"] == "3"
+        assert raw.headers["x-ratelimit-remaining-requests"] == str(2 - i)
+    with pytest.raises(openai.RateLimitError) as caught:
+        complete(alice)
+    response = caught.value.response
+    assert response.status_code == 429
+    assert 1 <= int(response.headers["retry-after"]) <= 60
+    assert response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert response.headers["x-ratelimit-reset-requests"].endswith("s")
+    error = response.json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
+    assert "alice" in error["message"] and "secret" not in error["message"]
+    # Another key is not affected.
+    assert complete(client(server, "sk-root-secret")).usage.completion_tokens == 4
+
+
+def test_tpm_and_concurrency_limits(server: RunningServer) -> None:
+    bob = client(server, "sk-bob-secret")
+    stream = bob.completions.create(model=MODEL, prompt="hello", max_tokens=40, stream=True,
+                                    extra_body={"ignore_eos": True})
+    next(iter(stream))  # running: bob's one concurrent slot is taken
+    with pytest.raises(openai.RateLimitError) as caught:
+        complete(bob)
+    assert "concurrent" in caught.value.response.json()["error"]["message"]
+    for _ in stream:
+        pass
+    stream.close()
+    time.sleep(0.2)
+    with pytest.raises(openai.RateLimitError) as caught:  # 40+ tokens used of 30 per minute
+        complete(bob)
+    response = caught.value.response
+    assert response.json()["error"]["type"] == "tokens"
+    assert response.headers["x-ratelimit-limit-tokens"] == "30"
+    assert response.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_usage_and_key_labels(server: RunningServer) -> None:
+    root = client(server, "sk-root-secret")
+    done = complete(root, max_tokens=5)
+    with httpx.Client(base_url=server.base_url, timeout=10) as http:
+        mine = http.get("/v1/usage", headers={"Authorization": "Bearer sk-bob-secret"}).json()
+        everyone = http.get("/v1/usage", headers={"Authorization": "Bearer sk-root-secret"}).json()
+        text = http.get("/metrics").text
+        assert http.get("/v1/usage").status_code == 401
+        assert http.get("/v1/usage", headers={"Authorization": "Bearer sk-nobody"}).status_code == 401
+    assert [row["key"] for row in mine["data"]] == ["bob"]
+    by_key = {row["key"]: row for row in everyone["data"]}
+    assert {"alice", "bob", "root"} <= set(by_key)
+    assert by_key["root"]["completion_tokens"] >= done.usage.completion_tokens
+    assert by_key["root"]["requests"] >= 1 and by_key["root"]["mean_ttft_seconds"] > 0
+    for name, row in by_key.items():
+        assert metric(text, f'fp4serve_generation_tokens_total{{key="{name}"}}', 0) == row["completion_tokens"]
+        assert metric(text, f'fp4serve_prompt_tokens_total{{key="{name}"}}', 0) == row["prompt_tokens"]
+    assert metric(text, 'fp4serve_time_to_first_token_seconds_count{key="root"}') == by_key["root"]["requests"]
+    assert metric(text, 'fp4serve_http_requests_rejected_total{reason="rate_limited"}') >= 1
+    log = server.log()
+    assert "secret" not in log
+    assert "key=root" in log
+
+
+def test_sighup_reloads_keys(server: RunningServer, keys_file: Path) -> None:
+    keys_file.write_text(KEYS + '\n[[keys]]\nname = "carol"\nkey = "sk-carol-secret"\n')
+    server.process.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "reloaded 4 API keys" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.1)
+    assert complete(client(server, "sk-carol-secret")).usage.completion_tokens == 4
+
+
+def _raw_request(server: RunningServer, body_sent: bytes, declared: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-root-secret\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: " + str(declared).encode() + b"\r\n\r\n" + body_sent)
+    return sock
+
+
+def test_slow_body_gets_408_and_a_vanishing_client_one_info_line(server: RunningServer) -> None:
+    sock = _raw_request(server, b'{"prompt": "hel', 100)
+    sock.settimeout(10)
+    start = time.monotonic()
+    reply = b""
+    while chunk := sock.recv(4096):  # until the server closes (the 408 says Connection: close)
+        reply += chunk
+    sock.close()
+    assert reply.startswith(b"HTTP/1.1 408"), reply
+    assert b"request_timeout" in reply
+    assert time.monotonic() - start < 5
+
+    sock = _raw_request(server, b'{"prompt": "hel', 100)
+    time.sleep(0.2)
+    sock.close()
+    deadline = time.monotonic() + 5
+    while "client left while sending the body" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)
+    time.sleep(0.3)
+    log = server.log()
+    assert "Traceback" not in log and "unhandled error" not in log
+    # The server still serves.
+    assert complete(client(server, "sk-root-secret")).usage.completion_tokens == 4
+
+
+def test_too_many_prompts_is_a_400(server: RunningServer) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(server, "sk-root-secret").completions.create(model=MODEL, prompt=["a", "b", "c"], max_tokens=1)
+    assert "--max-prompts" in caught.value.response.json()["error"]["message"]
