@@ -98,20 +98,25 @@ def read_snapshot(
 ) -> tuple[Snapshot, dict[str, float], dict[str, float]]:
     """The cumulative values, the current gauges, and finished requests by reason."""
     samples: dict[str, float] = {}
-    buckets: dict[str, list[tuple[float, float]]] = {}
+    buckets: dict[str, dict[float, float]] = {}
     finished: dict[str, float] = {}
+    # Series labelled by API key (the fairness issue's per-key usage) are summed over keys here.
     for registry in registries:
         for family in registry.collect():
             for s in family.samples:
-                if s.name.endswith("_bucket") and "le" in s.labels:
-                    buckets.setdefault(s.name[: -len("_bucket")], []).append((float(s.labels["le"]), s.value))
+                labels = {k: v for k, v in s.labels.items() if k != "key"}
+                if s.name.endswith("_bucket") and "le" in labels:
+                    per_le = buckets.setdefault(s.name[: -len("_bucket")], {})
+                    le = float(labels["le"])
+                    per_le[le] = per_le.get(le, 0.0) + s.value
                 elif s.name == "fp4serve_request_success_total":
-                    finished[s.labels["finished_reason"]] = s.value
-                elif not s.labels:
-                    samples[s.name] = s.value
+                    reason = labels["finished_reason"]
+                    finished[reason] = finished.get(reason, 0.0) + s.value
+                elif not labels:
+                    samples[s.name] = samples.get(s.name, 0.0) + s.value
     histograms = {}
     for key, name in _HISTOGRAMS.items():
-        pairs = sorted(buckets.get(name, []))
+        pairs = sorted(buckets.get(name, {}).items())
         histograms[key] = Histogram(tuple(b for b, _ in pairs), tuple(c for _, c in pairs))
     counters = {key: samples.get(name, 0.0) for key, name in _COUNTERS.items()}
     gauges = {key: samples.get(name, 0.0) for key, name in _GAUGES.items()}

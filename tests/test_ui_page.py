@@ -22,7 +22,7 @@ from api.ui import CONTENT_SECURITY_POLICY
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
 from scheduler.scheduler import SchedulerStats
-from tests.server_utils import InProcessServer, in_process_server, metric
+from tests.server_utils import InProcessServer, in_process_server
 
 STATIC = importlib.resources.files("api") / "static"
 INF = float("inf")
@@ -120,8 +120,9 @@ def test_stats_summarize_the_engine_metrics_with_rates_and_a_latency_window() ->
     engine, server = EngineMetrics("m"), ServerMetrics()
     registries = (engine.registry, server.registry)
     window = StatsWindow(now=0.0)
-    engine.ttft.observe(5.0)  # an old, slow first token: outside the window later
-    engine.generation_tokens.inc(100)
+    engine.ttft.labels(key="alice").observe(5.0)  # an old, slow first token: outside the window later
+    engine.generation_tokens.labels(key="alice").inc(60)  # per-key series are summed over keys
+    engine.generation_tokens.labels(key="bob").inc(40)
     observe_step(engine, running=3, prefix=(400, 100))
     first = summarize(window, registries, now=10.0)
     assert first["requests"] == {"running": 3, "waiting": 2, "http_in_flight": 0, "finished": {}, "preemptions": 0}
@@ -134,10 +135,10 @@ def test_stats_summarize_the_engine_metrics_with_rates_and_a_latency_window() ->
     later = 10.0 + LATENCY_WINDOW_S + 5
     for t in range(11, int(later)):  # a dashboard polling once a second
         summarize(window, registries, now=float(t))
-    engine.generation_tokens.inc(50)
-    engine.ttft.observe(0.03)
+    engine.generation_tokens.labels(key="bob").inc(50)
+    engine.ttft.labels(key="bob").observe(0.03)
     engine.itl.observe(0.015)
-    engine.requests_finished.labels(finished_reason="stop").inc()
+    engine.requests_finished.labels(finished_reason="stop", key="bob").inc()
     observe_step(engine, running=0, prefix=(400, 100))
     last = summarize(window, registries, now=later)
     assert last["requests"]["running"] == 0 and last["requests"]["finished"] == {"stop": 1}
@@ -151,7 +152,8 @@ def test_stats_summarize_the_engine_metrics_with_rates_and_a_latency_window() ->
 
 def test_read_snapshot_takes_counters_and_histograms_by_name() -> None:
     engine = EngineMetrics("m")
-    engine.prompt_tokens.inc(7)
+    engine.prompt_tokens.labels(key="alice").inc(3)
+    engine.prompt_tokens.labels(key="default").inc(4)
     engine.e2e.observe(0.3)
     snapshot, gauges, _ = read_snapshot([engine.registry], t=1.0)
     assert snapshot.counters["prompt_tokens"] == 7
@@ -164,7 +166,7 @@ def test_dashboards_polling_together_share_one_reading() -> None:
     engine = EngineMetrics("m")
     feed = StatsFeed()
     first = feed.read([engine.registry])
-    engine.generation_tokens.inc(5)
+    engine.generation_tokens.labels(key="default").inc(5)
     assert feed.read([engine.registry]) is first
     time.sleep(REUSE_S)
     assert feed.read([engine.registry])["tokens"]["generation_total"] == 5
@@ -177,6 +179,13 @@ def server() -> Iterator[InProcessServer]:
 
 
 @pytest.mark.slow
+def metric_over_keys(text: str, name: str) -> float:
+    """A Prometheus series summed over its `key` label values (the per-key usage series)."""
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{"))]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
 def test_stats_on_a_real_server_agree_with_metrics(server: InProcessServer) -> None:
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         before = http.get("/stats").json()
@@ -189,8 +198,8 @@ def test_stats_on_a_real_server_agree_with_metrics(server: InProcessServer) -> N
         metrics = http.get("/metrics").text
     assert stats["object"] == "stats" and stats["status"] == "ready"
     assert stats["tokens"]["generation_total"] == before["tokens"]["generation_total"] + 8
-    assert stats["tokens"]["generation_total"] == metric(metrics, "fp4serve_generation_tokens_total")
-    assert stats["tokens"]["prompt_total"] == metric(metrics, "fp4serve_prompt_tokens_total")
+    assert stats["tokens"]["generation_total"] == metric_over_keys(metrics, "fp4serve_generation_tokens_total")
+    assert stats["tokens"]["prompt_total"] == metric_over_keys(metrics, "fp4serve_prompt_tokens_total")
     assert stats["requests"]["running"] == 0 and stats["requests"]["finished"]["length"] >= 1
     assert stats["latency"]["ttft_s"]["count"] >= 1 and stats["latency"]["ttft_s"]["p50"] > 0
     assert stats["latency"]["itl_s"]["count"] >= 7
