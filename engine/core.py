@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import Detokenizer
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner, StepResult
@@ -61,14 +61,11 @@ class _Sample:
 
 
 def resolve_model_path(config: EngineConfig) -> tuple[Path, bool]:
-    if config.model is None:
-        from engine.demo import ensure_demo_model
+    """The HF folder to load (a GGUF converted once into the cache) and whether it is the demo."""
+    from engine.model_source import resolve_model
 
-        return ensure_demo_model(), True
-    path = Path(config.model).expanduser()
-    if not path.is_dir():
-        raise ConfigError(f"--model {config.model}: not a local folder (fp4serve never downloads weights)")
-    return path, False
+    source = resolve_model(config.model)
+    return source.path, source.is_demo
 
 
 class EngineCore:
@@ -96,14 +93,10 @@ class EngineCore:
                 enable_prefix_caching=config.enable_prefix_caching,
             )
         )
-        if is_demo:
-            from engine.demo import DEMO_MODEL_NAME
+        from engine.model_source import model_name
 
-            default_name = DEMO_MODEL_NAME
-        else:
-            default_name = path.name
         self.info = EngineInfo(
-            model_name=config.served_model_name or default_name,
+            model_name=config.served_model_name or model_name(config.model),
             model_path=str(path),
             is_demo=is_demo,
             architecture=mc.architecture,
