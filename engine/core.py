@@ -58,6 +58,9 @@ class _Sample:
     last_token_time: float | None = None
     num_output_tokens: int = 0
     finished: bool = False
+    # With params.prompt_logprobs: one per prompt token so far (the first None), sent with the
+    # first output; None otherwise, and once sent
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def resolve_model_path(config: EngineConfig) -> tuple[Path, bool]:
@@ -161,6 +164,7 @@ class EngineCore:
                 arrival=now,
                 num_prompt_tokens=len(prompt_token_ids),
                 prompt_token_ids=tuple(prompt_token_ids),
+                prompt_logprobs=None if params.prompt_logprobs is None else [None],
             )
             request = Request(child_id, list(prompt_token_ids), child_params, self.tokenizer.eos_token_ids, arrival_time=now)
             if child_params.grammar is not None and not self.structured.prepare(child_params.grammar).done():
@@ -220,6 +224,8 @@ class EngineCore:
         return self.runner.execute(out)
 
     def process(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        for request_id, (first, tokens) in result.prompt_logprobs.items():
+            self._add_prompt_logprobs(request_id, first, tokens)
         sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
         touched = self.scheduler.update(out, sampled)
         now = time.monotonic()
@@ -275,6 +281,7 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             logprobs=logprobs,
             prompt_token_ids=sample.prompt_token_ids,
+            prompt_logprobs=self._take_prompt_logprobs(sample),
         )
         sample.prompt_token_ids = None
         return out
@@ -315,12 +322,30 @@ class EngineCore:
             stop_reason=stop_reason,
             logprobs=logprobs,
             prompt_token_ids=sample.prompt_token_ids,
+            prompt_logprobs=self._take_prompt_logprobs(sample),
         )
         sample.prompt_token_ids = None
         siblings = self._children.get(sample.parent_id, [])
         if all(self._samples[c].finished for c in siblings if c in self._samples):
             self._forget(sample.parent_id)
         return out
+
+    def _add_prompt_logprobs(self, child_id: str, first: int, tokens: tuple[SampledToken, ...]) -> None:
+        """Append a prefill chunk's prompt logprobs; positions already held (a preempted request
+        recomputes its prompt) are skipped."""
+        sample = self._samples.get(child_id)
+        if sample is None or sample.prompt_logprobs is None:
+            return
+        held = len(sample.prompt_logprobs)
+        assert first <= held, f"{child_id}: prompt logprobs from position {first}, but only {held} held"
+        for tok in tokens[held - first:]:
+            [entry] = self._logprobs(tok, sample.params.prompt_logprobs) or (None,)
+            sample.prompt_logprobs.append(entry)
+
+    @staticmethod
+    def _take_prompt_logprobs(sample: _Sample) -> tuple[TokenLogprob | None, ...] | None:
+        held, sample.prompt_logprobs = sample.prompt_logprobs, None
+        return None if held is None else tuple(held)
 
     def _logprobs(self, tok: SampledToken, num_top: int | None) -> tuple[TokenLogprob, ...] | None:
         if num_top is None or tok.logprob is None:

@@ -120,7 +120,9 @@ class Scheduler:
         # New arrivals and resumed requests, oldest first, when nothing was preempted.
         while self.waiting and budget > 0 and num_preempted == 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hit = self.block_manager.find_cached_prefix(request) if not request.block_table else []
+            # A request wanting prompt logprobs computes every prompt position: no cache hit.
+            lookup = not request.block_table and request.params.prompt_logprobs is None
+            hit = self.block_manager.find_cached_prefix(request) if lookup else []
             num_cached = len(hit) * self.config.block_size
             n = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
             if not self.block_manager.allocate(request, n, hit):
