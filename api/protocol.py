@@ -55,6 +55,9 @@ class CompletionRequest:
     stream: StreamOptions
     return_token_ids: bool
     response_format: ResponseFormat | None = None
+    echo: bool = False  # the prompt text (and, with logprobs, its tokens' logprobs) comes first
+    prompt_logprobs: int | None = None  # vLLM's: each choice's `prompt_logprobs`, with this many top
+    prompt_only: bool = False  # max_tokens 0 with echo: the prompt alone (one token runs, unshown)
 
 
 @dataclass(frozen=True)
@@ -114,22 +117,30 @@ def parse_chat_request(body: dict[str, Any], vocab_size: int, limits: RequestLim
 def parse_completion_request(
     body: dict[str, Any], vocab_size: int, limits: RequestLimits = DEFAULT_LIMITS
 ) -> CompletionRequest:
-    for unsupported in ("echo", "suffix"):
-        if body.get(unsupported):
-            raise bad_request(f"{unsupported} is not supported by this server", unsupported)
+    if body.get("suffix"):
+        raise bad_request("suffix is not supported by this server", "suffix")
     response_format = parse_response_format(body.get("response_format"))
     logprobs = _capped(body, "logprobs", 0, limits.max_logprobs, "--max-logprobs")
-    max_tokens = _max_tokens(body, "max_tokens")
+    echo = _bool(body, "echo", False)
+    prompt_logprobs = _capped(body, "prompt_logprobs", 0, limits.max_logprobs, "--max-logprobs")
+    # vLLM's echo semantics: max_tokens 0 returns the prompt alone.
+    prompt_only = echo and _int_in(body, "max_tokens", 0, None) == 0
+    max_tokens = 1 if prompt_only else _max_tokens(body, "max_tokens")
     check_max_tokens(max_tokens, limits, "max_tokens")
+    scored = [n for n in (logprobs if echo else None, prompt_logprobs) if n is not None]
+    params = _sampling_params(body, vocab_size, max_tokens, logprobs, limits)
     return CompletionRequest(
         model=_optional(body, "model", str),
         prompts=parse_prompts(body.get("prompt"), vocab_size),
-        params=_sampling_params(body, vocab_size, max_tokens, logprobs, limits),
+        params=replace(params, prompt_logprobs=max(scored)) if scored else params,
         max_tokens=max_tokens,
         logprobs=logprobs,
         stream=_stream_options(body),
         return_token_ids=_bool(body, "return_token_ids", False),
         response_format=response_format,
+        echo=echo,
+        prompt_logprobs=prompt_logprobs,
+        prompt_only=prompt_only,
     )
 
 
