@@ -22,6 +22,8 @@ from bench.serve import ENDPOINTS, EndpointError, Load, Target, discover_model, 
     run_load
 from bench.soak import add_arguments as add_soak_arguments
 from bench.soak import cmd_soak
+from bench.quality import add_arguments as add_quality_arguments
+from bench.quality import cmd_quality
 from bench.stats import RequestRecord, Slo, summarize
 
 INTERRUPTED_EXIT = 130
@@ -115,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("soak", help="mixed valid, invalid and disconnecting clients for a while; then "
                                     "check nothing leaked (exit 1 if anything did)")
     add_soak_arguments(k)
+
+    q = sub.add_parser("quality", help="a served model's perplexity on real text (echo + prompt logprobs), "
+                                       "and top-1 agreement with a reference run")
+    add_quality_arguments(q)
     return parser
 
 
@@ -271,7 +277,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"serve": cmd_serve, "plot": cmd_plot, "compare": cmd_compare,
-                "offline": cmd_offline, "soak": cmd_soak}
+                "offline": cmd_offline, "soak": cmd_soak, "quality": cmd_quality}
     return commands[args.command](args)
 
 
