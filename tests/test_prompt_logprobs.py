@@ -72,3 +72,17 @@ def test_a_cached_prompt_is_recomputed_for_prompt_logprobs(qwen3_ckpt: Path) -> 
 def test_prompt_logprobs_outside_0_to_20_are_a_param_error() -> None:
     with pytest.raises(ParamError, match="prompt_logprobs must be in"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_preempted_requests_keep_their_prompt_logprobs_whole(qwen3_ckpt: Path) -> None:
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 500, (30,), generator=g).tolist() for _ in range(3)]
+    # 24 pages of 4 tokens hold 96 tokens; three requests of 30 + 24 tokens must preempt.
+    engine = OfflineEngine.from_config(EngineConfig(model=str(qwen3_ckpt), dtype="float32", block_size=4,
+                                                    kv_cache_memory=str(512 * 4 * 24), max_num_batched_tokens=16))
+    params = SamplingParams(max_tokens=24, temperature=0.0, prompt_logprobs=NUM_TOP, ignore_eos=True)
+    outs = first_output(engine, prompts, [params] * 3)
+    assert engine.core.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_logprobs is not None
+        assert_matches(out.prompt_logprobs, prompt, reference(qwen3_ckpt, prompt))
