@@ -16,14 +16,14 @@ import orjson
 from tqdm import tqdm
 
 from bench.datasets import DATASETS, DatasetSpec, TokenCounter, build_dataset, load_tokenizer
+from bench.quality import add_arguments as add_quality_arguments
+from bench.quality import cmd_quality
 from bench.report import (Result, format_compare, format_summary, format_sweep, load_results,
                           result_document, write_results)
 from bench.serve import ENDPOINTS, EndpointError, Load, Target, discover_model, probe_target, \
     run_load
 from bench.soak import add_arguments as add_soak_arguments
 from bench.soak import cmd_soak
-from bench.quality import add_arguments as add_quality_arguments
-from bench.quality import cmd_quality
 from bench.stats import RequestRecord, Slo, summarize
 
 INTERRUPTED_EXIT = 130

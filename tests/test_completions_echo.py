@@ -75,3 +75,19 @@ def test_vllm_prompt_logprobs_list_the_prompt_token_and_the_top_ones(server: Run
 def test_max_tokens_0_without_echo_is_a_400(server: RunningServer) -> None:
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         server.openai().completions.create(model=model(server), prompt=PROMPT, max_tokens=0)
+
+
+def test_bench_quality_perplexity_is_transformers_over_the_same_windows(server: RunningServer,
+                                                                        qwen3_ckpt: Path) -> None:
+    from bench.quality import agreement, run_quality, windows
+
+    text = " ".join(f"w{(i * 37) % 500}" for i in range(30))
+    _, scored, size = run_quality(server.url("/v1"), None, text, window=8, max_tokens=25)
+    ids = [(i * 37) % 500 for i in range(25)]
+    parts = windows(ids, 8, 25)
+    assert size == 8 and [len(p) for p in parts] == [8, 8, 8] and len(scored.logprobs) == 21  # 25th: a window of 1
+    want = [reference(qwen3_ckpt, part) for part in parts]
+    nll = -sum(float(w[p - 1, part[p]]) for w, part in zip(want, parts) for p in range(1, len(part)))
+    assert scored.perplexity == pytest.approx(torch.exp(torch.tensor(nll / 21)).item(), rel=1e-4)
+    assert scored.top1_ids == [int(w[p - 1].argmax()) for w, part in zip(want, parts) for p in range(1, len(part))]
+    assert agreement(scored, scored) == 1.0
