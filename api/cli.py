@@ -65,7 +65,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        "fp4serve-demo-qwen3 (a tiny random-weight Qwen3 for tests); default: "
                        "$FP4SERVE_DEFAULT_MODEL, else smollm2-135m-instruct")
     model.add_argument("--served-model-name", default=None, metavar="NAME",
-                       help="the model name clients send and /v1/models lists; default: the folder name")
+                       help="the model name clients send and /v1/models lists; default: the folder name, the "
+                       ".gguf file's name without .gguf, or the built-in name")
     model.add_argument("--dtype", default=_engine_default("dtype"), choices=("auto", "float32", "bfloat16", "float16"),
                        help="activation and weight dtype; auto picks bfloat16 where the device is fast at it")
     model.add_argument("--quantization", default=_engine_default("quantization"), choices=("nvfp4",),
