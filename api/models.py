@@ -214,18 +214,22 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
 class CompletionRequestModel(SamplingRequest):
     prompt: Any = None  # api/protocol.py parse_prompts
     logprobs: Int | None = Field(None, ge=0)
-    echo: Any = None  # refused when set
-    suffix: Any = None
+    # max_tokens 0 is vLLM's "the prompt alone", taken with echo only (api/protocol.py)
+    max_tokens: Int | None = Field(None, ge=0)
+    echo: Bool | None = None  # the prompt (and, with logprobs, its tokens' logprobs) before the completion
+    # vLLM's: each choice's `prompt_logprobs`, with this many top alternatives (at most --max-logprobs)
+    prompt_logprobs: Int | None = Field(None, ge=0)
+    suffix: Any = None  # refused when set
 
-    @field_validator("logprobs", mode="before")
+    @field_validator("logprobs", "prompt_logprobs", mode="before")
     @classmethod
     def _integral_logprobs(cls, value: Any) -> Any:
         return _integral(value)
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "prompt_logprobs")
     @classmethod
     def _logprobs_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return _at_most(value, "logprobs", 0, _limits(info).max_logprobs, "--max-logprobs")
+        return _at_most(value, info.field_name or "logprobs", 0, _limits(info).max_logprobs, "--max-logprobs")
 
 
 class TokenizeRequestModel(ToolsRequest):

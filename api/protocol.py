@@ -64,6 +64,9 @@ class CompletionRequest:
     stream: StreamOptions
     return_token_ids: bool
     response_format: ResponseFormat | None = None
+    echo: bool = False  # the prompt text (and, with logprobs, its tokens' logprobs) comes first
+    prompt_logprobs: int | None = None  # vLLM's: each choice's `prompt_logprobs`, with this many top
+    prompt_only: bool = False  # max_tokens 0 with echo: the prompt alone (one token runs, unshown)
 
 
 @dataclass(frozen=True)
@@ -120,20 +123,32 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIM
 
 def parse_completion_request(body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> CompletionRequest:
     m: CompletionRequestModel = validate(CompletionRequestModel, body, limits)
-    for unsupported in ("echo", "suffix"):
-        if getattr(m, unsupported):
-            raise bad_request(f"{unsupported} is not supported by this server", unsupported)
+    if m.suffix:
+        raise bad_request("suffix is not supported by this server", "suffix")
     response_format = parse_response_format(m.response_format)
     logprobs = m.logprobs
+    prompt_logprobs = m.prompt_logprobs
+    echo = _default(m.echo, False)
+    # vLLM's echo semantics: max_tokens 0 returns the prompt alone (one token runs, unshown).
+    prompt_only = m.max_tokens == 0
+    if prompt_only and not echo:
+        raise bad_request("max_tokens must be at least 1, got 0 (0 is taken with echo only)", "max_tokens")
+    max_tokens = 1 if prompt_only else m.max_tokens
+    # The engine scores the prompt for `prompt_logprobs`, and for echo with logprobs.
+    scored = [k for k in (logprobs if echo else None, prompt_logprobs) if k is not None]
+    params = _sampling_params(m, max_tokens, logprobs)
     return CompletionRequest(
         model=m.model,
         prompts=parse_prompts(m.prompt),
-        params=_sampling_params(m, m.max_tokens, logprobs),
-        max_tokens=m.max_tokens,
+        params=replace(params, prompt_logprobs=max(scored)) if scored else params,
+        max_tokens=max_tokens,
         logprobs=logprobs,
         stream=_stream_options(m.stream, m.stream_options),
         return_token_ids=_default(m.return_token_ids, False),
         response_format=response_format,
+        echo=echo,
+        prompt_logprobs=prompt_logprobs,
+        prompt_only=prompt_only,
     )
 
 

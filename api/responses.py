@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.outputs import RequestOutput, TokenLogprob
@@ -82,6 +82,13 @@ class CompletionLogprobs:
             "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in logprobs],
             "text_offset": offsets,
         }
+
+    def prompt_chunk(self, first_token: str, logprobs: tuple[TokenLogprob | None, ...], num_top: int) -> dict[str, Any]:
+        """With echo: the prompt's tokens, the first with no logprob (nothing scores it)."""
+        head = {"tokens": [first_token], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [self._offset]}
+        self._offset += len(first_token)
+        scored = tuple(replace(lp, top=lp.top[:num_top]) for lp in logprobs if lp is not None)
+        return merge_completion_logprobs([head, self.chunk(scored)])
 
 
 def merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:

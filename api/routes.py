@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from api.keys import KEY_STATE, OPEN, KeyRecord, bind_request_priority, token_from_headers, unauthorized_message
 from api.chat import ChatResponder, prompt_closes_reasoning, prompt_opens_reasoning
-from api.completions import CompletionResponder
+from api.completions import CompletionResponder, echoed_prompt
 from api.errors import APIError, bad_request
 from api.generation import ClientDisconnected, start_outputs, unless_disconnected
 from api.inflight import request_deadline
@@ -178,7 +178,11 @@ async def completions(request: Request) -> Response:
         for p in prompts
     ]
     header = ResponseHeader.new("cmpl", engine.info.model_name)
-    responder = CompletionResponder(header, req, prompts)
+    echoed = None
+    if req.echo:
+        echoed = [await state.run_blocking(echoed_prompt, engine.input_processor, sent, ids)
+                  for sent, ids in zip(req.prompts, prompts)]
+    responder = CompletionResponder(header, req, prompts, echoed)
     outputs = await start_outputs(engine, prompts, params, header.id, request.receive, request_deadline(request.scope))
     if req.stream.stream:
         return SSEResponse(responder.stream(outputs))

@@ -136,7 +136,7 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self._executor, partial(fn, *args))
 
     async def load(self) -> None:
-        logger.info("loading %s; /health answers 503 until it is ready", self.config.engine.model or "the demo model")
+        logger.info("loading %s; /health answers 503 until it is ready", self.config.engine.model or "the default model")
         try:
             engine = await asyncio.to_thread(self._loader, self.config.engine)
             self.parsers = _resolve_parsers(self.config, engine.tokenizer.chat_template)

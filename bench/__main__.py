@@ -16,6 +16,8 @@ import orjson
 from tqdm import tqdm
 
 from bench.datasets import DATASETS, DatasetSpec, TokenCounter, build_dataset, load_tokenizer
+from bench.quality import add_arguments as add_quality_arguments
+from bench.quality import cmd_quality
 from bench.report import (Result, format_compare, format_summary, format_sweep, load_results,
                           result_document, write_results)
 from bench.serve import ENDPOINTS, EndpointError, Load, Target, discover_model, probe_target, \
@@ -155,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("soak", help="mixed valid, invalid and disconnecting clients for a while; then "
                                     "check nothing leaked (exit 1 if anything did)")
     add_soak_arguments(k)
+
+    q = sub.add_parser("quality", help="a served model's perplexity on real text (echo + prompt logprobs), "
+                                       "and top-1 agreement with a reference run")
+    add_quality_arguments(q)
     return parser
 
 
@@ -369,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"serve": cmd_serve, "plot": cmd_plot, "compare": cmd_compare,
                 "offline": cmd_offline, "soak": cmd_soak, "context": cmd_context, "tiny-model": cmd_tiny_model,
-                "moe-models": cmd_moe_models, "profile": cmd_profile}
+                "moe-models": cmd_moe_models, "profile": cmd_profile, "quality": cmd_quality}
     return commands[args.command](args)
 
 

@@ -207,7 +207,7 @@ DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 512
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # a local HF checkpoint folder; None = the embedded demo model
+    model: str | None = None  # HF folder, .gguf file or built-in name (engine/model_source.py); None: the default
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings

@@ -1,6 +1,6 @@
 """The engine core: scheduler + model runner, speaking token ids only. Each step is schedule ->
 execute -> update and returns every scheduled request's new token ids, logprob ids and finish
-reason (`EngineCoreOutputs`). Text, stop strings, n > 1 and per-request metrics live in the
+reason, and prompt logprobs as ids and floats (`EngineCoreOutputs`). Text, stop strings, n > 1 and per-request metrics live in the
 front (engine/input_processor.py, engine/output_processor.py); the core runs in its own process
 (engine/core_proc.py) or on a thread of the server's (engine/core_client.py)."""
 
@@ -12,12 +12,19 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.config import EngineConfig, ModelConfig
-from engine.core_types import VERSION, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from engine.core_types import (
+    VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    PromptLogprobsChunk,
+)
 from engine.model_path import default_model_name, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
 from engine.structured import StructuredOutputs
 from scheduler.output import SchedulerOutput
-from scheduler.request import Request
+from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["VERSION", "EngineCore", "EngineInfo", "resolve_model_path"]
@@ -57,7 +64,7 @@ class EngineCore:
             logger.info("prefix caching off: %s is a hybrid model, and a cached prefix would need the "
                         "Gated DeltaNet state at its end (not kept yet)", mc.architecture)
         self.info = EngineInfo(
-            model_name=config.served_model_name or default_model_name(path, is_demo),
+            model_name=config.served_model_name or default_model_name(config),
             model_path=str(path),
             is_demo=is_demo,
             architecture=mc.architecture,
@@ -128,6 +135,7 @@ class EngineCore:
 
     def update(self, out: SchedulerOutput, result: StepResult) -> EngineCoreOutputs:
         """Advance the scheduler by the sampled tokens; what each request got this step."""
+        scored = self._unsent_prompt_logprobs(result)
         sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
         touched = self.scheduler.update(out, sampled)
         outputs = []
@@ -145,14 +153,27 @@ class EngineCore:
                     logprob=tok.logprob if with_logprobs else None,
                     top_ids=tok.top_ids if with_logprobs else (),
                     top_logprobs=tok.top_logprobs if with_logprobs else (),
+                    prompt_logprobs=scored.pop(request.request_id, None),
                 )
             )
+        # Prefill chunks that sampled nothing: their prompt logprobs go now, with no token.
+        outputs.extend(EngineCoreOutput(rid, (), prompt_logprobs=chunk) for rid, chunk in scored.items())
         return EngineCoreOutputs(
             outputs=tuple(outputs),
             stats=self.scheduler.stats(),
             num_batched_requests=len(out.requests),
             num_batched_tokens=out.num_batched_tokens,
         )
+
+    def _unsent_prompt_logprobs(self, result: StepResult) -> dict[str, PromptLogprobsChunk]:
+        """The step's prompt logprobs of live requests that have sampled nothing yet. A request
+        preempted after its first token recomputes its prompt, but the front already has those."""
+        unsent = {}
+        for request_id, chunk in result.prompt_logprobs.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING and not request.output_token_ids:
+                unsent[request_id] = chunk
+        return unsent
 
     def step(self) -> EngineCoreOutputs:
         """schedule + execute + update, synchronously."""

@@ -70,8 +70,24 @@ class EngineCoreRequest:
 
 
 @dataclass(frozen=True)
+class PromptLogprobsChunk:
+    """The logprobs of some of a prompt's tokens, from one prefill chunk (`SamplingParams.prompt_logprobs`):
+    entry i scores the prompt token at position `start + i` (start >= 1: nothing scores the first)."""
+
+    start: int
+    logprobs: tuple[float, ...]  # of the prompt's own token at each position
+    top_ids: tuple[tuple[int, ...], ...]  # per position, the top `prompt_logprobs` ids, best first
+    top_logprobs: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        assert self.start >= 1, f"prompt logprobs start at position {self.start}"
+        assert len(self.logprobs) == len(self.top_ids) == len(self.top_logprobs), "one entry per position"
+
+
+@dataclass(frozen=True)
 class EngineCoreOutput:
-    """What one step produced for one request: ids and numbers, no text."""
+    """What one step produced for one request: ids and numbers, no text. A prefill chunk that
+    sampled nothing but scored prompt tokens sends one with no `new_token_ids`."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -81,6 +97,7 @@ class EngineCoreOutput:
     logprob: float | None = None  # of the sampled token, when the request asked for logprobs
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    prompt_logprobs: PromptLogprobsChunk | None = None  # this step's prefill rows, when asked for
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,15 @@ class InputProcessor:
         assert self.tokenizer is not None, "an InputProcessor without a tokenizer takes token ids only"
         return self.tokenizer.decode(list(prompt_token_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
 
+    def echo_text(self, prompt_token_ids: Sequence[int], sent_text: str | None) -> tuple[str, str]:
+        """What `echo` shows of a prompt: its text (as sent, else decoded with special tokens kept),
+        and its first token's text (the logprobs entry nothing scores)."""
+        assert self.tokenizer is not None, "an InputProcessor without a tokenizer takes token ids only"
+        first_token = self.tokenizer.token_text(prompt_token_ids[0])[0]
+        if sent_text is not None:
+            return sent_text, first_token
+        return self.tokenizer.decode(list(prompt_token_ids), skip_special_tokens=False), first_token
+
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams, param_name: str = "prompt") -> None:
         """Raise ParamError (naming the parameter) for anything this model cannot run."""
         n = len(prompt_token_ids)
@@ -80,6 +89,9 @@ class InputProcessor:
             from engine.structured import StructuredOutputs  # xgrammar: only for constrained requests
 
             StructuredOutputs.check(params.grammar)
+        for name, num_top in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if num_top is not None and num_top > self.vocab_size:
+                raise ParamError(f"{name} {num_top} is more than the vocabulary's {self.vocab_size} tokens", name)
         self._check_ids(param_name, prompt_token_ids)
         self._check_ids("logit_bias", [token_id for token_id, _ in params.logit_bias])
         self._check_ids("stop_token_ids", params.stop_token_ids)

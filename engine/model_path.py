@@ -1,30 +1,27 @@
-"""Where the weights come from: a local checkpoint folder, or the embedded demo model when no
---model is given (the server never downloads). Kept apart from engine/core.py so the core knows
+"""Where the weights come from: what `--model` names (engine/model_source.py: a local folder, a
+.gguf file, SmolLM2 by default), or the embedded demo model (`fp4serve-demo-qwen3`), built here by
+the offline tooling; the server never downloads. Kept apart from engine/core.py so the core knows
 nothing of the demo."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.model_source import DEMO_MODEL_KEYWORD, default_model, model_name, resolve_model
 
 
 def resolve_model_path(config: EngineConfig) -> tuple[Path, bool]:
-    """(checkpoint folder, whether it is the embedded demo model)."""
-    if config.model is None:
+    """(checkpoint folder, whether it is the embedded demo model); a GGUF file is converted once
+    into the cache."""
+    model = config.model or default_model()
+    if model == DEMO_MODEL_KEYWORD:
         from fp4serve_tools.demo import ensure_demo_model
 
         return ensure_demo_model(), True
-    path = Path(config.model).expanduser()
-    if not path.is_dir():
-        raise ConfigError(f"--model {config.model}: not a local folder (fp4serve never downloads weights)")
-    return path, False
+    return resolve_model(model), False
 
 
-def default_model_name(path: Path, is_demo: bool) -> str:
+def default_model_name(config: EngineConfig) -> str:
     """The name /v1/models shows when --served-model-name is not given."""
-    if is_demo:
-        from fp4serve_tools.demo import DEMO_MODEL_NAME
-
-        return DEMO_MODEL_NAME
-    return path.name
+    return model_name(config.model)

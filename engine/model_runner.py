@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_re
 from engine.hybrid_runner import make_hybrid_backend, make_state_pool
 from engine.loader import load_model, weight_bytes
 from engine.outputs import SampledToken
+from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
 from engine.quantization import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
 from engine.structured import StructuredOutputs
@@ -42,6 +43,7 @@ class StepTimings:
 class StepResult:
     sampled: dict[str, SampledToken]  # request id -> its token, for the requests that sampled
     timings: StepTimings
+    prompt_logprobs: PromptLogprobsByRequest = field(default_factory=dict)  # the prefill rows that asked
 
 
 def resolve_device(name: str) -> torch.device:
@@ -137,6 +139,7 @@ class ModelRunner:
         else:
             logger.info("decode CUDA graphs off: %s", why_not)
         self.sampler = Sampler(model_config.vocab_size, self.device)
+        self.prompt_logprobs = PromptLogprobs()
         self.structured = structured
 
     def _num_kv_pages(self) -> int:
@@ -165,12 +168,14 @@ class ModelRunner:
         t0 = time.perf_counter()
         for request_id in out.finished_request_ids:
             self.sampler.remove_request(request_id)
+            self.prompt_logprobs.remove_request(request_id)
             if self.structured is not None:
                 self.structured.remove_request(request_id)
         for r in out.requests:
             if r.new_request is not None:
                 nr = r.new_request
                 self.sampler.add_request(r.request_id, nr.params, nr.prompt_token_ids, nr.eos_token_ids)
+                self.prompt_logprobs.add_request(r.request_id, nr.prompt_token_ids, nr.params.prompt_logprobs)
                 if nr.params.grammar is not None:
                     assert self.structured is not None, "a grammar request reached a runner without StructuredOutputs"
                     # Compiles in the background while this request's prompt runs.
@@ -181,6 +186,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden = self.graphs.forward(batch)  # plans attention, then a graph replay or the eager forward
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab] float32
+        prompt_logprobs = self.prompt_logprobs.compute(out, hidden, self.model.compute_logits)
         # Host work that overlaps the GPU's forward: the grammar bitmask of constrained rows.
         ids = batch.sample_request_ids
         grammar_mask = self.structured.mask(ids, self.device) if self.structured is not None and ids else None
@@ -191,4 +197,5 @@ class ModelRunner:
         if grammar_mask is not None and self.structured is not None:
             self.structured.accept(ids, [tok.token_id for tok in sampled])
         t3 = time.perf_counter()
-        return StepResult(dict(zip(batch.sample_request_ids, sampled)), StepTimings(t1 - t0, t2 - t1, t3 - t2))
+        timings = StepTimings(t1 - t0, t2 - t1, t3 - t2)
+        return StepResult(dict(zip(batch.sample_request_ids, sampled)), timings, prompt_logprobs)

@@ -1,5 +1,5 @@
-"""Token ids back to what a client sees: incremental detokenization, stop strings, logprob text,
-the n > 1 fan-in (each sample's outputs under its parent request), per-request metrics and the
+"""Token ids back to what a client sees: incremental detokenization, stop strings, logprob text
+(of sampled tokens, and of prompt tokens gathered over the prefill chunks), the n > 1 fan-in (each sample's outputs under its parent request), per-request metrics and the
 request log line. Runs in the server's process, on the event loop, beside the input processor."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, PromptLogprobsChunk
 from engine.detokenizer import Detokenizer
 from engine.metrics import EngineMetrics
 from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
@@ -33,6 +33,11 @@ class _Sample:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     key: str = "default"  # the API key's name (usage and per-key metrics)
+    prompt: tuple[int, ...] = ()  # the tokens the core's prompt-logprob chunks score
+    # With params.prompt_logprobs: one entry per prompt token so far, the first None (nothing scores
+    # it); sent with the first output, then None.
+    num_prompt_logprobs: int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class OutputProcessor:
@@ -61,6 +66,9 @@ class OutputProcessor:
                 num_prompt_tokens=len(child.prompt_token_ids),
                 prompt_token_ids=child.prompt_token_ids,
                 key=child.key,
+                prompt=child.prompt_token_ids,
+                num_prompt_logprobs=params.prompt_logprobs,
+                prompt_logprobs=None if params.prompt_logprobs is None else [None],
             )
         self._children[request_id] = [c.request_id for c in children]
         key = children[0].key
@@ -115,6 +123,10 @@ class OutputProcessor:
             sample = self._samples.get(core_out.request_id)
             if sample is None:  # aborted, or ended by a stop string, while the step ran
                 continue
+            if core_out.prompt_logprobs is not None:
+                self._add_prompt_logprobs(sample, core_out.prompt_logprobs)
+            if not core_out.new_token_ids and core_out.finish_reason is None:
+                continue  # a prefill chunk that only scored prompt tokens
             out = self._token_output(core_out, sample, now)
             if out.finish_reason is not None and core_out.finish_reason is None:
                 to_abort.append(core_out.request_id)
@@ -172,6 +184,7 @@ class OutputProcessor:
             num_cached_tokens=sample.num_cached_tokens,
             logprobs=logprobs,
             prompt_token_ids=sample.prompt_token_ids,
+            prompt_logprobs=self._take_prompt_logprobs(sample),
         )
         sample.prompt_token_ids = None
         return out
@@ -213,6 +226,7 @@ class OutputProcessor:
             stop_reason=stop_reason,
             logprobs=logprobs,
             prompt_token_ids=sample.prompt_token_ids,
+            prompt_logprobs=self._take_prompt_logprobs(sample),
         )
         del self._samples[child_id]
         siblings = self._children.get(sample.parent_id)
@@ -226,9 +240,33 @@ class OutputProcessor:
         if num_top is None or core_out.logprob is None:
             return None
         token_id = core_out.new_token_ids[-1]
+        top_ids, top_logprobs = core_out.top_ids[:num_top], core_out.top_logprobs[:num_top]
+        return (self._token_logprob(token_id, core_out.logprob, top_ids, top_logprobs),)
+
+    def _add_prompt_logprobs(self, sample: _Sample, chunk: PromptLogprobsChunk) -> None:
+        """Append a prefill chunk's prompt logprobs as text; positions already held (a request
+        preempted before its first token recomputes its prompt) are skipped."""
+        held = sample.prompt_logprobs
+        if held is None:
+            return
+        assert chunk.start <= len(held), f"prompt logprobs from position {chunk.start}, but only {len(held)} held"
+        k = sample.num_prompt_logprobs
+        for i in range(len(held) - chunk.start, len(chunk.logprobs)):
+            token_id = sample.prompt[chunk.start + i]
+            top_ids, top_logprobs = chunk.top_ids[i][:k], chunk.top_logprobs[i][:k]
+            held.append(self._token_logprob(token_id, chunk.logprobs[i], top_ids, top_logprobs))
+
+    @staticmethod
+    def _take_prompt_logprobs(sample: _Sample) -> tuple[TokenLogprob | None, ...] | None:
+        held, sample.prompt_logprobs = sample.prompt_logprobs, None
+        return None if held is None else tuple(held)
+
+    def _token_logprob(
+        self, token_id: int, logprob: float, top_ids: tuple[int, ...], top_logprobs: tuple[float, ...]
+    ) -> TokenLogprob:
         text, raw = self.tokenizer.token_text(token_id)
         top = []
-        for tid, lp in zip(core_out.top_ids[:num_top], core_out.top_logprobs[:num_top]):
+        for tid, lp in zip(top_ids, top_logprobs):
             top_text, top_raw = self.tokenizer.token_text(tid)
             top.append(TopLogprob(tid, top_text, lp, top_raw))
-        return (TokenLogprob(token_id, text, core_out.logprob, raw, tuple(top)),)
+        return TokenLogprob(token_id, text, logprob, raw, tuple(top))

@@ -54,6 +54,9 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None  # only in each sample's first item
+    # With SamplingParams.prompt_logprobs, in each sample's first item: one per prompt token, the
+    # first None (nothing scores it)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     error: str | None = None  # set when the engine failed this request
 
     @property

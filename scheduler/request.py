@@ -48,6 +48,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's only; N: plus top N
+    # Logprobs of the prompt's tokens (vLLM's prompt_logprobs), as `logprobs`: None, 0 or top N.
+    # Such a request takes no prefix-cache hit, so every prompt position is computed.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # EBNF (xgrammar's dialect) the output must match, e.g. api/tool_grammar.py's for tool_choice
@@ -95,6 +98,8 @@ class SamplingParams:
                 raise bad("logit_bias", f"values must be in [-100, 100], got {bias}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise bad("top_logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -148,7 +148,9 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 request.status = RequestStatus.WAITING
-            hit = self.block_manager.find_cached_prefix(request) if not request.block_table else []
+            # A request wanting prompt logprobs computes every prompt position: no cache hit.
+            lookup = not request.block_table and request.params.prompt_logprobs is None
+            hit = self.block_manager.find_cached_prefix(request) if lookup else []
             num_cached = len(hit) * self.config.block_size
             n = min(request.num_tokens - request.num_computed_tokens - num_cached, budget, cap)
             if not self.block_manager.allocate(request, n, hit):

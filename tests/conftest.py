@@ -12,6 +12,8 @@ import pytest  # noqa: E402
 
 # Keep test runs from writing into the user's cache; the demo model is built once per machine here.
 os.environ.setdefault("FP4SERVE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "test"))
+# Tests (and the servers they spawn) run the tiny random Qwen3 when no --model is given, not SmolLM2.
+os.environ.setdefault("FP4SERVE_DEFAULT_MODEL", "fp4serve-demo-qwen3")
 
 from tests.factories import make_checkpoint  # noqa: E402
 

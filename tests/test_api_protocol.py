@@ -245,9 +245,37 @@ def test_completion_logprobs_is_an_int_in_range() -> None:
     assert rejected(parse_completion_request, completion_body(logprobs=True)).param == "logprobs"
 
 
-@pytest.mark.parametrize("field", ["echo", "suffix"])
-def test_unsupported_completion_features_are_refused_not_ignored(field: str) -> None:
-    assert rejected(parse_completion_request, completion_body(**{field: "x"})).param == field
+def test_suffix_is_refused_not_ignored() -> None:
+    assert rejected(parse_completion_request, completion_body(suffix="x")).param == "suffix"
+
+
+def test_echo_and_prompt_logprobs_ask_the_engine_to_score_the_prompt() -> None:
+    plain = parse_completion_request(completion_body(logprobs=2))
+    assert plain.params.prompt_logprobs is None and not plain.echo
+    echoed = parse_completion_request(completion_body(logprobs=2, echo=True))
+    assert echoed.echo and echoed.params.prompt_logprobs == 2
+    both = parse_completion_request(completion_body(logprobs=1, echo=True, prompt_logprobs=3))
+    assert (both.prompt_logprobs, both.params.prompt_logprobs, both.params.logprobs) == (3, 3, 1)
+    alone = parse_completion_request(completion_body(prompt_logprobs=0))
+    assert (alone.prompt_logprobs, alone.params.prompt_logprobs, alone.echo) == (0, 0, False)
+
+
+def test_max_tokens_0_with_echo_runs_one_token_and_shows_the_prompt_alone() -> None:
+    req = parse_completion_request(completion_body(max_tokens=0, echo=True))
+    assert req.prompt_only and req.max_tokens == 1 and req.params.max_tokens == 1
+    err = rejected(parse_completion_request, completion_body(max_tokens=0))
+    assert err.param == "max_tokens" and "echo" in err.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"echo": "x"}, "echo"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+     ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": True}, "prompt_logprobs"),
+     ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
+     ({"max_tokens": -1, "echo": True}, "max_tokens")],
+)
+def test_bad_echo_and_prompt_logprobs_name_the_parameter(fields: dict[str, Any], param: str) -> None:
+    assert rejected(parse_completion_request, completion_body(**fields)).param == param
 
 
 @pytest.mark.parametrize(("num_prompt", "max_len", "expected"), [(10, 100, 90), (1, 2, 1), (99, 100, 1)])

@@ -120,3 +120,30 @@ def test_sigterm_stops_the_engine_process_with_the_server(qwen3_ckpt: Path) -> N
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(pid)
+
+
+def test_prompt_logprobs_cross_the_process_boundary_as_ids_and_come_back_as_text(qwen3_ckpt: Path) -> None:
+    prompt = list(range(100, 140))
+    # A 16-token budget: the prompt's logprobs arrive over three prefill chunks, two with no token.
+    cfg = dict(CFG, max_num_batched_tokens=16)
+    params = SamplingParams(n=2, max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    [expected] = OfflineEngine.from_config(EngineConfig(model=str(qwen3_ckpt), **cfg)).generate([prompt], params)
+
+    async def main() -> list[Any]:
+        engine = AsyncEngine.from_config(EngineConfig(model=str(qwen3_ckpt), engine_process=True, **cfg))
+        await engine.start()
+        try:
+            return [out async for out in engine.generate(prompt, params, "p")]
+        finally:
+            await engine.shutdown()
+
+    outs = asyncio.run(main())
+    for index in (0, 1):
+        mine = [out for out in outs if out.index == index]
+        assert [out.prompt_logprobs is not None for out in mine] == [True, False, False]  # the first output only
+        got, want = mine[0].prompt_logprobs, expected.outputs[index][0].prompt_logprobs
+        assert got is not None and want is not None and len(got) == len(prompt) and got[0] is None
+        assert [(e.token_id, e.token, [t.token for t in e.top]) for e in got[1:]] == \
+            [(e.token_id, e.token, [t.token for t in e.top]) for e in want[1:]]
+        assert [e.logprob for e in got[1:]] == pytest.approx([e.logprob for e in want[1:]], abs=1e-5)
+        assert [e.token_id for e in got[1:]] == prompt[1:] and all(len(e.top) == 2 for e in got[1:])

@@ -71,3 +71,26 @@ def test_chat_messages_become_ids_through_the_checkpoints_template_and_its_tail_
     with pytest.raises(ParamError) as excinfo:
         inputs.render_chat([], None, True, {})  # the template refuses an empty chat
     assert excinfo.value.param == "messages"
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_more_top_logprobs_than_the_vocabulary_has_are_refused(field: str) -> None:
+    inputs = InputProcessor(10, 32, ())
+    with pytest.raises(ParamError) as excinfo:
+        inputs.process("r", [1, 2], SamplingParams(**{field: 11}))  # type: ignore[arg-type]
+    assert excinfo.value.param == field
+    [req] = inputs.process("r", [1, 2], SamplingParams(**{field: 10}))  # type: ignore[arg-type]
+    assert getattr(req.params, field) == 10
+
+
+def test_echo_shows_a_text_prompt_as_sent_and_decodes_one_sent_as_ids() -> None:
+    from engine.tokenizer import Tokenizer
+    from fp4serve_tools.demo import ensure_demo_model
+
+    tokenizer = Tokenizer(ensure_demo_model())
+    inputs = InputProcessor(151_936, 4096, (), tokenizer)
+    ids = inputs.encode("Hello there, world")
+    first = tokenizer.token_text(ids[0])[0]
+    assert inputs.echo_text(ids, "Hello there, world") == ("Hello there, world", first)
+    assert inputs.echo_text(ids, None) == (tokenizer.decode(ids, skip_special_tokens=False), first)
+    assert inputs.echo_text(ids, None)[0] == "Hello there, world" and first == "Hello"

@@ -20,6 +20,7 @@ from engine.offline import OfflineEngine
 from fp4serve_tools.quantize import quantize_checkpoint
 from kernels.fused_moe import NVFP4ExpertWeights
 from kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from kernels.nvfp4_scale_search import quantize_nvfp4_searched
 from scheduler.request import SamplingParams
 from tests.factories import make_moe_checkpoint
 from tests.test_nvfp4_engine import make_runner, position_logits, random_prompts
@@ -71,8 +72,9 @@ def test_quantize_at_load_gives_each_expert_its_own_global_scales(ckpts: Any,
         assert experts.w13.global_scale.shape == (E, 2) and experts.w2.global_scale.shape == (E, 1)
         for e in (0, 7):
             prefix = f"model.layers.{layer}.mlp.experts.{e}"
-            gate = quantize_nvfp4(tensors[f"{prefix}.gate_proj.weight"])
-            up = quantize_nvfp4(tensors[f"{prefix}.up_proj.weight"])
+            # Quantized at load with the searched block scales, as every linear (engine/quantization.py).
+            gate = quantize_nvfp4_searched(tensors[f"{prefix}.gate_proj.weight"])
+            up = quantize_nvfp4_searched(tensors[f"{prefix}.up_proj.weight"])
             want = torch.cat([dequantize_nvfp4(gate, torch.float32), dequantize_nvfp4(up, torch.float32)])
             assert torch.equal(dequantize_nvfp4(experts.w13.expert(e), torch.float32), want)
             assert experts.w13.global_scale[e].tolist() == [gate.global_scale.item(), up.global_scale.item()]

@@ -24,6 +24,7 @@ from engine.offline import OfflineEngine
 from fp4serve_tools.quantize import main as quantize_main
 from fp4serve_tools.quantize import quantize_checkpoint
 from kernels.nvfp4 import NVFP4Weight, dequantize_nvfp4, quantize_nvfp4, to_modelopt
+from kernels.nvfp4_scale_search import quantize_nvfp4_searched
 from kernels.nvfp4_matmul import NVFP4Linear
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import SamplingParams
@@ -219,7 +220,7 @@ def test_fused_shards_of_different_magnitudes_keep_their_own_scales(ckpts: Any, 
 
     edit_tensors(path, spread)
     stored = load_file(path / "model.safetensors")
-    shards = [quantize_nvfp4(stored[f"{prefix}.{p}_proj.weight"]) for p in "qkv"]
+    shards = [quantize_nvfp4_searched(stored[f"{prefix}.{p}_proj.weight"]) for p in "qkv"]
     layer = nvfp4_linears(make_runner(path, quantization="nvfp4"))["layers.0.self_attn.qkv_proj"]
     fused = operand(layer)
     assert fused.shard_sizes == (64, 32, 32)

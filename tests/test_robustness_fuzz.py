@@ -118,10 +118,11 @@ valid_chats = st.fixed_dictionaries({"messages": messages_of(corrupt=False)}, op
 }).map(lambda body: {**body, "logprobs": True} if "top_logprobs" in body else body)
 valid_completions = st.fixed_dictionaries({"prompt": words | st.lists(words, min_size=1, max_size=2)
                                            | st.lists(token_id, min_size=1, max_size=6)},
-                                          optional={**sampling, "logprobs": st.integers(0, 5), "echo": st.just(False)})
+                                          optional={**sampling, "logprobs": st.integers(0, 5), "echo": st.booleans(),
+                                                    "prompt_logprobs": st.integers(0, 3)})
 CHAT_FIELDS = [*sampling, "messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                "chat_template_kwargs", "enable_thinking", "add_generation_prompt", "max_completion_tokens"]
-COMPLETION_FIELDS = [*sampling, "prompt", "logprobs", "echo", "suffix"]
+COMPLETION_FIELDS = [*sampling, "prompt", "logprobs", "echo", "prompt_logprobs", "suffix"]
 bad_chats = corrupted(valid_chats, CHAT_FIELDS) | st.fixed_dictionaries({"messages": messages_of(corrupt=True)})
 bad_completions = corrupted(valid_completions, COMPLETION_FIELDS)
 raw_bodies = st.one_of(st.binary(max_size=64), anything.map(lambda v: json.dumps(v).encode()),
