@@ -124,6 +124,9 @@ class ToolParser(Protocol):
     @property
     def num_calls(self) -> int: ...
 
+    @property
+    def num_complete_calls(self) -> int: ...  # calls whose text closed
+
 
 def coalesce_tool_deltas(deltas: list[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:
     """Merge consecutive fragments of the same call into one, and drop empty ones.
