@@ -27,6 +27,7 @@ from api.errors import (
 )
 from api.generation import ClientDisconnected
 from api.inflight import InFlightMiddleware
+from api.agent_routes import AGENT_ROUTES
 from api.routes import ROUTES
 from api.state import (
     DEFAULT_MAX_QUEUED_REQUESTS,
@@ -75,7 +76,7 @@ def build_app(
     if config.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
     app = Starlette(
-        routes=ROUTES,
+        routes=[*ROUTES, *AGENT_ROUTES],
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={

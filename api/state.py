@@ -51,12 +51,15 @@ class ServerConfig:
     queue: QueueLimits = QueueLimits(max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS)
     request_timeout_s: float | None = None  # from arrival to the last byte; None: no limit
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # how long a drain waits for in-flight requests
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0: none
 
     def __post_init__(self) -> None:
         if self.max_request_bytes <= 0:
             raise ConfigError(f"--max-request-bytes: must be positive, got {self.max_request_bytes}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ConfigError(f"--request-timeout: must be positive, got {self.request_timeout_s}")
+        if self.responses_store_size < 0:
+            raise ConfigError(f"--responses-store-size: must not be negative, got {self.responses_store_size}")
         if self.shutdown_timeout_s < 0:
             raise ConfigError(f"--shutdown-timeout: must not be negative, got {self.shutdown_timeout_s}")
 
