@@ -35,6 +35,13 @@ class OutputItems:
         self.events: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item deltas go to now
         self._open_call = -1  # the parser's index of the open function call
+        self._call_index: dict[str, int] = {}  # function_call item id -> the parser's call index
+        self._broken: set[int] = set()  # the parser's indices of calls that never closed
+
+    def mark_broken(self, call_indices: tuple[int, ...]) -> None:
+        """Calls whose text never closed (a streamed parser's `broken_calls`): their items end
+        `incomplete`. Call before `add` with the deltas of the same feed."""
+        self._broken.update(call_indices)
 
     def add(self, delta: ParsedDelta) -> None:
         if delta.reasoning:
@@ -46,6 +53,7 @@ class OutputItems:
                 self._open_item({"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
                                  "arguments": "", "status": "in_progress"})
                 self._open_call = call.index
+                self._call_index[self.items[-1]["id"]] = call.index
             if call.arguments and call.index == self._open_call:
                 item = self._open
                 assert item is not None and item["type"] == "function_call"
@@ -89,8 +97,10 @@ class OutputItems:
         if item is None:
             return
         self._open = None
-        item["status"] = status
         kind = item["type"]
+        if kind == "function_call" and self._call_index[item["id"]] in self._broken:
+            status = "incomplete"
+        item["status"] = status
         if kind == "reasoning":
             text = item["content"][0]["text"]
             self._event("response.reasoning_text.done", item_id=item["id"], content_index=0, text=text)

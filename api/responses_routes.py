@@ -98,10 +98,14 @@ async def create_response(request: Request) -> Response:
         yield encode({"type": "response.in_progress", "response": pending})
         try:
             async for delta in parsed_deltas(started.outputs, parser, totals):
+                if parser is not None:
+                    items.mark_broken(parser.broken_calls)
                 items.add(delta)
                 for event in items.events:
                     yield encode(event)
                 items.events.clear()
+            if parser is not None:
+                items.mark_broken(parser.broken_calls)
             final = finished_body()
             for event in items.events:
                 yield encode(event)

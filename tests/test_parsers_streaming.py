@@ -184,7 +184,7 @@ def test_an_unclosed_streamed_call_is_not_a_call() -> None:
     parser.feed('<tool_call>\n{"name": "write_fi')
     parser.feed('le", "arguments": {"path": "a')
     assert parser.finish().is_empty  # no closing quote or brace the model did not write
-    assert not parser.tool_calls_made
+    assert not parser.tool_calls_made and parser.broken_calls == (0,)
     assert parser.finish_reason("stop") == "stop"
 
 

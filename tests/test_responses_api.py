@@ -174,3 +174,22 @@ def test_bad_input_is_a_400_naming_the_item(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as error:
         create(client, input=[{"type": "computer_call", "call_id": "x"}])
     assert "input[0].type" in str(error.value)
+
+
+def test_a_call_cut_by_max_output_tokens_is_not_a_call(scripted: ScriptedCore, client: openai.OpenAI) -> None:
+    text = call_text("qwen3", "get_weather", ARGUMENTS)
+    num_tokens = scripted.expect(text)
+    cut = {"input": "Weather?", "tools": [WEATHER], "max_output_tokens": num_tokens - 6, **NO_THINKING}
+    whole = create(client, **cut)
+    # Not streamed: no function_call item; the text the model wrote stays a message.
+    assert whole.status == "incomplete" and [item.type for item in whole.output] == ["message"]
+    assert whole.output_text.startswith("<tool_call>") and text.startswith(whole.output_text)
+    scripted.expect(text)
+    with client.responses.stream(model=DEMO_MODEL_NAME, **cut) as stream:
+        events = list(stream)
+    # Streamed: the deltas already sent stay, nothing is added, and the item ends incomplete.
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    [call] = [item for item in events[-1].response.output if item.type == "function_call"]
+    assert call.status == "incomplete"
+    assert json.dumps(ARGUMENTS).startswith(call.arguments) and call.arguments != json.dumps(ARGUMENTS)

@@ -116,6 +116,7 @@ class ToolParser(Protocol):
     """Splits content into `content` and tool-call deltas (no reasoning)."""
 
     problems: list[str]  # why text did not become a call, for `parse-output` and logs
+    broken_calls: list[int]  # streaming: indices of announced calls whose text never closed
 
     def feed(self, text: str) -> ParsedDelta: ...
 

@@ -62,6 +62,11 @@ class OutputParser:
         return self._tools is not None and self._tools.num_complete_calls > 0
 
     @property
+    def broken_calls(self) -> tuple[int, ...]:
+        """Streaming: the indices of announced calls whose text never closed (not calls)."""
+        return tuple(self._tools.broken_calls) if self._tools is not None else ()
+
+    @property
     def problems(self) -> tuple[str, ...]:
         """Why some text did not become a tool call, for logs and `parse-output`."""
         return tuple(self._tools.problems) if self._tools is not None else ()

@@ -54,6 +54,7 @@ class ToolStream:
         self._call_open = False  # a call was announced and has not closed yet
         self._broken = False  # the open call can no longer close
         self._num_broken = 0
+        self.broken_calls: list[int] = []  # streaming: indices of announced calls that never closed
         self._new_call_id = new_call_id
         self.problems: list[str] = []
         self._buf = ""  # text not consumed yet: at most a partial tag, except where noted
@@ -146,6 +147,7 @@ class ToolStream:
         if self._call_open and self._broken:
             if self._streaming:
                 self._num_broken += 1
+                self.broken_calls.append(self._num_calls - 1)
             else:
                 self._pending.clear()
                 self._num_calls -= 1
