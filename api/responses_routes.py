@@ -18,7 +18,7 @@ from api.errors import APIError
 from api.parsed_stream import Totals, make_parser, parsed_deltas
 from api.protocol import parse_chat_request
 from api.responses_output import OutputItems, assistant_messages, new_id, now, response_body
-from api.responses_request import ResponsesRequestModel, chat_body, parse_responses_request
+from api.responses_request import chat_body, parse_responses_request
 from api.responses_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore, StoredResponse, owner_of
 from api.routes import json_response, read_json, server_state, start_chat, unless_disconnected
 from api.sse import SSEResponse
@@ -137,5 +137,3 @@ async def delete_response(request: Request) -> Response:
         raise _not_found(response_id)
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
-
-__all__ = ["create_response", "delete_response", "get_response", "ResponsesRequestModel"]
