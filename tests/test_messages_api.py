@@ -160,3 +160,13 @@ def test_engine_refusals_keep_anthropics_shape_and_retry_after() -> None:
     assert response.status_code == 503 and response.headers["retry-after"]
     assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
     assert "queue is full" in body["error"]["message"]
+
+
+def test_thinking_reaches_the_template_and_count_tokens_sees_it(client: anthropic.Anthropic) -> None:
+    def count(**kwargs: Any) -> int:
+        return client.messages.count_tokens(model=DEMO_MODEL_NAME, messages=MESSAGES, **kwargs).input_tokens
+
+    # Qwen3's template closes an empty think block in the prompt when thinking is off.
+    enabled = count(thinking={"type": "enabled", "budget_tokens": 1024})
+    assert count(thinking={"type": "disabled"}) > enabled
+    assert count(thinking={"type": "enabled", "budget_tokens": 1024}, tools=[WEATHER]) > enabled  # tools render too

@@ -193,3 +193,13 @@ def test_a_call_cut_by_max_output_tokens_is_not_a_call(scripted: ScriptedCore, c
     [call] = [item for item in events[-1].response.output if item.type == "function_call"]
     assert call.status == "incomplete"
     assert json.dumps(ARGUMENTS).startswith(call.arguments) and call.arguments != json.dumps(ARGUMENTS)
+
+
+def test_text_format_json_schema_is_enforced_on_the_random_model(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}},
+              "required": ["mode"], "additionalProperties": False}
+    response = create(client, input="Pick a mode.", temperature=0, max_output_tokens=100,
+                      text={"format": {"type": "json_schema", "name": "mode", "schema": schema, "strict": True}},
+                      **NO_THINKING)
+    assert response.status == "completed"
+    assert json.loads(response.output_text)["mode"] in ("fast", "slow")
