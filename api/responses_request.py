@@ -125,13 +125,17 @@ def _text(content: Any, param: str) -> str:
 
 
 def _tools(raw: Any) -> Any:
-    """Responses tools are flat (`{"type": "function", "name", "parameters"}`); chat nests them."""
+    """Responses tools are flat (`{"type": "function", "name", "parameters"}`); chat nests them.
+    Built-in tools (web_search, file_search, custom grammar tools, ...) are left out: this
+    server runs none of them, and agents such as Codex offer them beside their functions."""
     if not isinstance(raw, list):
         return raw  # api/messages.py answers with the error
     tools = []
     for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise bad_request(f"tools[{i}]: only function tools are supported", f"tools[{i}].type")
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            raise bad_request(f"tools[{i}] must be an object with a type", f"tools[{i}]")
+        if tool["type"] != "function":
+            continue
         function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         tools.append({"type": "function", "function": function})
     return tools

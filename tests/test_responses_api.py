@@ -203,3 +203,16 @@ def test_text_format_json_schema_is_enforced_on_the_random_model(client: openai.
                       **NO_THINKING)
     assert response.status == "completed"
     assert json.loads(response.output_text)["mode"] in ("fast", "slow")
+
+
+def test_built_in_tools_are_left_out_and_function_tools_nested_for_chat() -> None:
+    from api.responses_request import chat_body, parse_responses_request
+
+    body = chat_body(parse_responses_request({
+        "input": "hi", "tools": [{"type": "web_search"}, WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+        "text": {"format": {"type": "json_object"}}, "max_output_tokens": 7,
+    }), history=[])
+    assert [t["function"]["name"] for t in body["tools"]] == ["get_weather"]
+    assert body["tools"][0]["function"]["parameters"] == WEATHER["parameters"]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert body["response_format"] == {"type": "json_object"} and body["max_tokens"] == 7
