@@ -216,3 +216,21 @@ def test_built_in_tools_are_left_out_and_function_tools_nested_for_chat() -> Non
     assert body["tools"][0]["function"]["parameters"] == WEATHER["parameters"]
     assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert body["response_format"] == {"type": "json_object"} and body["max_tokens"] == 7
+
+
+def test_an_agent_loop_call_then_its_output_by_previous_response_id(scripted: ScriptedCore,
+                                                                    client: openai.OpenAI) -> None:
+    scripted.expect(call_text("qwen3", "get_weather", ARGUMENTS))
+    first = create(client, input="Weather in Paris?", tools=[WEATHER], **NO_THINKING)
+    [call] = first.output
+    assert call.type == "function_call" and json.loads(call.arguments) == ARGUMENTS
+    scripted.expect("Sunny, 21 C.")
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
+    second = create(client, input=[result], previous_response_id=first.id, tools=[WEATHER], **NO_THINKING)
+    assert second.output_text == "Sunny, 21 C."
+    # The same turn sent by hand (the call as an input item) renders the same prompt.
+    scripted.expect("Sunny, 21 C.")
+    by_hand = [{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               result]
+    assert create(client, input=by_hand, tools=[WEATHER], **NO_THINKING).usage.input_tokens == second.usage.input_tokens
