@@ -27,6 +27,7 @@ from api.errors import (
 )
 from api.generation import ClientDisconnected
 from api.inflight import InFlightMiddleware
+from api.agent_routes import AGENT_ROUTES
 from api.routes import ROUTES
 from api.stats import stats_routes
 from api.ui import ui_routes
@@ -76,7 +77,7 @@ def build_app(
         )
     middleware.append(Middleware(KeyMiddleware, ring=state.keys, limiter=state.limiter))
     app = Starlette(
-        routes=[*ROUTES, *stats_routes(), *(ui_routes(config.url) if config.ui else [])],
+        routes=[*ROUTES, *AGENT_ROUTES, *stats_routes(), *(ui_routes(config.url) if config.ui else [])],
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={

@@ -1,4 +1,5 @@
-"""API-key check for `/v1/*`: `Authorization: Bearer <key>`, compared in constant time.
+"""API-key check for `/v1/*`: `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`),
+compared in constant time.
 `/health`, `/metrics` and `/version` stay open so probes and scrapers need no secret."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api.anthropic_errors import anthropic_error_response, is_messages_path
 from api.errors import error_response
 
 PROTECTED_PREFIX = "/v1"
@@ -44,11 +46,17 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        x_api_key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
+        if authorization is None and x_api_key is not None:
+            authorization = b"Bearer " + x_api_key  # Anthropic clients (Claude Code) send this header
         if self.is_authorized(authorization):
             await self.app(scope, receive, send)
             return
         message = "missing API key: send 'Authorization: Bearer <key>'" if authorization is None else "invalid API key"
-        response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if is_messages_path(scope["path"]):
+            response = anthropic_error_response(401, message, headers={"WWW-Authenticate": "Bearer"})
+        else:
+            response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
 

@@ -42,7 +42,9 @@ class ParserSettings:
     tool_parser: str | None = None
     reasoning_parser: str | None = None
 
-    def make(self, request: ChatRequest, starts_in_reasoning: bool) -> OutputParser | None:
+    def make(self, request: ChatRequest, starts_in_reasoning: bool, streaming: bool | None = None) -> OutputParser | None:
+        """`streaming`: defaults to the request's `stream`; False holds each tool call until its
+        text closed (a call that never closed stays content)."""
         # Tool calls are parsed only when the client offered tools and did not turn them off.
         tool_parser = self.tool_parser if request.tools and request.tool_choice != "none" else None
         if tool_parser is None and self.reasoning_parser is None:
@@ -55,6 +57,7 @@ class ParserSettings:
             tools=request.tools,
             starts_in_reasoning=starts_in_reasoning,
             parallel_tool_calls=request.parallel_tool_calls,
+            streaming=request.stream.stream if streaming is None else streaming,
         )
 
 

@@ -119,6 +119,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="comma-separated origins allowed by CORS, or '*'; default: no CORS headers")
     http.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                       help="largest request body accepted (413 above it)")
+    http.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
+                      help="how many /v1/responses replies are kept in memory for previous_response_id and "
+                      "GET /v1/responses/{id}, least recently used dropped first; 0 stores none")
     http.add_argument("--tool-parser", default=None, metavar="NAME",
                       help="parse tool calls out of chat output: qwen3 (alias hermes), qwen3_coder, or auto "
                       "(chosen from the chat template); default: none")
@@ -224,6 +227,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tool_parser=args.tool_parser,
         reasoning_parser=args.reasoning_parser,
         max_request_bytes=args.max_request_bytes,
+        responses_store_size=args.responses_store_size,
         limits=RequestLimits(
             max_n=args.max_n,
             max_output_tokens=args.max_output_tokens,

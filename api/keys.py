@@ -24,6 +24,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api.anthropic_errors import anthropic_error_response, is_messages_path
 from api.auth import _is_protected, bearer_token
 from api.errors import error_response
 from engine.config import ConfigError
@@ -178,7 +179,12 @@ class KeyRing:
 
 def token_from_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bytes | None, bool]:
     """(the presented secret, whether any credential header was sent)."""
+    headers = list(headers)
     authorization = next((v for k, v in headers if k == b"authorization"), None)
+    if authorization is None:  # Anthropic clients (Claude Code) send `x-api-key: <key>` instead
+        x_api_key = next((v for k, v in headers if k == b"x-api-key"), None)
+        if x_api_key is not None:
+            return x_api_key.strip() or None, True
     return bearer_token(authorization), authorization is not None
 
 
@@ -192,7 +198,10 @@ def unauthorized_message(sent: bool) -> str:
     return "invalid API key" if sent else "missing API key: send 'Authorization: Bearer <key>'"
 
 
-def unauthorized(sent: bool) -> Any:
+def unauthorized(sent: bool, path: str = "") -> Any:
+    """The 401, in Anthropic's error shape on /v1/messages (its SDK reads no other)."""
+    if is_messages_path(path):
+        return anthropic_error_response(401, unauthorized_message(sent), headers={"WWW-Authenticate": "Bearer"})
     return error_response(401, unauthorized_message(sent), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -218,7 +227,7 @@ class KeyMiddleware:
         token, sent = token_from_headers(scope["headers"])
         record = self.ring.lookup(token)
         if record is None:
-            await unauthorized(sent)(scope, receive, send)
+            await unauthorized(sent, scope["path"])(scope, receive, send)
             return
         scope.setdefault("state", {})[KEY_STATE] = record
         counts = scope["method"] == "POST"  # generation and other work; GET /v1/models, /v1/usage are free

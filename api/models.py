@@ -313,8 +313,14 @@ def openapi_schema(version: str) -> dict[str, Any]:
     """An OpenAPI 3.1 document of the request bodies, generated from the models above."""
     from pydantic.json_schema import models_json_schema
 
+    # NOTE: imported here: those modules build on this one.
+    from api.anthropic_request import MessagesRequestModel
+    from api.responses_request import ResponsesRequestModel
+
+    bodies = {**_REQUEST_BODIES, "/v1/responses": ResponsesRequestModel, "/v1/messages": MessagesRequestModel,
+              "/v1/messages/count_tokens": MessagesRequestModel}
     _, schemas = models_json_schema(
-        [(model, "validation") for model in _REQUEST_BODIES.values()], ref_template="#/components/schemas/{model}"
+        [(model, "validation") for model in dict.fromkeys(bodies.values())], ref_template="#/components/schemas/{model}"
     )
     paths = {
         path: {"post": {
@@ -322,7 +328,7 @@ def openapi_schema(version: str) -> dict[str, Any]:
                 "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
             "responses": {"200": {"description": "OK"}, "400": {"description": "OpenAI error body naming `param`"}},
         }}
-        for path, model in _REQUEST_BODIES.items()
+        for path, model in bodies.items()
     }
     return {"openapi": "3.1.0", "info": {"title": "fp4serve", "version": version}, "paths": paths,
             "components": {"schemas": schemas.get("$defs", {})}}

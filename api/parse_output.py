@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="feed the streaming parser N characters at a time and assemble the deltas",
+        help="feed the parser N characters at a time and assemble the deltas",
     )
     parser.add_argument(
         "--thinking-in-prompt",
@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         args.thinking_in_prompt,
         not args.no_parallel_tool_calls,
         call_id_factory=lambda: f"call_{next(numbers):024x}",
+        streaming=False,  # the non-streamed reply: a call that never closed stays content
     )
     step = args.stream_chunk or max(len(text), 1)
     deltas: list[ParsedDelta] = [parser.feed(text[i : i + step]) for i in range(0, len(text), step)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +22,7 @@ from api.keys import KEY_STATE, OPEN, KeyRecord, bind_request_priority, token_fr
 from api.chat import ChatResponder, prompt_closes_reasoning, prompt_opens_reasoning
 from api.completions import CompletionResponder, echoed_prompt
 from api.errors import APIError, bad_request
-from api.generation import ClientDisconnected, start_outputs, unless_disconnected
+from api.generation import ClientDisconnected, Outputs, start_outputs, unless_disconnected
 from api.inflight import request_deadline
 from api.protocol import (
     ChatRequest,
@@ -106,29 +106,46 @@ def check_model(requested: str | None, engine: AsyncEngine) -> None:
 
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
-    engine = state.ready_engine()
     body = await read_json(request, state.config.max_request_bytes)
-    limits = state.config.limits
-    chat = parse_chat_request(body, limits)
+    chat = parse_chat_request(body, state.config.limits)
     bind_request_priority(body.get("priority"))
+    started = await start_chat(request, chat, "chatcmpl")
+    responder = ChatResponder(started.header, chat, started.prompt, state.parsers, started.opens_reasoning)
+    if chat.stream.stream:
+        return SSEResponse(responder.stream(started.outputs))
+    return await _complete(request, responder.complete(started.outputs))
+
+
+@dataclass(frozen=True)
+class StartedChat:
+    header: ResponseHeader
+    prompt: list[int]
+    opens_reasoning: bool  # the template left a <think> block open: the output starts as reasoning
+    outputs: Outputs
+
+
+async def start_chat(request: Request, chat: ChatRequest, id_prefix: str) -> StartedChat:
+    """A parsed chat request through the chat template into the engine, with its grammar
+    (response_format, or a forced tool call): what /v1/chat/completions, /v1/responses and
+    /v1/messages share; only the response shapes differ."""
+    state = server_state(request)
+    engine = state.ready_engine()
     check_model(chat.model, engine)
     inputs = engine.input_processor
     with state.admission.preparing(engine):
         prompt = await state.run_blocking(
             inputs.render_chat, chat.messages, chat.tools, chat.add_generation_prompt, chat.template_kwargs
         )
+    limits = state.config.limits
     params = resolve_max_tokens(
         chat.params, chat.max_tokens, len(prompt), engine.info.max_model_len, "messages", limits.max_output_tokens
     )
     tail = inputs.prompt_tail(prompt) if state.parsers.reasoning_parser is not None else ""
     opens_reasoning = prompt_opens_reasoning(tail)
     params = replace(params, grammar=_grammar(chat, state, tail, opens_reasoning))
-    header = ResponseHeader.new("chatcmpl", engine.info.model_name)
-    responder = ChatResponder(header, chat, prompt, state.parsers, opens_reasoning)
+    header = ResponseHeader.new(id_prefix, engine.info.model_name)
     outputs = await start_outputs(engine, [prompt], [params], header.id, request.receive, request_deadline(request.scope))
-    if chat.stream.stream:
-        return SSEResponse(responder.stream(outputs))
-    return await _complete(request, responder.complete(outputs))
+    return StartedChat(header, prompt, opens_reasoning, outputs)
 
 
 def _grammar(chat: ChatRequest, state: ServerState, prompt_tail: str, opens_reasoning: bool) -> str | None:

@@ -59,12 +59,15 @@ class ServerConfig:
     api_keys_file: str | None = None  # TOML [[keys]] (api/keys.py); exclusive with api_key
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_prompts: int = DEFAULT_MAX_PROMPTS
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0: none
 
     def __post_init__(self) -> None:
         if self.max_request_bytes <= 0:
             raise ConfigError(f"--max-request-bytes: must be positive, got {self.max_request_bytes}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ConfigError(f"--request-timeout: must be positive, got {self.request_timeout_s}")
+        if self.responses_store_size < 0:
+            raise ConfigError(f"--responses-store-size: must not be negative, got {self.responses_store_size}")
         if self.shutdown_timeout_s < 0:
             raise ConfigError(f"--shutdown-timeout: must not be negative, got {self.shutdown_timeout_s}")
         if self.body_timeout_s <= 0:

@@ -128,6 +128,16 @@ def test_a_tool_call_cut_by_max_tokens_finishes_with_length() -> None:
     assert complete(responder(parsers, tools=TOOLS), outputs(cut, finish="length"))["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("finish", ["length", "stop"])
+def test_an_unclosed_tool_call_is_content_not_an_invented_call(finish: str) -> None:
+    parsers = ParserSettings(tool_parser="qwen3")
+    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    choice = complete(responder(parsers, tools=TOOLS), outputs([text[:20], text[20:]], finish=finish))["choices"][0]
+    assert choice["finish_reason"] == finish
+    assert choice["message"]["content"] == text
+    assert "tool_calls" not in choice["message"]
+
+
 def test_tool_choice_none_or_no_tools_leaves_tool_text_as_content() -> None:
     parsers = ParserSettings(tool_parser="qwen3")
     text = ['<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>']

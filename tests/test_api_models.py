@@ -48,7 +48,10 @@ def test_openapi_describes_each_request_body_with_its_ranges() -> None:
     chat = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
     temperature = chat["properties"]["temperature"]["anyOf"][0]
     assert (temperature["minimum"], temperature["maximum"]) == (0.0, 2.0)
-    assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"}
+    assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize",
+                                 "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
+    responses = doc["components"]["schemas"]["ResponsesRequestModel"]["properties"]
+    assert responses["max_output_tokens"]["anyOf"][0]["minimum"] == 1
     assert doc["info"]["version"] == "1.2.3"
 
 

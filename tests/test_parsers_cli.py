@@ -78,3 +78,14 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path: Path, args: list[str], me
     done = parse_output(tmp_path, *args)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_the_issue_16_unclosed_call_is_content_not_a_call() -> None:
+    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    cmd = [sys.executable, "-m", "api.parse_output", "--tool-parser", "qwen3", "--finish-reason", "length"]
+    done = subprocess.run(cmd, input=text.encode(), capture_output=True, cwd=REPO, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "content": text, "reasoning_content": None, "tool_calls": [], "finish_reason": "length"
+    }
+    assert b"not a call" in done.stderr

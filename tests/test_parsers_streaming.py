@@ -167,15 +167,25 @@ def test_finish_reason_is_tool_calls_only_for_a_call_that_stopped(
     assert resolve_finish_reason(engine_reason, made) == expected
 
 
-def test_tool_calls_made_counts_only_announced_calls() -> None:
+def test_tool_calls_made_counts_only_calls_whose_text_closed() -> None:
     parser = OutputParser("qwen3", None, TOOLS, False)
     parser.feed('<tool_call>\n{"name": "write_fi')
-    assert not parser.tool_calls_made
-    parser.feed('le", "arguments": {"path": "a')
+    parser.feed('le", "arguments": {"path": "a"}}')
+    assert not parser.tool_calls_made  # announced and streamed, but not closed yet
+    parser.feed("\n</tool_call>")
     assert parser.tool_calls_made
     parser.finish()
     assert parser.finish_reason("length") == "length"
     assert parser.finish_reason("stop") == "tool_calls"
+
+
+def test_an_unclosed_streamed_call_is_not_a_call() -> None:
+    parser = OutputParser("qwen3", None, TOOLS, False)
+    parser.feed('<tool_call>\n{"name": "write_fi')
+    parser.feed('le", "arguments": {"path": "a')
+    assert parser.finish().is_empty  # no closing quote or brace the model did not write
+    assert not parser.tool_calls_made and parser.broken_calls == (0,)
+    assert parser.finish_reason("stop") == "stop"
 
 
 def test_unknown_function_is_never_announced_and_notes_a_problem() -> None:

@@ -196,11 +196,19 @@ def test_max_tokens_cutting_a_call_finishes_with_length(fmt: str, scripted: Scri
         stream(client, max_tokens=num_tokens - 6)  # ends inside the arguments
     [choice] = cut.value.completion.choices
     assert choice.finish_reason == "length"
-    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    # The deltas already sent stay, and nothing the model did not write follows them: the
+    # arguments are a strict prefix of the whole call's (no invented closing quote or brace).
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.dumps(ARGUMENTS).startswith(call.function.arguments) and call.function.arguments != json.dumps(ARGUMENTS)
     scripted.expect(call_text(fmt, "get_weather", ARGUMENTS))
     whole = client.chat.completions.create(model=DEMO_MODEL_NAME, messages=MESSAGES, tools=TOOLS,
-                                           max_tokens=num_tokens - 6)
+                                           max_tokens=num_tokens - 6, extra_body=NO_THINKING)
+    # Not streamed: an unclosed call is no call; its text stays in content.
     assert whole.choices[0].finish_reason == "length"
+    assert not whole.choices[0].message.tool_calls
+    assert whole.choices[0].message.content.startswith("<tool_call>\n")
+    assert call_text(fmt, "get_weather", ARGUMENTS).startswith(whole.choices[0].message.content)
 
 
 def test_parallel_calls_get_indices_0_and_1(fmt: str, scripted: ScriptedCore, client: openai.OpenAI) -> None:

@@ -116,6 +116,7 @@ class ToolParser(Protocol):
     """Splits content into `content` and tool-call deltas (no reasoning)."""
 
     problems: list[str]  # why text did not become a call, for `parse-output` and logs
+    broken_calls: list[int]  # streaming: indices of announced calls whose text never closed
 
     def feed(self, text: str) -> ParsedDelta: ...
 
@@ -123,6 +124,9 @@ class ToolParser(Protocol):
 
     @property
     def num_calls(self) -> int: ...
+
+    @property
+    def num_complete_calls(self) -> int: ...  # calls whose text closed
 
 
 def coalesce_tool_deltas(deltas: list[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:

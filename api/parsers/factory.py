@@ -61,14 +61,16 @@ def make_tool_parser(
     call_id_factory: CallIdFactory = new_call_id,
     *,
     chat_template: str | None = None,
+    streaming: bool = True,
 ) -> ToolParser:
-    """A fresh streaming tool parser (one per sample). `auto` needs `chat_template`."""
+    """A fresh streaming tool parser (one per sample). `auto` needs `chat_template`.
+    `streaming=False` holds each call until it closes (api/parsers/tool_stream.py)."""
     resolved = resolve_tool_parser(name, chat_template)
     if resolved is None:
         raise UnknownParserError("tool", f"{name} (no tool format found in the chat template)", TOOL_PARSERS)
     if resolved == "qwen3_coder":
-        return Qwen3CoderToolParser(tools, call_id_factory)
-    return Qwen3ToolParser(tools, call_id_factory)
+        return Qwen3CoderToolParser(tools, call_id_factory, streaming)
+    return Qwen3ToolParser(tools, call_id_factory, streaming)
 
 
 def make_reasoning_parser(

@@ -31,7 +31,9 @@ class OutputParser:
     "auto" first with `choose_tool_parser`. `tools`: the request's OpenAI `tools` list; when
     it names functions, calls to other names stay content. `starts_in_reasoning`: the prompt
     ends inside an open `<think>` block. `parallel_tool_calls=False` keeps only the first
-    call; later ones are parsed and dropped (they do not become content).
+    call; later ones are parsed and dropped (they do not become content). `streaming=False`
+    (a whole reply): a call is released only once its text closed, and one that never closed
+    stays content; streaming, such a call gets nothing more and no `tool_calls` finish.
     """
 
     def __init__(
@@ -43,20 +45,26 @@ class OutputParser:
         parallel_tool_calls: bool = True,
         *,
         call_id_factory: CallIdFactory = new_call_id,
+        streaming: bool = True,
     ) -> None:
         self._reasoning: ReasoningParser | None = (
             make_reasoning_parser(reasoning_parser, starts_in_reasoning) if reasoning_parser else None
         )
         self._tools: ToolParser | None = (
-            make_tool_parser(tool_parser, tools, call_id_factory) if tool_parser else None
+            make_tool_parser(tool_parser, tools, call_id_factory, streaming=streaming) if tool_parser else None
         )
         self._parallel_tool_calls = parallel_tool_calls
         self._finished = False
 
     @property
     def tool_calls_made(self) -> bool:
-        """Whether at least one tool call was announced (and so sent to the client)."""
-        return self._tools is not None and self._tools.num_calls > 0
+        """Whether at least one tool call was made whose text closed."""
+        return self._tools is not None and self._tools.num_complete_calls > 0
+
+    @property
+    def broken_calls(self) -> tuple[int, ...]:
+        """Streaming: the indices of announced calls whose text never closed (not calls)."""
+        return tuple(self._tools.broken_calls) if self._tools is not None else ()
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -145,5 +153,6 @@ def parse_text(
         starts_in_reasoning,
         parallel_tool_calls,
         call_id_factory=call_id_factory,
+        streaming=False,
     )
     return assemble([parser.feed(text), parser.finish()])

@@ -10,10 +10,10 @@ How a block is read (every outcome is a pure function of the whole text):
   `</tool_call>`, whichever comes first; one leading and one trailing newline are stripped.
   String values (and parameters the schema does not list) stream as escaped characters;
   other types are converted (schema_types) and emitted as `json.dumps` at the value's end.
-- The arguments object closes at `</function>` or `</tool_call>`. An announced call cannot
-  fail afterwards: text between parameters is dropped (noted in `problems`), and if the text
-  ends inside the call (max_tokens) the open value ends there and the object is closed, so
-  arguments always join into valid JSON.
+- The arguments object closes at `</function>` or `</tool_call>`; text between parameters is
+  dropped (noted in `problems`). If the text ends inside the call (max_tokens) the call is
+  broken (api/parsers/tool_stream.py): a stream sends nothing more for it (no closing quote
+  or brace), and a whole reply keeps its text as content.
 - After `</function>` text up to `</tool_call>` is dropped; another `<function=` there is a
   further call from the same block; `<tool_call>` starts the next block.
 """
@@ -53,8 +53,8 @@ class _State(enum.Enum):
 class Qwen3CoderToolParser(ToolStream):
     """Streaming Qwen3-Coder XML tool-call parser; O(len(text)) per feed."""
 
-    def __init__(self, tools: list[dict] | None, new_call_id: CallIdFactory) -> None:
-        super().__init__(tools, new_call_id)
+    def __init__(self, tools: list[dict] | None, new_call_id: CallIdFactory, streaming: bool = True) -> None:
+        super().__init__(tools, new_call_id, streaming)
         self._state = _State.FUNC_HEAD
         self._continuing = False  # this block already produced a call
         self._why = ""  # why a BUFFERED block is not a call
@@ -192,6 +192,7 @@ class Qwen3CoderToolParser(ToolStream):
 
     def _close_call(self, tag: str) -> None:
         self._emit_arguments("}")
+        self._commit_call()
         dropped = "".join(self._dropped).strip()
         if dropped:
             self.problems.append(
@@ -230,12 +231,8 @@ class Qwen3CoderToolParser(ToolStream):
             self._finish_buffered()
             return
         if state in (_State.PARAMS, _State.PARAM_NAME, _State.VALUE):
-            if self._value is not None:
-                # A partial tag at the very end is plain text, as in content.
-                self._emit_arguments(self._value.end(self._buf))
-                self._value = None
-            self.problems.append(f"tool call {self.num_calls - 1}: text ended inside the call")
-            self._close_call(TOOL_CALL_CLOSE)
+            self._value = None
+            self._break_call("text ended inside the call")
         self._buf = ""
         self._dropped.clear()
         self._end_block()

@@ -10,13 +10,11 @@ How a block is read (every outcome is a pure function of the whole text):
   `name` and an `arguments` (or `parameters`) object, or JSON text of one, or none at all
   (`{}`), is one call, sent in one delta. Anything else is returned verbatim, tags included,
   as content.
-- Broken after announcing: an announced call cannot be taken back. If its arguments turn
-  out invalid JSON, or the text ends inside them (max_tokens), the arguments are closed at
-  the last complete point (an open string gets its `"`, open brackets are closed, a held
-  key is dropped), so they always join into a valid JSON object; the rest of that block up
-  to `</tool_call>` is dropped and noted in `problems`.
-- After the arguments object, everything up to `</tool_call>` (the outer `}`) is dropped; a
-  new `<tool_call>` there starts the next block even if the first was never closed.
+- Broken after announcing: a call is one only once its `</tool_call>` is read. If its
+  arguments turn out invalid JSON, the text ends inside the block (max_tokens), or a new
+  `<tool_call>` starts before it closed, the call is broken (api/parsers/tool_stream.py): a
+  stream sends nothing more for it, and a whole reply keeps the block's text as content.
+- After the arguments object, everything up to `</tool_call>` (the outer `}`) is dropped.
 """
 
 from __future__ import annotations
@@ -108,8 +106,8 @@ def _reject_constant(name: str) -> object:
 class Qwen3ToolParser(ToolStream):
     """Streaming hermes-style parser; O(len(text)) per feed."""
 
-    def __init__(self, tools: list[dict] | None, new_call_id: CallIdFactory) -> None:
-        super().__init__(tools, new_call_id)
+    def __init__(self, tools: list[dict] | None, new_call_id: CallIdFactory, streaming: bool = True) -> None:
+        super().__init__(tools, new_call_id, streaming)
         self._state = _State.HEAD
         self._args: JsonObjectStream | None = None
         self._after_text: list[str] = []
@@ -143,7 +141,7 @@ class Qwen3ToolParser(ToolStream):
         return True
 
     def _close_buffered(self, inner: str, closed: bool) -> None:
-        parsed = parse_call_json(inner)
+        parsed = parse_call_json(inner) if closed else "text ended before </tool_call>"
         if isinstance(parsed, str):
             self._fail_block(parsed, closed)
         elif not self._known(parsed[0]):
@@ -160,11 +158,7 @@ class Qwen3ToolParser(ToolStream):
             return False
         assert self._args.end is not None
         if self._args.failed:
-            self.problems.append(
-                f"tool call {self.num_calls - 1}: arguments {self._args.error}; "
-                "closed there, rest of the block dropped"
-            )
-            self._emit_arguments(self._args.close())
+            self._break_call(f"arguments {self._args.error}")
         self._buf = self._buf[self._args.end :]
         self._args = None
         self._after_text.clear()
@@ -180,11 +174,13 @@ class Qwen3ToolParser(ToolStream):
             return False
         i, tag = found
         self._after_text.append(self._buf[:i])
-        self._buf = self._buf[i + len(tag) :]
-        self._end_after()
         if tag == TOOL_CALL_OPEN:
-            # An unclosed block followed by the next one: treat the tag as the next opening.
-            self._buf = TOOL_CALL_OPEN + self._buf
+            # An unclosed block followed by the next one: the tag stays for content to read.
+            self._break_call("a new <tool_call> began before </tool_call>")
+            self._buf = self._buf[i:]
+        else:
+            self._buf = self._buf[i + len(tag) :]
+        self._end_after()
         return True
 
     def _end_after(self) -> None:
@@ -202,8 +198,8 @@ class Qwen3ToolParser(ToolStream):
             return
         if self._state is _State.ARGS:
             assert self._args is not None and not self._buf, "ARGS consumes all it is fed"
-            self._emit_arguments(self._args.close())
-            self.problems.append(f"tool call {self.num_calls - 1}: text ended inside arguments")
+            self._break_call("text ended inside the arguments")
             self._args = None
+        self._break_call("text ended before </tool_call>")
         self._buf = ""
         self._end_after()

@@ -6,6 +6,14 @@ Whitespace that touches a block that becomes a call (before its opening tag, aft
 closing tag) is dropped, so `Let me look.\\n\\n<tool_call>...</tool_call>\\n` gives content
 "Let me look." and a call; a block returned as content keeps it. Content's trailing
 whitespace is held back while streaming until something other than a block follows.
+
+No invented calls: a call counts only once its text closed (`</tool_call>`; Qwen3-Coder:
+`</function>`). A call that never closed, cut by max_tokens or malformed, is *broken*:
+- streaming (`streaming=True`): the deltas already sent stay, nothing more is sent for it
+  (no closing quote or brace the model did not write), and it does not count in
+  `num_complete_calls`;
+- whole (`streaming=False`, the non-streamed reply): a call's deltas are held until it closes;
+  a broken one is withdrawn and its block's text, tags and all, becomes content verbatim.
 """
 
 from __future__ import annotations
@@ -36,8 +44,17 @@ class ToolStream:
     `_step_block` (consume what they can of `self._buf`; True if worth calling again) and
     `_finish_block` (the text ended inside a block)."""
 
-    def __init__(self, tools: list[dict] | None, new_call_id: CallIdFactory) -> None:
+    def __init__(self, tools: list[dict] | None, new_call_id: CallIdFactory, streaming: bool = True) -> None:
         self._schemas = tool_schemas(tools)
+        self._streaming = streaming
+        self._text: list[str] = []  # whole mode: all text fed, to return a broken block verbatim
+        self._fed = 0  # characters fed so far
+        self._raw_start = 0  # where the current block's uncommitted text starts
+        self._pending: list[ToolCallDelta] = []  # whole mode: the open call's deltas
+        self._call_open = False  # a call was announced and has not closed yet
+        self._broken = False  # the open call can no longer close
+        self._num_broken = 0
+        self.broken_calls: list[int] = []  # streaming: indices of announced calls that never closed
         self._new_call_id = new_call_id
         self.problems: list[str] = []
         self._buf = ""  # text not consumed yet: at most a partial tag, except where noted
@@ -56,8 +73,16 @@ class ToolStream:
     def num_calls(self) -> int:
         return self._num_calls
 
+    @property
+    def num_complete_calls(self) -> int:
+        """Calls whose text closed (whole mode withdraws the others, streaming keeps their index)."""
+        return self._num_calls - self._num_broken - self._call_open
+
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
+        self._fed += len(text)
+        if not self._streaming:
+            self._text.append(text)
         while self._step_block() if self._in_block else self._step_content():
             pass
         return self._take()
@@ -91,19 +116,57 @@ class ToolStream:
 
     def _announce(self, name: str, arguments: str) -> None:
         """Start call number `num_calls`: its id, name and first arguments fragment."""
-        self._out_calls.append(ToolCallDelta(self._num_calls, self._new_call_id(), name, arguments))
+        self._calls_out().append(ToolCallDelta(self._num_calls, self._new_call_id(), name, arguments))
         self._num_calls += 1
-        self._raw.clear()  # an announced call never goes back to content
+        self._call_open = True
+        self._broken = False
+        self._raw.clear()  # a streamed call never goes back to content
 
     def _emit_arguments(self, text: str) -> None:
         assert self._num_calls > 0, "arguments before any call was announced"
-        if text:
-            self._out_calls.append(ToolCallDelta(self._num_calls - 1, arguments=text))
+        if text and not self._broken:
+            self._calls_out().append(ToolCallDelta(self._num_calls - 1, arguments=text))
+
+    def _calls_out(self) -> list[ToolCallDelta]:
+        return self._out_calls if self._streaming else self._pending
+
+    def _pos(self) -> int:
+        """Where in the fed text the unconsumed `_buf` starts."""
+        return self._fed - len(self._buf)
+
+    def _break_call(self, why: str) -> None:
+        """The open call cannot close: nothing more is sent for it (see the module doc)."""
+        if not self._broken:
+            self.problems.append(f"tool call {self._num_calls - 1}: {why}; not a call")
+            self._broken = True
+
+    def _commit_call(self) -> bool:
+        """The open call's text closed (or, when broken, its block ended): a whole-mode call is
+        released, or withdrawn with its text going to content (then True)."""
+        withdrawn = False
+        if self._call_open and self._broken:
+            if self._streaming:
+                self._num_broken += 1
+                self.broken_calls.append(self._num_calls - 1)
+            else:
+                self._pending.clear()
+                self._num_calls -= 1
+                raw = "".join(self._text)[self._raw_start : self._pos()]
+                self._strip_left = False
+                self._emit_content(self._lead_ws + raw)
+                withdrawn = True
+        self._call_open = self._broken = False
+        self._out_calls.extend(self._pending)
+        self._pending.clear()
+        self._raw_start = self._pos()
+        self._lead_ws = ""
+        return withdrawn
 
     def _end_block(self) -> None:
         """The block's closing tag was read (or the text ended): back to content."""
+        withdrawn = self._commit_call()
         self._in_block = False
-        self._strip_left = True
+        self._strip_left = not withdrawn
 
     def _fail_block(self, why: str, closed: bool) -> None:
         """The block does not form a call: its text, tags and all, becomes content."""
@@ -149,6 +212,7 @@ class ToolStream:
             return False
         i, tag = found
         self._emit_content(self._buf[:i])
+        self._raw_start = self._pos() + i
         self._buf = self._buf[i + len(tag) :]
         self._lead_ws = self._stripped_ws + self._content_ws
         self._stripped_ws = self._content_ws = ""

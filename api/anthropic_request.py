@@ -1,0 +1,165 @@
+"""POST /v1/messages requests (Anthropic's Messages API) as a chat request: the typed model of
+the fields we serve and the mapping of `system`, content blocks (text, tool_use, tool_result,
+thinking), `tools`, `tool_choice` and `thinking` onto the chat body api/protocol.py validates."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import Field
+
+from api.errors import bad_request
+from api.models import Bool, Int, Number, Request, Str, validate
+
+
+class MessagesRequestModel(Request):
+    messages: Any = None
+    system: Any = None
+    max_tokens: Int | None = Field(None, ge=1)
+    stop_sequences: list[Str] | None = None
+    temperature: Number | None = Field(None, ge=0.0, le=1.0)
+    top_p: Number | None = Field(None, gt=0.0, le=1.0)
+    top_k: Int | None = Field(None, ge=0)
+    stream: Bool | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+def parse_messages_request(body: dict[str, Any], need_max_tokens: bool) -> MessagesRequestModel:
+    m: MessagesRequestModel = validate(MessagesRequestModel, body)
+    if need_max_tokens and m.max_tokens is None:
+        raise bad_request("max_tokens: Field required", "max_tokens")
+    return m
+
+
+def chat_body(m: MessagesRequestModel) -> dict[str, Any]:
+    """The /v1/chat/completions body this request means."""
+    messages = _system(m.system) + _messages(m.messages)
+    body: dict[str, Any] = {"model": m.model, "messages": messages, "stream": bool(m.stream)}
+    for name, value in (("max_tokens", m.max_tokens), ("temperature", m.temperature), ("top_p", m.top_p),
+                        ("stop", m.stop_sequences)):
+        if value is not None:
+            body[name] = value
+    if m.top_k:
+        body["top_k"] = m.top_k
+    if m.tools is not None:
+        body["tools"] = _tools(m.tools)
+    if m.tool_choice is not None:
+        body["tool_choice"], parallel = _tool_choice(m.tool_choice)
+        if parallel is not None:
+            body["parallel_tool_calls"] = parallel
+    kind = (m.thinking or {}).get("type")
+    if kind in ("enabled", "disabled"):
+        body["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
+    return body
+
+
+def _system(raw: Any) -> list[dict[str, Any]]:
+    if raw is None or raw == "":
+        return []
+    if isinstance(raw, str):
+        return [{"role": "system", "content": raw}]
+    return [{"role": "system", "content": _texts(raw, "system")}]
+
+
+def _texts(blocks: Any, param: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise bad_request(f"{param} must be a string or an array of text blocks", param)
+    texts = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise bad_request(f"{param}[{j}] must be a text block: this server takes text only", f"{param}[{j}]")
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def _messages(raw: Any) -> list[dict[str, Any]]:
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages must be a non-empty array of message objects", "messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(raw):
+        param = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise bad_request(f"{param}.role must be user or assistant", f"{param}.role")
+        role, content = message["role"], message.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise bad_request(f"{param}.content must be a string or an array of content blocks", f"{param}.content")
+        if role == "user":
+            out.extend(_user_blocks(content, f"{param}.content"))
+        else:
+            out.append(_assistant_blocks(content, f"{param}.content"))
+    return out
+
+
+def _user_blocks(blocks: list[Any], param: str) -> list[dict[str, Any]]:
+    """Tool results become `tool` messages (first, as they answer the previous turn's calls);
+    text blocks one user message."""
+    results, texts = [], []
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
+            content = block.get("content")
+            results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                            "content": "" if content is None else _texts(content, f"{param}[{j}].content")})
+        else:
+            raise bad_request(f"{param}[{j}]: block type {kind!r} is not supported here", f"{param}[{j}].type")
+    return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
+
+
+def _assistant_blocks(blocks: list[Any], param: str) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            message["content"] += block["text"]
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            message["reasoning_content"] = block["thinking"]
+        elif kind == "redacted_thinking":
+            continue
+        elif kind == "tool_use" and isinstance(block.get("id"), str) and isinstance(block.get("name"), str):
+            message.setdefault("tool_calls", []).append({
+                "id": block["id"], "type": "function",
+                "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})},
+            })
+        else:
+            raise bad_request(f"{param}[{j}]: block type {kind!r} is not supported here", f"{param}[{j}].type")
+    return message
+
+
+def _tools(raw: Any) -> Any:
+    if not isinstance(raw, list):
+        raise bad_request("tools must be an array of tool objects", "tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
+            raise bad_request(f"tools[{i}] must be a custom tool with a name and an input_schema", f"tools[{i}]")
+        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_choice(raw: Any) -> tuple[Any, bool | None]:
+    """Anthropic's tool_choice as chat's, and parallel_tool_calls from disable_parallel_tool_use."""
+    if not isinstance(raw, dict):
+        raise bad_request("tool_choice must be an object with a type", "tool_choice")
+    parallel = None if raw.get("disable_parallel_tool_use") is None else not raw["disable_parallel_tool_use"]
+    kind = raw.get("type")
+    if kind in ("auto", "none"):
+        return kind, parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "tool":
+        return {"type": "function", "function": {"name": raw.get("name")}}, parallel
+    raise bad_request(f"tool_choice.type must be auto, any, tool or none, got {kind!r}", "tool_choice.type")

@@ -1,0 +1,190 @@
+"""The Responses API's output: parsed deltas (api/parsed_stream.py) become output items —
+`reasoning`, `message` (one `output_text` part), `function_call` — and, when streaming, the
+events the OpenAI SDK's `responses.stream()` consumes, in its order:
+
+    response.created, response.in_progress,
+    per item: response.output_item.added,
+      reasoning: response.reasoning_text.delta* / .done
+      message:   response.content_part.added, response.output_text.delta* / .done, response.content_part.done
+      call:      response.function_call_arguments.delta* / .done
+    response.output_item.done,
+    response.completed, or response.incomplete (reason max_output_tokens).
+
+A non-streamed reply runs the same builder and keeps only the items."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from api.parsed_stream import Totals
+from api.parsers.base import ParsedDelta
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+class OutputItems:
+    """Builds the output items from deltas; `events` collects the stream events (each a dict
+    without `sequence_number`, which the encoder adds)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the item deltas go to now
+        self._open_call = -1  # the parser's index of the open function call
+        self._call_index: dict[str, int] = {}  # function_call item id -> the parser's call index
+        self._broken: set[int] = set()  # the parser's indices of calls that never closed
+
+    def mark_broken(self, call_indices: tuple[int, ...]) -> None:
+        """Calls whose text never closed (a streamed parser's `broken_calls`): their items end
+        `incomplete`. Call before `add` with the deltas of the same feed."""
+        self._broken.update(call_indices)
+
+    def add(self, delta: ParsedDelta) -> None:
+        if delta.reasoning:
+            self._reasoning(delta.reasoning)
+        if delta.content:
+            self._text(delta.content)
+        for call in delta.tool_calls:
+            if call.is_header:
+                self._open_item({"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
+                                 "arguments": "", "status": "in_progress"})
+                self._open_call = call.index
+                self._call_index[self.items[-1]["id"]] = call.index
+            if call.arguments and call.index == self._open_call:
+                item = self._open
+                assert item is not None and item["type"] == "function_call"
+                item["arguments"] += call.arguments
+                self._event("response.function_call_arguments.delta", item_id=item["id"], delta=call.arguments)
+
+    def close(self, incomplete: bool) -> None:
+        """The last item is done; a call cut by max_output_tokens is `incomplete`."""
+        self._close_open("incomplete" if incomplete else "completed")
+
+    # ---- items ---------------------------------------------------------------------------------
+
+    def _reasoning(self, text: str) -> None:
+        item = self._open
+        if item is None or item["type"] != "reasoning":
+            item = self._open_item({"type": "reasoning", "id": new_id("rs"), "summary": [],
+                                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"})
+        item["content"][0]["text"] += text
+        self._event("response.reasoning_text.delta", item_id=item["id"], content_index=0, delta=text)
+
+    def _text(self, text: str) -> None:
+        item = self._open
+        if item is None or item["type"] != "message":
+            item = self._open_item({"type": "message", "id": new_id("msg"), "role": "assistant",
+                                    "status": "in_progress", "content": []})
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            self._event("response.content_part.added", item_id=item["id"], content_index=0, part=dict(part))
+        item["content"][0]["text"] += text
+        self._event("response.output_text.delta", item_id=item["id"], content_index=0, delta=text, logprobs=[])
+
+    def _open_item(self, item: dict[str, Any]) -> dict[str, Any]:
+        self._close_open("completed")
+        self.items.append(item)
+        self._open = item
+        self._event("response.output_item.added", item=_copy(item))
+        return item
+
+    def _close_open(self, status: str) -> None:
+        item = self._open
+        if item is None:
+            return
+        self._open = None
+        kind = item["type"]
+        if kind == "function_call" and self._call_index[item["id"]] in self._broken:
+            status = "incomplete"
+        item["status"] = status
+        if kind == "reasoning":
+            text = item["content"][0]["text"]
+            self._event("response.reasoning_text.done", item_id=item["id"], content_index=0, text=text)
+        elif kind == "message":
+            part = item["content"][0]
+            self._event("response.output_text.done", item_id=item["id"], content_index=0, text=part["text"], logprobs=[])
+            self._event("response.content_part.done", item_id=item["id"], content_index=0, part=dict(part))
+        else:
+            self._event("response.function_call_arguments.done", item_id=item["id"], name=item["name"],
+                        arguments=item["arguments"])
+        self._event("response.output_item.done", item=_copy(item))
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.events.append({"type": kind, "output_index": len(self.items) - 1, **fields})
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    copied = dict(item)
+    if "content" in copied:
+        copied["content"] = [dict(p) for p in copied["content"]]
+    return copied
+
+
+def response_body(
+    response_id: str, model: str, created_at: int, request: Any, items: list[dict[str, Any]] | None,
+    totals: Totals | None, previous_response_id: str | None, store: bool,
+) -> dict[str, Any]:
+    """The `response` object; `totals` None while it is still in progress."""
+    status = "in_progress"
+    incomplete = None
+    if totals is not None:
+        status = "completed"
+        if totals.finish_reason in ("length", "abort"):
+            status = "incomplete"
+            incomplete = {"reason": "max_output_tokens" if totals.finish_reason == "length" else None}
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "error": None,
+        "incomplete_details": incomplete,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "model": model,
+        "output": items or [],
+        "parallel_tool_calls": request.parallel_tool_calls if request.parallel_tool_calls is not None else True,
+        "previous_response_id": previous_response_id,
+        "reasoning": request.reasoning,
+        "store": store,
+        "temperature": request.temperature,
+        "text": request.text or {"format": {"type": "text"}},
+        "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
+        "tools": request.tools or [],
+        "top_p": request.top_p,
+        "metadata": request.metadata or {},
+        "usage": None,
+    }
+    if totals is not None:
+        body["usage"] = {
+            "input_tokens": totals.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": totals.cached_tokens},
+            "output_tokens": totals.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": totals.prompt_tokens + totals.output_tokens,
+        }
+    return body
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def assistant_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The output items as the chat messages a later turn (`previous_response_id`) replays."""
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    for item in items:
+        if item["type"] == "message":
+            message["content"] += item["content"][0]["text"]
+        elif item["type"] == "reasoning":
+            message["reasoning_content"] = item["content"][0]["text"]
+        elif item["type"] == "function_call":
+            message.setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": item["arguments"]}}
+            )
+    return [message]
