@@ -2,7 +2,8 @@
 sigmoid-gated shared expert in every layer) against transformers in float32: batched greedy
 decoding token for token over tiny random Qwen3_5MoeForCausalLM and
 Qwen3_5MoeForConditionalGeneration checkpoints, several prompt lengths at once and with small
-forced chunks; NVFP4 at load serves and agrees with the float model."""
+forced chunks; NVFP4 at load serves and agrees with the float model, and `fp4serve quantize`
+writes checkpoints that load to the same logits."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
+from fp4serve_tools.quantize import quantize_checkpoint
 from engine.models.layers import Linear
 from engine.models.moe import Experts, NVFP4Experts, SparseMoeBlock
 from kernels.nvfp4_matmul import NVFP4Linear
@@ -98,3 +100,17 @@ def test_nvfp4_at_load_serves_and_agrees_with_its_float_self(tmp_path: Path) -> 
     results = engine.generate(prompts([3, 30, 70], seed=2), SamplingParams(max_tokens=8, temperature=0.0,
                                                                           ignore_eos=True))
     assert [len(r.token_ids[0]) for r in results] == [8, 8, 8]
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_written_nvfp4_checkpoint_loads_like_quantize_at_load(tmp_path: Path, fmt: str) -> None:
+    src = make_hybrid_moe_checkpoint(tmp_path / "m", layout="vl", seed=4)
+    dst = tmp_path / "nvfp4"
+    quantize_checkpoint(src, dst, fmt, torch.device("cpu"))
+    written, at_load = make_runner(dst), make_runner(src, quantization="nvfp4")
+    block = written.model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock) and isinstance(block.experts, NVFP4Experts)
+    assert block.shared_expert is not None and isinstance(block.shared_expert.down_proj, NVFP4Linear)
+    for prompt in prompts([1, 40], seed=1):
+        ref, got = position_logits(at_load, prompt), position_logits(written, prompt)
+        assert (ref - got).abs().max() <= 1e-5 * ref.abs().max()
