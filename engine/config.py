@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.hybrid_config import HYBRID_ARCHITECTURES, HybridConfig, hybrid_from_dict, text_fields
+from engine.hybrid_config import (
+    HYBRID_ARCHITECTURES,
+    HYBRID_MOE_ARCHITECTURES,
+    HybridConfig,
+    hybrid_from_dict,
+    text_fields,
+)
 from engine.moe_config import MoeConfig, moe_config_from_dict
 
 SUPPORTED_ARCHITECTURES = {
@@ -18,7 +24,11 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     **{arch: "qwen3_5" for arch in HYBRID_ARCHITECTURES},
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    **{arch: "qwen3_5_moe" for arch in HYBRID_MOE_ARCHITECTURES},
 }
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+# our model_type -> the MoE config's model_type (Qwen3.5-MoE's text config: qwen3_5_moe_text)
+_MOE_CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 class ConfigError(ValueError):
@@ -44,7 +54,7 @@ class RopeConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
-    model_type: str  # "qwen3" | "llama" | "qwen3_5" | "qwen3_moe"
+    model_type: str  # "qwen3" | "llama" | "qwen3_5" | "qwen3_moe" | "qwen3_5_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -109,7 +119,7 @@ class ModelConfig:
             )
         model_type = SUPPORTED_ARCHITECTURES[arch]
         hybrid = None
-        if model_type == "qwen3_5":
+        if model_type in HYBRID_MODEL_TYPES:
             has_vision = isinstance(raw.get("vision_config"), dict)
             raw = text_fields(raw)
             hybrid = dataclasses.replace(hybrid_from_dict(raw, source), has_vision=has_vision)
@@ -124,7 +134,7 @@ class ModelConfig:
         if folder is not None:
             eos_ids = _merge_generation_eos(folder, eos_ids)
         try:
-            moe = moe_config_from_dict(raw, model_type, source)
+            moe = moe_config_from_dict(raw, _MOE_CONFIG_TYPE.get(model_type, model_type), source)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return ModelConfig(
@@ -132,7 +142,7 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
+            intermediate_size=_dense_width(raw, moe, need),
             num_layers=need("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
@@ -143,7 +153,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_5", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe"),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
@@ -151,6 +161,14 @@ class ModelConfig:
             hybrid=hybrid,
             moe=moe,
         )
+
+
+def _dense_width(raw: dict[str, Any], moe: MoeConfig | None, need: Any) -> int:
+    """The dense MLP width. Qwen3.5-MoE has no dense MLP (every layer is sparse) and no
+    `intermediate_size`: its one dense SwiGLU is the shared expert, so that width stands in."""
+    if raw.get("intermediate_size") is None and moe is not None and moe.shared_expert_intermediate_size:
+        return moe.shared_expert_intermediate_size
+    return need("intermediate_size")
 
 
 def _merge_generation_eos(folder: Path, eos_ids: tuple[int, ...]) -> tuple[int, ...]:

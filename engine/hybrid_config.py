@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+# The same hybrid layers with a sparse MoE block (and a shared expert) in every MLP slot.
+HYBRID_MOE_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 

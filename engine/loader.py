@@ -17,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.config import ConfigError, ModelConfig
-from engine.models.decoder import DecoderForCausalLM
+from engine.models.decoder import DecoderForCausalLM, make_mlp
 from engine.models.layers import Linear, RotaryEmbedding
 from engine.models.qwen3_5 import HybridForCausalLM
 from engine.models.qwen3_5_weights import FUSED_LINEARS, LINEAR_ATTN_RULES, canonical_name, skipped_part
@@ -165,7 +165,7 @@ def _meta_model(cfg: ModelConfig, dtype: torch.dtype, max_len: int) -> DecoderFo
     try:
         with torch.device("meta"):
             if cfg.hybrid is not None:
-                return HybridForCausalLM(cfg, max_len)
+                return HybridForCausalLM(cfg, max_len, mlp_factory=make_mlp)  # Qwen3.5-MoE: SparseMoeBlock
             return DecoderForCausalLM(cfg, max_len)
     finally:
         torch.set_default_dtype(default_dtype)

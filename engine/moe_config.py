@@ -46,6 +46,8 @@ def moe_config_from_dict(raw: dict[str, Any], model_type: str, source: str) -> M
     if fields["num_experts_per_tok"] > fields["num_experts"]:
         raise ValueError(f"{source}: field 'num_experts_per_tok' ({fields['num_experts_per_tok']}) exceeds "
                          f"num_experts ({fields['num_experts']})")
+    if model_type == "qwen3_5_moe_text":  # every layer is sparse (its config has no layer-choice fields)
+        raw = {k: v for k, v in raw.items() if k not in ("decoder_sparse_step", "mlp_only_layers")}
     step = raw.get("decoder_sparse_step") or 1
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"{source}: field 'decoder_sparse_step' must be a positive integer, got {step!r}")

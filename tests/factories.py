@@ -92,20 +92,39 @@ def make_hybrid_checkpoint(
     (model.language_model.* beside a 1-layer vision tower). With `chat_template`, the tokenizer is
     Qwen's (vocab_size must cover its 151,669 ids), as transformers loads Qwen3.5 checkpoints with
     Qwen3_5Tokenizer whatever tokenizer_class says; otherwise the word-level test tokenizer."""
-    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+    return _save_hybrid(dst, False, layout, tie, seed, init_std, dtype, chat_template, overrides)
 
+
+HYBRID_MOE_TINY = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+                       num_experts_per_tok=2)
+
+
+def make_hybrid_moe_checkpoint(dst: Path, layout: str = "causal", tie: bool = False, seed: int = 0,
+                               init_std: float = 0.05, dtype: torch.dtype = torch.float32, **overrides: Any) -> Path:
+    """A tiny random Qwen3.5-MoE (the hybrid layers with a sparse MoE block and a sigmoid-gated
+    shared expert in every layer): "causal" is Qwen3_5MoeForCausalLM, "vl" is
+    Qwen3_5MoeForConditionalGeneration with a 1-layer vision tower."""
+    return _save_hybrid(dst, True, layout, tie, seed, init_std, dtype, None, {**HYBRID_MOE_TINY, **overrides})
+
+
+def _save_hybrid(dst: Path, moe: bool, layout: str, tie: bool, seed: int, init_std: float, dtype: torch.dtype,
+                 chat_template: str | None, overrides: dict[str, Any]) -> Path:
+    import transformers
+
+    prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
     dst.mkdir(parents=True, exist_ok=True)
-    text = {**TINY_HYBRID, **overrides, "tie_word_embeddings": tie, "eos_token_id": EOS_ID, "bos_token_id": 0,
+    tiny = {k: v for k, v in TINY_HYBRID.items() if not (moe and k == "intermediate_size")}  # MoE: no dense MLP
+    text = {**tiny, **overrides, "tie_word_embeddings": tie, "eos_token_id": EOS_ID, "bos_token_id": 0,
             "initializer_range": init_std, "rms_norm_eps": 1e-6}
     torch.manual_seed(seed)
     if layout == "causal":
-        cfg: Any = Qwen3_5TextConfig(**text)
-        model: Any = Qwen3_5ForCausalLM(cfg)
+        cfg: Any = getattr(transformers, f"{prefix}TextConfig")(**text)
+        model: Any = getattr(transformers, f"{prefix}ForCausalLM")(cfg)
     else:
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
-        cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)
-        model = Qwen3_5ForConditionalGeneration(cfg)
+        cfg = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+        model = getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg)
     model = model.to(dtype)
     with torch.no_grad():  # non-trivial norms and gates, so a wrongly applied one shows
         for name, p in model.named_parameters():
@@ -113,6 +132,10 @@ def make_hybrid_checkpoint(
                 # zero-centred RMSNorms (1 + w) and the gated norm (w) alike: ~N(1, 0.2) or N(0, 0.2)
                 p.copy_((0.0 if "linear_attn.norm" not in name else 1.0) + 0.2 * torch.randn_like(p))
             elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # spread the router so top-k choices differ by token
+                p.copy_(torch.randn_like(p))
+            elif name.endswith("shared_expert_gate.weight"):  # a gate well away from a constant 0.5
                 p.copy_(0.5 * torch.randn_like(p))
     model.save_pretrained(dst, safe_serialization=True)
     if chat_template is None:
