@@ -299,6 +299,36 @@ def test_dashboard_token_counter_rises_after_a_chat(page: Any, core: PacedCore, 
                  timeout=5, what=f"the {chart} lines")
 
 
+def usage_cells(driver: Any, key: str) -> list[str] | None:
+    """The "Usage by key" row of `key` (requests, prompt, completion tokens, mean TTFT ms), or None."""
+    from selenium.webdriver.common.by import By
+
+    table = by_testid(driver, "usage-by-key")[0]
+    for row in table.find_elements(By.CSS_SELECTOR, "tbody tr"):
+        cells = [c.get_attribute("textContent") for c in row.find_elements(By.CSS_SELECTOR, "th, td")]
+        if cells[0] == key:
+            return cells[1:]
+    return None
+
+
+def test_usage_by_key_shows_the_keys_completion_tokens_rising_after_a_chat(
+    page: Any, core: PacedCore, server: InProcessServer
+) -> None:
+    before = wait_for(lambda: usage_cells(page, "default"), what="the default key's usage row")
+    num_tokens = core.expect("Short answer.")
+    send(page, "Hi")
+    wait_done(page)
+    after = wait_for(lambda: (c := usage_cells(page, "default")) and int(c[2]) >= int(before[2]) + num_tokens and c,
+                     timeout=5, what=f"the key's completion tokens to rise from {before[2]} by {num_tokens}")
+    [served] = httpx.get(server.url("/v1/usage"), timeout=5).json()["data"]
+    assert after[:3] == [str(served["requests"]), str(served["prompt_tokens"]), str(served["completion_tokens"])]
+    assert int(after[0]) == int(before[0]) + 1 and int(after[1]) > int(before[1])
+    assert after[3] == str(round(served["mean_ttft_seconds"] * 1000))
+    # Only the page's own key: a keyless server has just "default".
+    table = by_testid(page, "usage-by-key")[0]
+    assert [r.get_attribute("data-key") for r in table.find_elements("css selector", "tbody tr")] == ["default"]
+
+
 def test_with_an_api_key_the_page_works_only_once_the_key_is_entered(browser: Any, core: PacedCore) -> None:
     from selenium.webdriver.common.by import By
 
