@@ -342,6 +342,9 @@ def test_with_an_api_key_the_page_works_only_once_the_key_is_entered(browser: An
         refused = wait_done(browser)
         assert "missing API key" in text_of(refused, ".error")
         assert text_of(refused, ".content") == ""
+        # The usage table asks /v1/usage with the page's key: refused without one, so no rows.
+        wait_for(lambda: "Enter an API key" in browser.find_element(By.ID, "usage-hint").text, what="the usage hint")
+        assert usage_cells(browser, "default") is None
 
         by_testid(browser, "api-key")[0].send_keys(API_KEY)
         by_testid(browser, "api-key-save")[0].click()
@@ -350,6 +353,8 @@ def test_with_an_api_key_the_page_works_only_once_the_key_is_entered(browser: An
         send(browser, "Hello again")
         reply = wait_done(browser)
         assert text_of(reply, ".content") == REPLY
+        # With the key (the one --api-key, an admin named "default"), its own usage shows.
+        wait_for(lambda: (c := usage_cells(browser, "default")) and int(c[0]) >= 1, timeout=5, what="the key's usage")
         assert not reply.find_element(By.CSS_SELECTOR, ".error").is_displayed()
         stored = browser.execute_script(
             "return [sessionStorage.getItem('fp4serve.apiKey'), JSON.stringify(localStorage)]"
