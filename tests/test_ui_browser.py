@@ -299,6 +299,35 @@ def test_dashboard_token_counter_rises_after_a_chat(page: Any, core: PacedCore, 
                  timeout=5, what=f"the {chart} lines")
 
 
+USAGE_ROWS = """
+return [...document.querySelectorAll('[data-testid="usage-by-key"] tbody tr')].map(
+  (row) => [...row.children].map((cell) => cell.textContent));
+"""
+
+
+def usage_cells(driver: Any, key: str) -> list[str] | None:
+    """The "Usage by key" row of `key` (requests, prompt, completion tokens, mean TTFT ms), or None.
+    Read in one script: the dashboard replaces the rows every second."""
+    return next((cells[1:] for cells in driver.execute_script(USAGE_ROWS) if cells[0] == key), None)
+
+
+def test_usage_by_key_shows_the_keys_completion_tokens_rising_after_a_chat(
+    page: Any, core: PacedCore, server: InProcessServer
+) -> None:
+    before = wait_for(lambda: usage_cells(page, "default"), what="the default key's usage row")
+    num_tokens = core.expect("Short answer.")
+    send(page, "Hi")
+    wait_done(page)
+    after = wait_for(lambda: (c := usage_cells(page, "default")) and int(c[2]) >= int(before[2]) + num_tokens and c,
+                     timeout=5, what=f"the key's completion tokens to rise from {before[2]} by {num_tokens}")
+    [served] = httpx.get(server.url("/v1/usage"), timeout=5).json()["data"]
+    assert after[:3] == [str(served["requests"]), str(served["prompt_tokens"]), str(served["completion_tokens"])]
+    assert int(after[0]) == int(before[0]) + 1 and int(after[1]) > int(before[1])
+    assert after[3] == str(round(served["mean_ttft_seconds"] * 1000))
+    # Only the page's own key: a keyless server has just "default".
+    assert [cells[0] for cells in page.execute_script(USAGE_ROWS)] == ["default"]
+
+
 def test_with_an_api_key_the_page_works_only_once_the_key_is_entered(browser: Any, core: PacedCore) -> None:
     from selenium.webdriver.common.by import By
 
@@ -312,6 +341,9 @@ def test_with_an_api_key_the_page_works_only_once_the_key_is_entered(browser: An
         refused = wait_done(browser)
         assert "missing API key" in text_of(refused, ".error")
         assert text_of(refused, ".content") == ""
+        # The usage table asks /v1/usage with the page's key: refused without one, so no rows.
+        wait_for(lambda: "Enter an API key" in browser.find_element(By.ID, "usage-hint").text, what="the usage hint")
+        assert usage_cells(browser, "default") is None
 
         by_testid(browser, "api-key")[0].send_keys(API_KEY)
         by_testid(browser, "api-key-save")[0].click()
@@ -320,6 +352,8 @@ def test_with_an_api_key_the_page_works_only_once_the_key_is_entered(browser: An
         send(browser, "Hello again")
         reply = wait_done(browser)
         assert text_of(reply, ".content") == REPLY
+        # With the key (the one --api-key, an admin named "default"), its own usage shows.
+        wait_for(lambda: (c := usage_cells(browser, "default")) and int(c[0]) >= 1, timeout=5, what="the key's usage")
         assert not reply.find_element(By.CSS_SELECTOR, ".error").is_displayed()
         stored = browser.execute_script(
             "return [sessionStorage.getItem('fp4serve.apiKey'), JSON.stringify(localStorage)]"

@@ -1,8 +1,9 @@
-// The live dashboard: /stats once a second (open, like /metrics) and /health for the model,
-// device and backend. Percentiles come from the server (over its last minute); the charts keep
+// The live dashboard: /stats once a second (open, like /metrics), /health for the model,
+// device and backend, and /v1/usage (with the page's key) for the usage by key. Percentiles come from the server (over its last minute); the charts keep
 // the last five minutes of them here.
 
 import { LineChart } from "./chart.js";
+import { UsageTable } from "./usage.js";
 
 const POLL_MS = 1000;
 const HEALTH_EVERY = 5; // polls between /health reads
@@ -49,6 +50,7 @@ export class Dashboard {
     this.ttft = new LineChart(byId("ttft-chart"), PERCENTILES, SPAN_MS);
     this.itl = new LineChart(byId("itl-chart"), PERCENTILES, SPAN_MS);
     this.rate = new LineChart(byId("rate-chart"), [{ name: "tok/s", color: "#2f5d8a" }], SPAN_MS);
+    this.usage = new UsageTable(byId("usage-rows"), byId("usage-hint"));
   }
 
   start() {
@@ -60,6 +62,7 @@ export class Dashboard {
       if (document.hidden) return; // a background tab costs the server nothing
       if (this.polls % HEALTH_EVERY === 0) await this.readHealth();
       await this.readStats();
+      await this.usage.refresh();
     } catch (error) {
       this.onHealth({ status: "unreachable", error: { message: String(error) } });
     } finally {
