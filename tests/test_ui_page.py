@@ -178,7 +178,6 @@ def server() -> Iterator[InProcessServer]:
         yield running
 
 
-@pytest.mark.slow
 def metric_over_keys(text: str, name: str) -> float:
     """A Prometheus series summed over its `key` label values (the per-key usage series)."""
     values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{"))]
@@ -186,6 +185,7 @@ def metric_over_keys(text: str, name: str) -> float:
     return sum(values)
 
 
+@pytest.mark.slow
 def test_stats_on_a_real_server_agree_with_metrics(server: InProcessServer) -> None:
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         before = http.get("/stats").json()
