@@ -106,6 +106,7 @@ class SamplingRequest(Request):
     stream_options: StreamOptionsModel | None = None
     return_token_ids: Bool | None = None
     response_format: Any = None  # api/response_format.py
+    speculative_decoding: Bool | None = None  # false: this request never drafts (extra body field)
 
 
 class ChatCompletionRequest(SamplingRequest):

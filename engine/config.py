@@ -211,6 +211,12 @@ class EngineConfig:
     linear_attention_backend: str = "auto"  # hybrid models: auto | torch | fla
     seed: int = 0
     engine_process: bool = True  # the engine core in a process of its own; False: a thread of the server's
+    # Speculative decoding (engine/spec_decode/): None = off; else SpeculativeConfig's checks apply.
+    speculative_method: str | None = None  # ngram | mtp
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    speculative_max_batch: int | None = None  # None: engine/spec_decode/config.py's measured default
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from engine.loader import load_model, weight_bytes
 from engine.outputs import SampledToken
 from engine.quantization import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
+from engine.spec_decode.rejection import verify
 from engine.structured import StructuredOutputs
 from scheduler.output import SchedulerOutput
 
@@ -40,8 +41,11 @@ class StepTimings:
 
 @dataclass(frozen=True)
 class StepResult:
-    sampled: dict[str, SampledToken]  # request id -> its token, for the requests that sampled
+    sampled: dict[str, SampledToken]  # request id -> its (first) token, for the requests that sampled
     timings: StepTimings
+    # Requests that verified draft tokens: every token they emit this step, in order (sampled
+    # holds the first). Absent for the others.
+    emitted: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -183,6 +187,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab] float32
         # Host work that overlaps the GPU's forward: the grammar bitmask of constrained rows.
         ids = batch.sample_request_ids
+        drafts = [r.token_ids[len(r.token_ids) - r.num_draft_tokens:] for r in out.requests if r.sample]
+        if any(drafts):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t2 = time.perf_counter()
+            emitted = dict(zip(ids, verify(self.sampler, self.structured, logits, ids, drafts)))
+            sampled_first = {rid: toks[0] for rid, toks in emitted.items()}
+            return StepResult(sampled_first, StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2), emitted)
         grammar_mask = self.structured.mask(ids, self.device) if self.structured is not None and ids else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward

@@ -121,7 +121,9 @@ class OutputProcessor:
 
     def _observe(self, step: EngineCoreOutputs) -> None:
         m = self.metrics
-        m.generation_tokens.inc(len(step.outputs))
+        m.generation_tokens.inc(sum(len(o.new_token_ids) for o in step.outputs))
+        if step.num_drafts_by_position:
+            m.observe_spec_decode(step.num_drafts_by_position, step.num_accepted_by_position)
         if step.num_batched_requests:
             m.batch_size.observe(step.num_batched_requests)
             m.batch_tokens.observe(step.num_batched_tokens)
@@ -135,7 +137,12 @@ class OutputProcessor:
             sample.first_token_time = now
             self.metrics.ttft.observe(now - sample.arrival)
         else:
-            self.metrics.itl.observe(now - (sample.last_token_time or now))
+            # Per token, not per step: a step that emits several (speculative decoding) spreads
+            # its gap over them.
+            num_new = max(1, len(core_out.new_token_ids))
+            gap = (now - (sample.last_token_time or now)) / num_new
+            for _ in range(num_new):
+                self.metrics.itl.observe(gap)
         sample.last_token_time = now
         sample.num_output_tokens += len(core_out.new_token_ids)
         sample.num_cached_tokens = core_out.num_cached_tokens
@@ -211,12 +218,25 @@ class OutputProcessor:
         return out
 
     def _logprobs(self, core_out: EngineCoreOutput, num_top: int | None) -> tuple[TokenLogprob, ...] | None:
-        if num_top is None or core_out.logprob is None:
+        if num_top is None:
+            return None
+        if core_out.token_logprobs:  # several tokens this step
+            return tuple(
+                self._token_logprob(t.token_id, t.logprob, t.top_ids, t.top_logprobs, num_top)
+                for t in core_out.token_logprobs
+                if t.logprob is not None
+            )
+        if core_out.logprob is None:
             return None
         token_id = core_out.new_token_ids[-1]
+        return (self._token_logprob(token_id, core_out.logprob, core_out.top_ids, core_out.top_logprobs, num_top),)
+
+    def _token_logprob(
+        self, token_id: int, logprob: float, top_ids: tuple[int, ...], top_logprobs: tuple[float, ...], num_top: int
+    ) -> TokenLogprob:
         text, raw = self.tokenizer.token_text(token_id)
         top = []
-        for tid, lp in zip(core_out.top_ids[:num_top], core_out.top_logprobs[:num_top]):
+        for tid, lp in zip(top_ids[:num_top], top_logprobs[:num_top]):
             top_text, top_raw = self.tokenizer.token_text(tid)
             top.append(TopLogprob(tid, top_text, lp, top_raw))
-        return (TokenLogprob(token_id, text, core_out.logprob, raw, tuple(top)),)
+        return TokenLogprob(token_id, text, logprob, raw, tuple(top))
