@@ -94,11 +94,8 @@ class EngineCore:
             raise ConfigError("--speculative-method mtp: the MTP drafter is not implemented yet (issue 18); "
                               "use ngram")
         if hybrid:
-            # NOTE: verifying drafts advances the Gated DeltaNet state past rejected tokens, and
-            # the state pool keeps one state per sequence: rolling back needs per-position states.
-            logger.warning("speculative decoding off: hybrid (Gated DeltaNet) models cannot roll their "
-                           "recurrent state back to the last accepted token yet")
-            return None
+            logger.info("speculative decoding on a hybrid model: a rejected draft rolls the Gated DeltaNet state "
+                        "back by recompute (engine/spec_decode/rollback.py)")
         logger.info("speculative decoding: %s, up to %d draft tokens per step, n-gram %d..%d, while at most "
                     "%d sequences run", spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max,
                     spec.max_batch)
@@ -159,7 +156,8 @@ class EngineCore:
             rid: result.emitted.get(rid) or (tok,) for rid, tok in result.sampled.items()
         }
         before = {rid: r.num_output_tokens for rid, r in self.scheduler.requests.items() if rid in emitted}
-        touched = self.scheduler.update(out, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()})
+        touched = self.scheduler.update(out, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()},
+                                        result.rolled_back)
         outputs = []
         for request in touched:
             # The tokens the scheduler kept: a stop inside the accepted drafts ends the list there.

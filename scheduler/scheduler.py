@@ -239,13 +239,20 @@ class Scheduler:
             num_draft_tokens=len(drafts),
         )
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int] | dict[str, Sequence[int]]) -> list[Request]:
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int] | dict[str, Sequence[int]],
+        rolled_back: frozenset[str] = frozenset(),
+    ) -> list[Request]:
         """Advance the scheduled requests by the step's results; return those that sampled.
 
         `sampled` maps request id -> sampled token for the requests with `sample` set; a request
         that verified drafts maps to the tokens it emits (its accepted drafts, then one more).
         The KV of its rejected drafts is left behind as garbage past num_computed_tokens (the next
-        step overwrites it) and their pages are returned. Requests aborted while the step ran
+        step overwrites it) and their pages are returned. A `rolled_back` request (hybrid models:
+        its recurrent state was put back to before this step) keeps its computed-token count, so
+        its real and accepted tokens are recomputed next step. Requests aborted while the step ran
         are skipped (their pages are already free).
         """
         touched: list[Request] = []
@@ -260,7 +267,8 @@ class Scheduler:
             tokens = (got,) if isinstance(got, int) else tuple(got)
             assert 1 <= len(tokens) <= sr.num_draft_tokens + 1, f"{sr.request_id}: {len(tokens)} tokens"
             # The real tokens, then the accepted drafts: their KV is now the request's.
-            request.num_computed_tokens += sr.num_new_tokens - sr.num_draft_tokens + len(tokens) - 1
+            if sr.request_id not in rolled_back:
+                request.num_computed_tokens += sr.num_new_tokens - sr.num_draft_tokens + len(tokens) - 1
             touched.append(request)
             for token in tokens:
                 request.output_token_ids.append(token)

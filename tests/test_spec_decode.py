@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.spec_decode import record_steps
 from engine.config import ConfigError, EngineConfig
 from engine.core_types import EngineCoreOutputs
 from engine.offline import OfflineEngine
@@ -31,15 +32,7 @@ def spec_engine(path: Path, **overrides: Any) -> tuple[OfflineEngine, list[Engin
     """An n-gram engine whose step outputs are recorded (for the acceptance counts)."""
     overrides = {"speculative_max_batch": 8, **overrides}  # every test batch speculates unless told
     engine = make_engine(path, speculative_method="ngram", num_speculative_tokens=4, **overrides)
-    steps: list[EngineCoreOutputs] = []
-    update = engine.core.update
-
-    def recording(out: Any, result: Any) -> EngineCoreOutputs:
-        step = update(out, result)
-        steps.append(step)
-        return step
-
-    engine.core.update = recording  # type: ignore[method-assign]
+    steps = record_steps(engine)
     return engine, steps
 
 
@@ -184,11 +177,37 @@ def test_abort_while_speculating_frees_everything(qwen3_ckpt: Path) -> None:
 
 
 # ---- configuration ------------------------------------------------------------------------------------
-def test_mtp_is_refused_and_hybrids_run_without_drafts(qwen3_ckpt: Path, tmp_path: Path) -> None:
+def test_mtp_and_bad_ngram_ranges_are_refused(qwen3_ckpt: Path) -> None:
     with pytest.raises(ConfigError, match="mtp"):
         make_engine(qwen3_ckpt, speculative_method="mtp")
     with pytest.raises(ConfigError, match="ngram-min"):
         make_engine(qwen3_ckpt, speculative_method="ngram", ngram_min=3, ngram_max=2)
+
+
+# ---- hybrids: the DeltaNet state rolls back -------------------------------------------------------------
+def test_hybrid_greedy_output_is_unchanged(tmp_path: Path) -> None:
+    """Rejected drafts put the Gated DeltaNet state back and recompute (engine/spec_decode/rollback.py).
+
+    A random hybrid rarely repeats itself, so an oracle drafter proposes the reference continuation
+    with one token corrupted at a varying position: full acceptances, partial ones and rejections."""
     hybrid = make_hybrid_checkpoint(tmp_path / "hybrid")
-    engine = make_engine(hybrid, speculative_method="ngram", enable_prefix_caching=False)
-    assert engine.core.speculative is None and engine.core.scheduler.drafter is None
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 30, 30, 9, 30, 30)]
+    ref = make_engine(hybrid, enable_prefix_caching=False).generate(prompts(), params)
+    truth = {tuple(r.prompt_token_ids): r.token_ids[0] for r in ref}
+
+    def oracle(context: list[int], k: int) -> list[int]:
+        prompt = next(p for p in truth if tuple(context[: len(p)]) == p)
+        done = len(context) - len(prompt)
+        draft = list(truth[prompt][done : done + k])
+        bad = done % (k + 2)  # k or k + 1: the whole draft is right
+        if bad < len(draft):
+            draft[bad] = (draft[bad] + 1) % 500
+        return draft
+
+    engine, steps = spec_engine(hybrid, enable_prefix_caching=False)
+    engine.core.scheduler.drafter = oracle
+    got = engine.generate(prompts(), params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    drafted = sum(sum(s.num_drafts_by_position) for s in steps)
+    accepted_last = sum(s.num_accepted_by_position[-1] for s in steps if s.num_accepted_by_position)
+    assert 0 < accepted_last and num_accepted(steps) < drafted, "full acceptances and rollbacks both happen"
