@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from engine.config import ConfigError
 
 METHODS = ("ngram", "mtp")
-# Above this many running sequences the scheduler drafts nothing: a step is then bound by the
-# batch's weight reads and matmuls, and verifying K more rows per request costs more than the
-# accepted tokens save. Taken from `bench serve` on the code-edit workload (docs/PERF.md,
-# "Speculative decoding"): on the 2-core CPU reference the n-gram gain is gone by concurrency 8.
-DEFAULT_MAX_BATCH = 4
+# Above this many running sequences the scheduler drafts nothing: verifying K more rows per request
+# costs more than the accepted tokens save once a step is compute bound. Taken from
+# `python -m bench.spec_decode` on the code-edit workload (docs/PERF.md, "Speculative decoding"):
+# on the 2-core CPU reference n-gram still gained at every measured concurrency up to 32 (1.28x at
+# 1, 1.32x at 8, 1.46x at 16), so the cut sits at the largest size measured. NOTE: the GPU
+# crossover is unmeasured; expect it lower, and set --speculative-max-batch from a measurement.
+DEFAULT_MAX_BATCH = 32
 
 
 @dataclass(frozen=True)
