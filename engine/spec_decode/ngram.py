@@ -19,6 +19,8 @@ class NgramProposer:
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to `k` tokens that followed the latest earlier occurrence of the context's longest
         matching suffix (n from ngram_max down to ngram_min); [] when no suffix recurs."""
+        # NOTE: O(context) numpy work per decoding request and step (vectorised, no Python loop over
+        # tokens); an incremental suffix index per request would make it O(1) for long contexts.
         num = len(token_ids)
         if k < 1 or num <= self.ngram_min:
             return []

@@ -45,6 +45,8 @@ def verify(
         starts.append(row)
         row += len(d) + 1
     assert logits.shape[0] == row, f"{logits.shape[0]} logits rows for {row} verification positions"
+    # NOTE: one sampler call, hence one host read-back, per round (at most max drafts + 1): the
+    # price of reusing the sampler as is. A fused verification kernel would need one.
     emitted: list[list[SampledToken]] = [[] for _ in request_ids]
     alive = list(range(len(request_ids)))
     j = 0
