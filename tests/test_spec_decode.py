@@ -211,3 +211,26 @@ def test_hybrid_greedy_output_is_unchanged(tmp_path: Path) -> None:
     drafted = sum(sum(s.num_drafts_by_position) for s in steps)
     accepted_last = sum(s.num_accepted_by_position[-1] for s in steps if s.num_accepted_by_position)
     assert 0 < accepted_last and num_accepted(steps) < drafted, "full acceptances and rollbacks both happen"
+
+
+# ---- the scheduler: pages for drafts, returned on rejection ---------------------------------------------
+def test_draft_pages_are_reserved_and_rejected_ones_returned() -> None:
+    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from tests.factories import make_request
+
+    config = SchedulerConfig(block_size=4, num_blocks=10, num_speculative_tokens=4, speculative_max_batch=4)
+    sched = Scheduler(config, drafter=lambda context, k: [1, 2, 3, 4, 5][:k])
+    sched.add_request(make_request("r", [10, 11, 12, 13], max_tokens=20))
+    out = sched.schedule()
+    sched.update(out, {"r": 9})  # the prompt filled page 0; 5 tokens now
+    out = sched.schedule()
+    [sr] = out.requests
+    assert sr.token_ids == (9, 1, 2, 3, 4) and sr.num_draft_tokens == 4 and sr.start_pos == 4
+    assert len(sr.block_table) == 3  # positions 4..8: pages 1 and 2 held for the drafts
+    free_before = sched.block_manager.num_free_blocks
+    [request] = sched.update(out, {"r": [1, 7]})  # draft 1 accepted, 2 rejected: 7 emitted instead
+    assert request.output_token_ids == [9, 1, 7] and request.num_computed_tokens == 6
+    assert len(request.block_table) == 2 and sched.block_manager.num_free_blocks == free_before + 1
+    assert sched.block_manager.cached == {sched.block_manager.block_hash[request.block_table[0]]: request.block_table[0]}
+    out = sched.schedule()  # drafts again from the accepted state: 20 - 3 tokens left
+    assert out.requests[0].token_ids[0] == 7 and out.requests[0].start_pos == 6
