@@ -51,6 +51,24 @@ def prompts() -> list[list[int]]:
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
+def oracle_drafter(ref: list[Any]) -> Any:
+    """A drafter that knows the reference outputs (OfflineResults) and proposes them with one token
+    corrupted at a position that varies with the output length (sometimes none): full
+    acceptances, partial ones and rejections."""
+    truth = {tuple(r.prompt_token_ids): r.token_ids[0] for r in ref}
+
+    def propose(context: list[int], k: int) -> list[int]:
+        prompt = next(p for p in truth if tuple(context[: len(p)]) == p)
+        done = len(context) - len(prompt)
+        draft = list(truth[prompt][done : done + k])
+        bad = done % (k + 2)  # k or k + 1: the whole draft is right
+        if bad < len(draft):
+            draft[bad] = (draft[bad] + 1) % 500
+        return draft
+
+    return propose
+
+
 # ---- the drafter ---------------------------------------------------------------------------------
 def test_ngram_proposes_what_followed_the_latest_match() -> None:
     p = NgramProposer(2, 3)
@@ -188,24 +206,12 @@ def test_mtp_and_bad_ngram_ranges_are_refused(qwen3_ckpt: Path) -> None:
 def test_hybrid_greedy_output_is_unchanged(tmp_path: Path) -> None:
     """Rejected drafts put the Gated DeltaNet state back and recompute (engine/spec_decode/rollback.py).
 
-    A random hybrid rarely repeats itself, so an oracle drafter proposes the reference continuation
-    with one token corrupted at a varying position: full acceptances, partial ones and rejections."""
+    A random hybrid rarely repeats itself, so an oracle drafter proposes the reference continuation."""
     hybrid = make_hybrid_checkpoint(tmp_path / "hybrid")
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (30, 30, 30, 9, 30, 30)]
     ref = make_engine(hybrid, enable_prefix_caching=False).generate(prompts(), params)
-    truth = {tuple(r.prompt_token_ids): r.token_ids[0] for r in ref}
-
-    def oracle(context: list[int], k: int) -> list[int]:
-        prompt = next(p for p in truth if tuple(context[: len(p)]) == p)
-        done = len(context) - len(prompt)
-        draft = list(truth[prompt][done : done + k])
-        bad = done % (k + 2)  # k or k + 1: the whole draft is right
-        if bad < len(draft):
-            draft[bad] = (draft[bad] + 1) % 500
-        return draft
-
     engine, steps = spec_engine(hybrid, enable_prefix_caching=False)
-    engine.core.scheduler.drafter = oracle
+    engine.core.scheduler.drafter = oracle_drafter(ref)
     got = engine.generate(prompts(), params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     drafted = sum(sum(s.num_drafts_by_position) for s in steps)
@@ -234,3 +240,22 @@ def test_draft_pages_are_reserved_and_rejected_ones_returned() -> None:
     assert sched.block_manager.cached == {sched.block_manager.block_hash[request.block_table[0]]: request.block_table[0]}
     out = sched.schedule()  # drafts again from the accepted state: 20 - 3 tokens left
     assert out.requests[0].token_ids[0] == 7 and out.requests[0].start_pos == 6
+
+
+# ---- grammar-constrained requests: the mask applies at every verification position ----------------------
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=7)], ids=["greedy", "seeded"])
+def test_constrained_requests_keep_their_output(sampling: dict[str, Any]) -> None:
+    grammars = ['root ::= "{\\"n\\": " [0-9]{1,4} ", \\"ok\\": " ( "true" | "false" ) "}"',
+                'root ::= "The answer is " [1-9] [0-9]{0,2} "."']
+    config = dict(kv_cache_memory="512KiB", block_size=16, dtype="float32")
+    ref_engine = OfflineEngine.from_config(EngineConfig(**config))
+    ps = [ref_engine.tokenizer.encode(t, add_special_tokens=False) for t in ("Hello there", "Write a number")]
+    params = [SamplingParams(max_tokens=40, grammar=g, **sampling) for g in grammars]
+    ref = ref_engine.generate(ps, params)
+    engine = OfflineEngine.from_config(EngineConfig(**config, speculative_method="ngram", speculative_max_batch=8))
+    steps = record_steps(engine)
+    engine.core.scheduler.drafter = oracle_drafter(ref)
+    got = engine.generate(ps, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert [r.finish_reasons for r in got] == [["stop"], ["stop"]]
+    assert 0 < num_accepted(steps) < sum(sum(s.num_drafts_by_position) for s in steps)
