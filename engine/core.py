@@ -155,7 +155,8 @@ class EngineCore:
         emitted: dict[str, tuple[SampledToken, ...]] = {
             rid: result.emitted.get(rid) or (tok,) for rid, tok in result.sampled.items()
         }
-        before = {rid: r.num_output_tokens for rid, r in self.scheduler.requests.items() if rid in emitted}
+        live = self.scheduler.requests
+        before = {rid: live[rid].num_output_tokens for rid in emitted if rid in live}
         touched = self.scheduler.update(out, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()},
                                         result.rolled_back)
         outputs = []
