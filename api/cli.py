@@ -107,6 +107,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the engine core (scheduler and model) on a thread of the HTTP process instead of "
                         "a process of its own: for debugging; the forward then shares the GIL with HTTP")
 
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative-method", default=None, choices=("ngram", "mtp"),
+                      help="draft tokens and verify them in the batch: ngram (prompt lookup, any dense model) or "
+                      "mtp (not implemented yet); exact for greedy, the same distribution when sampling; default: off")
+    spec.add_argument("--num-speculative-tokens", type=int, default=_engine_default("num_speculative_tokens"),
+                      metavar="K", help="most draft tokens per request and step")
+    spec.add_argument("--ngram-min", type=int, default=_engine_default("ngram_min"), metavar="N",
+                      help="ngram: shortest context suffix looked up earlier in the context")
+    spec.add_argument("--ngram-max", type=int, default=_engine_default("ngram_max"), metavar="N",
+                      help="ngram: longest context suffix looked up (tried first)")
+    spec.add_argument("--speculative-max-batch", type=int, default=None, metavar="N",
+                      help="draft only while at most N sequences run (speculation pays at small batches); "
+                      "default: the measured crossover (docs/PERF.md)")
+
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 or :: for all)")
     http.add_argument("--port", type=int, default=8000, help="TCP port")
@@ -215,6 +229,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         linear_attention_backend=args.linear_attention_backend,
         seed=args.seed,
         **team_engine_settings(args),
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        speculative_max_batch=args.speculative_max_batch,
     )
     _check_parser_names(args.tool_parser, args.reasoning_parser)
     origins = tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip())

@@ -155,6 +155,7 @@ class SamplingRequest(Request):
     return_token_ids: Bool | None = None
     response_format: Any = None  # api/response_format.py
     priority: Int | None = Field(None, ge=-(1 << 31), le=(1 << 31) - 1)  # vLLM's: lower is served first
+    speculative_decoding: Bool | None = None  # false: this request never drafts (extra body field)
 
     # ---- the server's limits, as validators ----------------------------------------------------
     @field_validator("n")

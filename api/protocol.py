@@ -262,6 +262,7 @@ def _sampling_params(
             logprobs=logprobs,
             skip_special_tokens=_default(m.skip_special_tokens, True),
             include_stop_str_in_output=_default(m.include_stop_str_in_output, False),
+            speculative=_default(m.speculative_decoding, True),
         )
     except ParamError as e:
         raise bad_request(e.message, e.param) from None

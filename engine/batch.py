@@ -23,7 +23,7 @@ class ForwardBatch:
     kv_indices: torch.Tensor  # [num_pages_in_batch] int32
     kv_last_page_len: torch.Tensor  # [B] int32, in 1..block_size
     slot_mapping: torch.Tensor  # [T] int64: page * block_size + offset where each new K/V goes
-    logits_indices: torch.Tensor  # [S] int64: rows whose hidden states are sampled
+    logits_indices: torch.Tensor  # [S] int64: rows whose hidden states are sampled (1 + drafts per request)
     # Host-side copies (plain lists) for planning without a device sync.
     query_lens: list[int]
     seq_lens: list[int]
@@ -75,8 +75,8 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
         request_ids.append(r.request_id)
         if r.state_slot is not None:
             state_slots.append(r.state_slot)
-        if r.sample:
-            logits_indices.append(qo_indptr[-1] - 1)
+        if r.sample:  # the last row, and with drafts the row before each draft too
+            logits_indices.extend(range(qo_indptr[-1] - 1 - r.num_draft_tokens, qo_indptr[-1]))
             sample_ids.append(r.request_id)
 
     def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -244,6 +244,12 @@ class EngineConfig:
     engine_process: bool = True  # the engine core in a process of its own; False: a thread of the server's
     scheduling_policy: str = "fair"  # fair | fcfs | priority (scheduler/fair_queue.py)
     long_prefill_token_threshold: int = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD  # 0: no per-request cap
+    # Speculative decoding (engine/spec_decode/): None = off; else SpeculativeConfig's checks apply.
+    speculative_method: str | None = None  # ngram | mtp
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    speculative_max_batch: int | None = None  # None: engine/spec_decode/config.py's measured default
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

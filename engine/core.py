@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.core_types import (
     VERSION,
     EngineCoreOutput,
@@ -22,6 +22,9 @@ from engine.core_types import (
 )
 from engine.model_path import default_model_name, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
+from engine.outputs import SampledToken
+from engine.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
+from engine.spec_decode.ngram import NgramProposer
 from engine.structured import StructuredOutputs
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -42,6 +45,8 @@ class EngineCore:
         # The tokenizer loads on a constrained request's first compile only (xgrammar needs it).
         self.structured = StructuredOutputs(path, mc.vocab_size)
         self.runner = ModelRunner(path, mc, config, max_model_len, self.structured)
+        self.speculative = self._speculative_config(config, mc.hybrid is not None)
+        spec = self.speculative
         capacity = self.runner.num_kv_pages * config.block_size
         if max_model_len > capacity:
             logger.warning("max_model_len %d > KV capacity %d tokens: lowered to %d", max_model_len, capacity, capacity)
@@ -58,7 +63,10 @@ class EngineCore:
                 num_state_slots=self.runner.num_state_slots,
                 scheduling_policy=config.scheduling_policy,  # type: ignore[arg-type]
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
-            )
+                num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                speculative_max_batch=spec.max_batch if spec else 0,
+            ),
+            drafter=NgramProposer(spec.ngram_min, spec.ngram_max).propose if spec else None,
         )
         if mc.hybrid is not None and config.enable_prefix_caching:
             logger.info("prefix caching off: %s is a hybrid model, and a cached prefix would need the "
@@ -79,6 +87,28 @@ class EngineCore:
             eos_token_ids=mc.eos_token_ids,
             max_num_seqs=config.max_num_seqs,
         )
+
+    @staticmethod
+    def _speculative_config(config: EngineConfig, hybrid: bool) -> SpeculativeConfig | None:
+        if config.speculative_method is None:
+            return None
+        spec = SpeculativeConfig(
+            method=config.speculative_method,
+            num_speculative_tokens=config.num_speculative_tokens,
+            ngram_min=config.ngram_min,
+            ngram_max=config.ngram_max,
+            max_batch=config.speculative_max_batch or DEFAULT_MAX_BATCH,
+        )
+        if spec.method == "mtp":
+            raise ConfigError("--speculative-method mtp: the MTP drafter is not implemented yet (issue 18); "
+                              "use ngram")
+        if hybrid:
+            logger.info("speculative decoding on a hybrid model: a rejected draft rolls the Gated DeltaNet state "
+                        "back by recompute (engine/spec_decode/rollback.py)")
+        logger.info("speculative decoding: %s, up to %d draft tokens per step, n-gram %d..%d, while at most "
+                    "%d sequences run", spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max,
+                    spec.max_batch)
+        return spec
 
     @property
     def model_path(self) -> Path:
@@ -136,33 +166,45 @@ class EngineCore:
     def update(self, out: SchedulerOutput, result: StepResult) -> EngineCoreOutputs:
         """Advance the scheduler by the sampled tokens; what each request got this step."""
         scored = self._unsent_prompt_logprobs(result)
-        sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
-        touched = self.scheduler.update(out, sampled)
+        emitted: dict[str, tuple[SampledToken, ...]] = {
+            rid: result.emitted.get(rid) or (tok,) for rid, tok in result.sampled.items()
+        }
+        live = self.scheduler.requests
+        before = {rid: live[rid].num_output_tokens for rid in emitted if rid in live}
+        touched = self.scheduler.update(out, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()},
+                                        result.rolled_back)
         outputs = []
         for request in touched:
-            tok = result.sampled[request.request_id]
+            # The tokens the scheduler kept: a stop inside the accepted drafts ends the list there.
+            toks = emitted[request.request_id][: request.num_output_tokens - before[request.request_id]]
             reason = request.finish_reason if request.is_finished else None
             with_logprobs = request.params.logprobs is not None
+            single = toks[0] if with_logprobs and len(toks) == 1 else None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
-                    new_token_ids=(tok.token_id,),
+                    new_token_ids=tuple(t.token_id for t in toks),
                     finish_reason=None if reason is None else reason.value,
                     stop_reason=request.stop_reason if isinstance(request.stop_reason, int) else None,
                     num_cached_tokens=request.num_cached_tokens,
-                    logprob=tok.logprob if with_logprobs else None,
-                    top_ids=tok.top_ids if with_logprobs else (),
-                    top_logprobs=tok.top_logprobs if with_logprobs else (),
+                    logprob=single.logprob if single else None,
+                    top_ids=single.top_ids if single else (),
+                    top_logprobs=single.top_logprobs if single else (),
+                    token_logprobs=toks if with_logprobs and len(toks) > 1 else (),
                     prompt_logprobs=scored.pop(request.request_id, None),
                 )
             )
-        # Prefill chunks that sampled nothing: their prompt logprobs go now, with no token.
+        # Prefill chunks that sampled nothing: their prompt logprobs go now, with no token. A
+        # speculating step is a decode (drafts follow the last sampled token), so it carries none.
         outputs.extend(EngineCoreOutput(rid, (), prompt_logprobs=chunk) for rid, chunk in scored.items())
+        drafted, accepted = self._acceptance(out, emitted)
         return EngineCoreOutputs(
             outputs=tuple(outputs),
             stats=self.scheduler.stats(),
             num_batched_requests=len(out.requests),
             num_batched_tokens=out.num_batched_tokens,
+            num_drafts_by_position=drafted,
+            num_accepted_by_position=accepted,
         )
 
     def _unsent_prompt_logprobs(self, result: StepResult) -> dict[str, PromptLogprobsChunk]:
@@ -174,6 +216,22 @@ class EngineCore:
             if request is not None and request.status is RequestStatus.RUNNING and not request.output_token_ids:
                 unsent[request_id] = chunk
         return unsent
+
+    @staticmethod
+    def _acceptance(
+        out: SchedulerOutput, emitted: dict[str, tuple[SampledToken, ...]]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Draft tokens proposed and accepted this step, by draft position."""
+        k = max((r.num_draft_tokens for r in out.requests), default=0)
+        if k == 0:
+            return (), ()
+        drafted, accepted = [0] * k, [0] * k
+        for r in out.requests:
+            num_accepted = len(emitted.get(r.request_id, ())) - 1
+            for pos in range(r.num_draft_tokens):
+                drafted[pos] += 1
+                accepted[pos] += pos < num_accepted
+        return tuple(drafted), tuple(accepted)
 
     def step(self) -> EngineCoreOutputs:
         """schedule + execute + update, synchronously."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from engine.outputs import SampledToken
 from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerStats
 
@@ -98,6 +99,9 @@ class EngineCoreOutput:
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
     prompt_logprobs: PromptLogprobsChunk | None = None  # this step's prefill rows, when asked for
+    # Several tokens in one step (speculative decoding), when logprobs were asked for: one entry
+    # per new token; the three fields above then stay unset.
+    token_logprobs: tuple[SampledToken, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,9 @@ class EngineCoreOutputs:
     num_batched_requests: int = 0
     num_batched_tokens: int = 0
     step_time_s: float | None = None  # None: not a step (an idle report, a failure)
+    # Speculative decoding this step: drafts proposed / accepted at draft position 0, 1, ...
+    num_drafts_by_position: tuple[int, ...] = ()
+    num_accepted_by_position: tuple[int, ...] = ()
     failed_request_ids: tuple[str, ...] = ()  # ended by a failed step, with `error`
     error: str | None = None
     dead: str | None = None  # the core stopped for this reason: nothing more will come

@@ -75,6 +75,20 @@ class EngineMetrics:
             "fp4serve_batch_tokens", "Tokens in each engine step's batch.",
             buckets=(1, 4, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=r,
         )
+        self.spec_draft_tokens = Counter(
+            "fp4serve_spec_decode_draft_tokens", "Draft tokens proposed for verification.", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "fp4serve_spec_decode_accepted_tokens", "Draft tokens the target model accepted.", registry=r
+        )
+        self.spec_draft_by_position = Counter(
+            "fp4serve_spec_decode_draft_tokens_per_position", "Draft tokens proposed, by draft position (0 = first).",
+            ["position"], registry=r,
+        )
+        self.spec_accepted_by_position = Counter(
+            "fp4serve_spec_decode_accepted_tokens_per_position", "Draft tokens accepted, by draft position (0 = first).",
+            ["position"], registry=r,
+        )
         info = Gauge("fp4serve_model_info", "The model being served.", ["model_name"], registry=r)
         info.labels(model_name=model_name).set(1)
         self._last_queried = 0
@@ -83,6 +97,15 @@ class EngineMetrics:
 
     def key_usage(self, key: str) -> KeyUsage:
         return self.usage.setdefault(key, KeyUsage())
+
+    def observe_spec_decode(self, drafted: tuple[int, ...], accepted: tuple[int, ...]) -> None:
+        """One step's drafts and acceptances by draft position; acceptance at position i is
+        accepted_per_position{position=i} / draft_tokens_per_position{position=i}."""
+        self.spec_draft_tokens.inc(sum(drafted))
+        self.spec_accepted_tokens.inc(sum(accepted))
+        for pos, (d, a) in enumerate(zip(drafted, accepted)):
+            self.spec_draft_by_position.labels(position=str(pos)).inc(d)
+            self.spec_accepted_by_position.labels(position=str(pos)).inc(a)
 
     def observe_scheduler(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)

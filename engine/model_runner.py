@@ -21,6 +21,8 @@ from engine.outputs import SampledToken
 from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
 from engine.quantization import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
+from engine.spec_decode.rejection import verify
+from engine.spec_decode.rollback import StateSnapshot
 from engine.structured import StructuredOutputs
 from scheduler.output import SchedulerOutput
 
@@ -41,9 +43,15 @@ class StepTimings:
 
 @dataclass(frozen=True)
 class StepResult:
-    sampled: dict[str, SampledToken]  # request id -> its token, for the requests that sampled
+    sampled: dict[str, SampledToken]  # request id -> its (first) token, for the requests that sampled
     timings: StepTimings
     prompt_logprobs: PromptLogprobsByRequest = field(default_factory=dict)  # the prefill rows that asked
+    # Requests that verified draft tokens: every token they emit this step, in order (sampled
+    # holds the first). Absent for the others.
+    emitted: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)
+    # Hybrid models: verifying requests whose recurrent state was put back to before this step
+    # (a draft was rejected): the scheduler recomputes their tokens (engine/spec_decode/rollback.py).
+    rolled_back: frozenset[str] = frozenset()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -183,12 +191,31 @@ class ModelRunner:
         if out.is_empty:
             return StepResult({}, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
         batch = build_forward_batch(out, self.block_size, self.device)
+        verifying = [r for r in out.requests if r.num_draft_tokens]
+        snapshot = None
+        if verifying and self.state_pool is not None:
+            snapshot = StateSnapshot(self.state_pool, [r.state_slot for r in verifying if r.state_slot is not None])
         t1 = time.perf_counter()
         hidden = self.graphs.forward(batch)  # plans attention, then a graph replay or the eager forward
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab] float32
         prompt_logprobs = self.prompt_logprobs.compute(out, hidden, self.model.compute_logits)
         # Host work that overlaps the GPU's forward: the grammar bitmask of constrained rows.
         ids = batch.sample_request_ids
+        if verifying:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            t2 = time.perf_counter()
+            drafts = [r.token_ids[len(r.token_ids) - r.num_draft_tokens:] for r in out.requests if r.sample]
+            emitted = dict(zip(ids, verify(self.sampler, self.structured, logits, ids, drafts)))
+            rejected = [r for r in verifying if len(emitted[r.request_id]) <= r.num_draft_tokens]
+            rolled_back: frozenset[str] = frozenset()
+            if snapshot is not None:
+                snapshot.restore([r.state_slot for r in rejected if r.state_slot is not None])
+                rolled_back = frozenset(r.request_id for r in rejected)
+            sampled_first = {rid: toks[0] for rid, toks in emitted.items()}
+            timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
+            # Prefill rows of other requests in this batch may still score prompt tokens.
+            return StepResult(sampled_first, timings, prompt_logprobs, emitted=emitted, rolled_back=rolled_back)
         grammar_mask = self.structured.mask(ids, self.device) if self.structured is not None and ids else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward

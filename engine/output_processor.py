@@ -138,6 +138,10 @@ class OutputProcessor:
 
     def _observe(self, step: EngineCoreOutputs) -> None:
         m = self.metrics
+        # Generation tokens are counted per sample, with its key, in _token_output (several per
+        # step when drafts are accepted).
+        if step.num_drafts_by_position:
+            m.observe_spec_decode(step.num_drafts_by_position, step.num_accepted_by_position)
         if step.num_batched_requests:
             m.batch_size.observe(step.num_batched_requests)
             m.batch_tokens.observe(step.num_batched_tokens)
@@ -156,15 +160,21 @@ class OutputProcessor:
             usage.ttft_seconds_sum += now - sample.arrival
             usage.ttft_count += 1
         else:
-            self.metrics.itl.observe(now - (sample.last_token_time or now))
+            # Per token, not per step: a step that emits several (speculative decoding) spreads
+            # its gap over them.
+            num_new = max(1, len(core_out.new_token_ids))
+            gap = (now - (sample.last_token_time or now)) / num_new
+            for _ in range(num_new):
+                self.metrics.itl.observe(gap)
         sample.last_token_time = now
         sample.num_output_tokens += len(core_out.new_token_ids)
         sample.num_cached_tokens = core_out.num_cached_tokens
         reason: str | None = core_out.finish_reason
         stop_reason: int | str | None = core_out.stop_reason
         # The core stops with "stop" only on a token (EOS or a stop id), which ends the text
-        # without showing itself; stop strings are found here.
-        feed = [] if reason == "stop" else list(core_out.new_token_ids)
+        # without showing itself; stop strings are found here. Accepted drafts before that token
+        # (speculative decoding) are text.
+        feed = list(core_out.new_token_ids[:-1] if reason == "stop" else core_out.new_token_ids)
         text, stop_str = sample.detokenizer.step(feed)
         if stop_str is not None and reason is None:
             reason, stop_reason = "stop", stop_str
@@ -237,7 +247,15 @@ class OutputProcessor:
         return out
 
     def _logprobs(self, core_out: EngineCoreOutput, num_top: int | None) -> tuple[TokenLogprob, ...] | None:
-        if num_top is None or core_out.logprob is None:
+        if num_top is None:
+            return None
+        if core_out.token_logprobs:  # several tokens this step
+            return tuple(
+                self._token_logprob(t.token_id, t.logprob, t.top_ids[:num_top], t.top_logprobs[:num_top])
+                for t in core_out.token_logprobs
+                if t.logprob is not None
+            )
+        if core_out.logprob is None:
             return None
         token_id = core_out.new_token_ids[-1]
         top_ids, top_logprobs = core_out.top_ids[:num_top], core_out.top_logprobs[:num_top]

@@ -80,15 +80,20 @@ class BlockManager:
         return hit
 
     # ---- allocation ----------------------------------------------------------------------
-    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
-        """Give `request` pages for its computed tokens plus `num_new_tokens` more.
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = (), num_draft_tokens: int = 0
+    ) -> bool:
+        """Give `request` pages for its computed tokens plus `num_new_tokens` more, plus
+        `num_draft_tokens` speculative ones (never offered to the prefix cache: they are not the
+        request's tokens; `trim` returns their pages when they are rejected).
 
         `cached_blocks` (a prefix hit, only for a request that holds no pages yet) are
         taken first. Returns False, changing nothing, when there are not enough free pages.
         """
         assert not cached_blocks or not request.block_table, "a prefix hit only at first schedule"
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        need = self.num_blocks_for(num_computed + num_new_tokens) - len(request.block_table) - len(cached_blocks)
+        need = (self.num_blocks_for(num_computed + num_new_tokens + num_draft_tokens)
+                - len(request.block_table) - len(cached_blocks))
         # Reviving a free cached page removes it from the pool we allocate the rest from.
         num_revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         if need > len(self.free_queue) - num_revived:
@@ -136,6 +141,16 @@ class BlockManager:
             self.block_hash[block] = h
             self.cached[h] = block
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Return the pages past those `num_tokens` tokens need (pages rejected drafts held)."""
+        keep = self.num_blocks_for(num_tokens)
+        assert keep >= request.num_registered_blocks, f"{request.request_id}: trimming registered pages"
+        while len(request.block_table) > keep:
+            block = request.block_table.pop()
+            assert self.ref_counts[block] == 1 and self.block_hash[block] is None, f"page {block} is shared"
+            self.ref_counts[block] = 0
+            self.free_queue[block] = None
 
     def free(self, request: Request) -> None:
         """Drop the request's references; pages that reach 0 join the free queue's back."""

@@ -26,6 +26,9 @@ class ScheduledRequest:
     sample: bool  # the last token's logits are sampled (the request caught up with its tokens)
     new_request: NewRequestData | None = None
     state_slot: int | None = None  # hybrid models: the recurrent-state slot this request holds
+    # Speculative decoding: the last this many of token_ids are draft tokens, verified this step
+    # (their logits rows are sampled too; `sample` is then always set).
+    num_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         assert self.token_ids, f"{self.request_id}: scheduled with no tokens"

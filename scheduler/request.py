@@ -57,6 +57,8 @@ class SamplingParams:
     # "required"; the request stops when it is complete (engine/structured.py). Kept out of the
     # repr: a grammar for many tools runs to kilobytes.
     grammar: str | None = field(default=None, repr=False)
+    # False: never draft tokens for this request (the per-request opt-out of speculative decoding).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

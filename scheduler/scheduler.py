@@ -7,7 +7,7 @@ prefix-cache hits, resumption after preemption, and decode.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler.block_manager import BlockManager
@@ -28,6 +28,10 @@ class SchedulerConfig:
     num_state_slots: int = 0  # hybrid models: recurrent-state slots (0: the model keeps none)
     scheduling_policy: Policy = "fcfs"  # admission order of waiting requests (scheduler/fair_queue.py)
     long_prefill_token_threshold: int = 0  # most prefill tokens one request gets per step; 0: no cap
+    # Speculative decoding: most draft tokens per decoding request and step (0: off), proposed
+    # only while at most `speculative_max_batch` sequences run.
+    num_speculative_tokens: int = 0
+    speculative_max_batch: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -55,9 +59,15 @@ class SchedulerStats:
         return self.num_used_blocks / self.num_blocks
 
 
+# (a request's tokens so far, most drafts wanted) -> draft tokens, e.g. engine/spec_decode/ngram.py
+Drafter = Callable[[Sequence[int], int], list[int]]
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, drafter: Drafter | None = None) -> None:
         self.config = config
+        self.drafter = drafter if config.num_speculative_tokens else None
+        self._drafts: dict[str, list[int]] = {}  # this step's draft tokens, by request id
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.slots = SlotManager(config.num_state_slots) if config.num_state_slots else None
         self.requests: dict[str, Request] = {}
@@ -112,6 +122,8 @@ class Scheduler:
         scheduled: list[Request] = []
         num_preempted = 0
 
+        self._drafts = {}
+        speculate = self.drafter is not None and len(self.running) <= self.config.speculative_max_batch
         # Decodes first, then running prefill chunks: a long prompt never stalls decoding.
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -121,6 +133,14 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier this step
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget, cap)
+            drafts = self._propose(request, budget - 1) if speculate and n == 1 else []
+            if drafts and self.block_manager.allocate(request, n, num_draft_tokens=len(drafts)):
+                self._drafts[request.request_id] = drafts
+                budget -= len(drafts)
+                num_new[request.request_id] = n
+                scheduled.append(request)
+                budget -= n
+                continue
             while not self.block_manager.allocate(request, n):
                 victim = self._pick_victim(exclude=scheduled)
                 self._preempt(victim)
@@ -170,7 +190,9 @@ class Scheduler:
             scheduled.append(request)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
-        self.fair.charge(scheduled, num_new)
+        # Fairness charges the tokens the forward computes, drafts included: a rejected draft
+        # still cost its key a query row.
+        self.fair.charge(scheduled, {rid: n + len(self._drafts.get(rid, ())) for rid, n in num_new.items()})
 
         out = SchedulerOutput(
             requests=tuple(self._describe(r, num_new[r.request_id]) for r in scheduled),
@@ -179,6 +201,19 @@ class Scheduler:
         )
         self._finished_ids = []
         return out
+
+    def _propose(self, request: Request, room: int) -> list[int]:
+        """Draft tokens for a decoding request: none past max_tokens, the context or the budget."""
+        if not request.params.speculative:
+            return []
+        k = min(self.config.num_speculative_tokens, room, request.max_model_len - request.num_tokens - 1)
+        if request.params.max_tokens is not None:
+            k = min(k, request.params.max_tokens - request.num_output_tokens - 1)
+        if k < 1:
+            return []
+        assert self.drafter is not None
+        context = request.prompt_token_ids + request.output_token_ids
+        return self.drafter(context, k)[:k]
 
     def _pick_victim(self, exclude: Sequence[Request]) -> Request:
         """The youngest running request not already scheduled this step."""
@@ -208,35 +243,57 @@ class Scheduler:
         if request.request_id not in self._sent_to_runner:
             self._sent_to_runner.add(request.request_id)
             new_data = NewRequestData(request.params, tuple(request.prompt_token_ids), request.eos_token_ids)
+        drafts = self._drafts.get(request.request_id, [])
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.token_slice(start, start + n)),
+            token_ids=tuple(request.token_slice(start, start + n)) + tuple(drafts),
             start_pos=start,
             block_table=tuple(request.block_table),
             sample=start + n == request.num_tokens,
             new_request=new_data,
             state_slot=request.state_slot,
+            num_draft_tokens=len(drafts),
         )
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int] | dict[str, Sequence[int]],
+        rolled_back: frozenset[str] = frozenset(),
+    ) -> list[Request]:
         """Advance the scheduled requests by the step's results; return those that sampled.
 
-        `sampled` maps request id -> sampled token for the requests with `sample` set.
-        Requests aborted while the step ran are skipped (their pages are already free).
+        `sampled` maps request id -> sampled token for the requests with `sample` set; a request
+        that verified drafts maps to the tokens it emits (its accepted drafts, then one more).
+        The KV of its rejected drafts is left behind as garbage past num_computed_tokens (the next
+        step overwrites it) and their pages are returned. A `rolled_back` request (hybrid models:
+        its recurrent state was put back to before this step) keeps its computed-token count, so
+        its real and accepted tokens are recomputed next step. Requests aborted while the step ran
+        are skipped (their pages are already free).
         """
         touched: list[Request] = []
         for sr in output.requests:
             request = self.requests.get(sr.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += sr.num_new_tokens
             if not sr.sample:
+                request.num_computed_tokens += sr.num_new_tokens
                 continue
-            token = sampled[sr.request_id]
-            request.output_token_ids.append(token)
+            got = sampled[sr.request_id]
+            tokens = (got,) if isinstance(got, int) else tuple(got)
+            assert 1 <= len(tokens) <= sr.num_draft_tokens + 1, f"{sr.request_id}: {len(tokens)} tokens"
+            # The real tokens, then the accepted drafts: their KV is now the request's.
+            if sr.request_id not in rolled_back:
+                request.num_computed_tokens += sr.num_new_tokens - sr.num_draft_tokens + len(tokens) - 1
             touched.append(request)
-            if request.check_stop(token):
-                self._finish(request)
+            for token in tokens:
+                request.output_token_ids.append(token)
+                if request.check_stop(token):
+                    self._finish(request)
+                    break
+            else:
+                if sr.num_draft_tokens:
+                    self.block_manager.trim(request, request.num_tokens)
         return touched
 
     def finish_request(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> None:
