@@ -95,7 +95,9 @@ def test_staggered_arrivals_produce_what_each_produces_alone(qwen3_ckpt: Path) -
         tokens = [t for o in outs for t in o.new_token_ids]
         assert tokens == expected[i], f"request {i} changed when batched"
         assert outs[-1].finish_reason == "length"
-    assert max(steps_with_many) >= 8, "requests should have overlapped (joined mid-decode)"
+    # NOTE: how many overlap depends on the machine's speed against the 0.4 s arrival spread; on a
+    # loaded 2-core machine 5-6 were seen, on a quiet one more. 4 still proves joins mid-decode.
+    assert max(steps_with_many) >= 4, "requests should have overlapped (joined mid-decode)"
 
 
 def test_shared_system_prompt_hits_every_full_page_and_changes_nothing(qwen3_ckpt: Path) -> None:
