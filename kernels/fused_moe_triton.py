@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.fused_moe import NVFP4ExpertWeights, moe_align_block_size
-from kernels.nvfp4_triton import CHUNK_K, KernelLayout, default_dot_dtype, pack_kernel_layout
+from kernels.nvfp4_triton import CHUNK_K, KernelLayout, decode_group, default_dot_dtype, pack_kernel_layout
 
 
 @dataclass(frozen=True)
@@ -130,12 +130,7 @@ def _moe_nvfp4_kernel(
                             mask=n_ok[:, None], other=0).to(tl.uint32, bitcast=True)
             scales = tl.load(s_base + offs_n * stride_sn + k0 // 64 + half, mask=n_ok, other=0)
             for q in tl.static_range(4):
-                shifted = words << (4 * q)
-                pair = (shifted & 0x80008000) | ((shifted >> 3) & 0x0E000E00)
-                bits = tl.join((pair & 0xFFFF).to(tl.uint16), (pair >> 16).to(tl.uint16)).reshape(BLOCK_N, 16)
-                scale_bits = ((scales >> (8 * q)) & 0xFF).to(tl.uint16) << 7
-                scale = (scale_bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(tl.float16)
-                w = (bits.to(tl.float16, bitcast=True) * scale[:, None]).to(DOT_DTYPE)
+                w = decode_group(words, scales, q, BLOCK_N, DOT_DTYPE)
                 offs_k = k0 + 16 * (4 * half + q) + offs_j
                 if EVEN_K:
                     x_ok = m_ok[None, :]

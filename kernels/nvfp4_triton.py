@@ -122,6 +122,21 @@ def choose_config(m: int, n: int, k: int, num_sms: int) -> W4A16Config:
 
 
 @triton.jit
+def decode_group(words, scales, q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """[BLOCK_N, 16] weights of scale group 4 * half + q, times 2**-14, from [BLOCK_N, 8] packed
+    words and [BLOCK_N] int32 of four e4m3 block scales (byte q for that group)."""
+    shifted = words << (4 * q)
+    pair = (shifted & 0x80008000) | ((shifted >> 3) & 0x0E000E00)
+    bits = tl.join((pair & 0xFFFF).to(tl.uint16), (pair >> 16).to(tl.uint16)).reshape(BLOCK_N, 16)
+    # e4m3 bits << 7 are fp16 bits worth sf * 2**-8; sf itself is exact in fp16.
+    scale_bits = ((scales >> (8 * q)) & 0xFF).to(tl.uint16) << 7
+    scale = (scale_bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(tl.float16)
+    # e2m1 * 2**-14 * sf: a multiple of 2**-24 with <= 6 significant bits, <= 0.17,
+    # so exact in fp16 and in bf16 (the 2**14 goes back in the epilogue).
+    return (bits.to(tl.float16, bitcast=True) * scale[:, None]).to(DOT_DTYPE)
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr,
     M, N, K, k_pad, k_per_split,
@@ -154,15 +169,7 @@ def _w4a16_kernel(
             # [BLOCK_N] int32: four e4m3 block scales, byte q for group 4 * half + q.
             scales = tl.load(s_ptr + offs_n * stride_sn + k0 // 64 + half, mask=row_ok, other=0)
             for q in tl.static_range(4):
-                shifted = words << (4 * q)
-                pair = (shifted & 0x80008000) | ((shifted >> 3) & 0x0E000E00)
-                bits = tl.join((pair & 0xFFFF).to(tl.uint16), (pair >> 16).to(tl.uint16)).reshape(BLOCK_N, 16)
-                # e4m3 bits << 7 are fp16 bits worth sf * 2**-8; sf itself is exact in fp16.
-                scale_bits = ((scales >> (8 * q)) & 0xFF).to(tl.uint16) << 7
-                scale = (scale_bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(tl.float16)
-                # e2m1 * 2**-14 * sf: a multiple of 2**-24 with <= 6 significant bits, <= 0.17,
-                # so exact in fp16 and in bf16 (the 2**14 goes back in the epilogue).
-                w = (bits.to(tl.float16, bitcast=True) * scale[:, None]).to(DOT_DTYPE)
+                w = decode_group(words, scales, q, BLOCK_N, DOT_DTYPE)
                 offs_k = k0 + 16 * (4 * half + q) + offs_j
                 if EVEN_K:
                     x_ok = m_ok[None, :]
