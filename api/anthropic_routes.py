@@ -7,7 +7,8 @@ content blocks — `thinking`, `text`, `tool_use` — and, streaming, Anthropic'
                input_json_delta), content_block_stop,
     message_delta (stop_reason, usage), message_stop.
 
-Errors keep Anthropic's shape (api/anthropic_errors.py), in a stream as an `error` event."""
+Errors keep Anthropic's shape: the app's exception handlers re-shape them by path
+(api/errors.py `for_path`, api/anthropic_errors.py), and in a stream they are an `error` event."""
 
 from __future__ import annotations
 
@@ -15,57 +16,25 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.anthropic_errors import anthropic_error_body, anthropic_error_response
+from api.anthropic_errors import anthropic_error_body
 from api.anthropic_request import chat_body, parse_messages_request
-from api.errors import APIError, handle_engine_dead, handle_engine_overloaded, handle_param_error
+from api.errors import APIError
 from api.parsed_stream import Totals, make_parser, parsed_deltas
 from api.parsers.base import ParsedDelta
 from api.protocol import parse_chat_request
 from api.routes import check_model, json_response, read_json, server_state, start_chat, unless_disconnected
 from api.sse import SSEResponse
-from engine.async_engine import EngineDeadError, EngineOverloadedError
-from scheduler.request import ParamError
 
 logger = logging.getLogger("fp4serve.api")
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "abort": "end_turn"}
-
-
-_OPENAI_HANDLERS = {
-    EngineOverloadedError: handle_engine_overloaded,
-    EngineDeadError: handle_engine_dead,
-    ParamError: handle_param_error,
-}
-
-
-def _base(e: Exception) -> type:
-    return next(kind for kind in _OPENAI_HANDLERS if isinstance(e, kind))
-
-
-def anthropic_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """Refusals (APIError, a full queue, a dead engine, a parameter the engine refuses) in
-    Anthropic's shape rather than OpenAI's."""
-
-    async def wrapped(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except APIError as e:
-            return anthropic_error_response(e.status, e.message, e.headers)
-        except (EngineOverloadedError, EngineDeadError, ParamError) as e:
-            # The app's own handler decides status and message (503 + Retry-After, 400, ...).
-            shaped = await _OPENAI_HANDLERS[_base(e)](request, e)
-            message = orjson.loads(bytes(shaped.body))["error"]["message"]
-            retry = shaped.headers.get("retry-after")
-            return anthropic_error_response(shaped.status_code, message, {"Retry-After": retry} if retry else None)
-
-    return wrapped
 
 
 class ContentBlocks:
@@ -137,7 +106,6 @@ def usage(totals: Totals) -> dict[str, Any]:
             "cache_read_input_tokens": totals.cached_tokens, "cache_creation_input_tokens": 0}
 
 
-@anthropic_errors
 async def create_message(request: Request) -> Response:
     state = server_state(request)
     body = await read_json(request, state.config.max_request_bytes)
@@ -191,7 +159,6 @@ async def create_message(request: Request) -> Response:
     return SSEResponse(events())
 
 
-@anthropic_errors
 async def count_tokens(request: Request) -> Response:
     """The prompt's token count: the same template render /v1/messages bills as input_tokens."""
     state = server_state(request)

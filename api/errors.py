@@ -1,6 +1,7 @@
 """OpenAI-style error bodies: `APIError` (what handlers raise) and the Starlette exception
 handlers that turn it, the engine's refusals, routing errors and unexpected failures into
-`{"error": {"message", "type", "param", "code"}}`."""
+`{"error": {"message", "type", "param", "code"}}` — or, on /v1/messages, Anthropic's shape
+(api/anthropic_errors.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from api.anthropic_errors import is_messages_path, to_anthropic
 from engine.async_engine import EngineDeadError, EngineOverloadedError
 from scheduler.request import ParamError
 
@@ -102,9 +104,14 @@ def error_response(
     return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
+def for_path(request: Request, response: Response) -> Response:
+    """The error in the shape the route's clients read: Anthropic's on /v1/messages, else OpenAI's."""
+    return to_anthropic(response) if is_messages_path(request.url.path) else response
+
+
 async def handle_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError), f"registered for APIError, got {type(exc).__name__}"
-    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers, exc.type)
+    return for_path(request, error_response(exc.status, exc.message, exc.param, exc.code, exc.headers, exc.type))
 
 
 async def handle_engine_overloaded(request: Request, exc: Exception) -> Response:
@@ -120,7 +127,8 @@ async def handle_engine_dead(request: Request, exc: Exception) -> Response:
     """The engine died between the ready check and the request's admission."""
     assert isinstance(exc, EngineDeadError), f"registered for EngineDeadError, got {type(exc).__name__}"
     # The process is on its way out (api/app.py); a retry lands on its restarted successor.
-    return error_response(503, f"{exc}; see the server log", code="engine_dead", headers={"Retry-After": "5"})
+    return for_path(request, error_response(503, f"{exc}; see the server log", code="engine_dead",
+                                            headers={"Retry-After": "5"}))
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> Response:
@@ -132,13 +140,13 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
         message, code = f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
     else:
         message, code = str(exc.detail), None
-    return error_response(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+    return for_path(request, error_response(exc.status_code, message, code=code, headers=dict(exc.headers or {})))
 
 
 async def handle_param_error(request: Request, exc: Exception) -> Response:
     """What the engine and SamplingParams raise for a user mistake (scheduler/request.py)."""
     assert isinstance(exc, ParamError), f"registered for ParamError, got {type(exc).__name__}"
-    return error_response(400, exc.message, exc.param)
+    return for_path(request, error_response(400, exc.message, exc.param))
 
 
 async def handle_client_disconnected(request: Request, exc: Exception) -> Response:
@@ -150,4 +158,4 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
     # NOTE: the body never carries the exception text: it may hold paths or internals. The
     # traceback goes to the log, where an operator can read it.
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal server error; see the server log", code="internal_error")
+    return for_path(request, error_response(500, "internal server error; see the server log", code="internal_error"))

@@ -24,7 +24,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.anthropic_errors import anthropic_error_response, is_messages_path
+from api.anthropic_errors import anthropic_error_response, is_messages_path, to_anthropic
 from api.auth import _is_protected, bearer_token
 from api.errors import error_response
 from engine.config import ConfigError
@@ -236,6 +236,8 @@ class KeyMiddleware:
             return
         refusal = self.limiter.acquire(record)
         if refusal is not None:
+            if is_messages_path(scope["path"]):  # Anthropic's SDK reads its own shape (rate_limit_error)
+                refusal = to_anthropic(refusal)
             await refusal(scope, receive, send)
             return
         token_var = current_owner.set(record.owner)

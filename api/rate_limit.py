@@ -2,7 +2,8 @@
 
 A request over a limit is answered 429 before its body is read, so it costs and holds nothing:
 Retry-After, OpenAI's x-ratelimit-{limit,remaining,reset}-{requests,tokens} headers, and a body in
-OpenAI's shape with code `rate_limit_exceeded`. Admitted requests carry the same headers.
+OpenAI's shape with code `rate_limit_exceeded` (Anthropic's `rate_limit_error` on /v1/messages, re-shaped
+by api/keys.py). Admitted requests carry the same headers.
 
 Windows slide over the last 60 s. Requests count when admitted. Tokens (prompt + completion) count
 as the output processor sees them (engine/metrics.py `usage`, read through `tokens_used`): a key

@@ -1,7 +1,8 @@
 """/v1/messages and /v1/messages/count_tokens through a real server (hypercorn on 127.0.0.1, in
 this process) with the official `anthropic` SDK: `messages.create`, `messages.stream`,
 `count_tokens`, tool_use with tool_choice {"type": "any"}, auth by x-api-key, and errors in
-Anthropic's shape. Scripted answers come from tests/test_tools_e2e.py's ScriptedCore."""
+Anthropic's shape (every kind of error: tests/test_messages_errors.py). Scripted answers come
+from tests/test_tools_e2e.py's ScriptedCore."""
 
 from __future__ import annotations
 
@@ -138,28 +139,6 @@ def test_errors_have_anthropics_shape(server: InProcessServer, client: anthropic
     reply = httpx.post(server.url("/v1/messages/count_tokens"), headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": DEMO_MODEL_NAME, "messages": MESSAGES}, timeout=30)
     assert reply.status_code == 200 and reply.json()["input_tokens"] > 0
-
-
-def test_engine_refusals_keep_anthropics_shape_and_retry_after() -> None:
-    import asyncio
-
-    import orjson
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-
-    from api.anthropic_routes import anthropic_errors
-    from engine.async_engine import EngineOverloadedError
-
-    @anthropic_errors
-    async def full_queue(request: Request) -> Any:
-        raise EngineOverloadedError("the waiting queue is full")
-
-    request = Request({"type": "http", "method": "POST", "path": "/v1/messages", "headers": [], "app": Starlette()})
-    response = asyncio.run(full_queue(request))
-    body = orjson.loads(bytes(response.body))
-    assert response.status_code == 503 and response.headers["retry-after"]
-    assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
-    assert "queue is full" in body["error"]["message"]
 
 
 def test_thinking_reaches_the_template_and_count_tokens_sees_it(client: anthropic.Anthropic) -> None:
