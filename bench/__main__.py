@@ -1,4 +1,4 @@
-"""`python -m bench {serve,plot,compare,offline,profile,soak,context,tiny-model,moe-models}`: flags to configs, runs, tables and files."""
+"""`python -m bench {serve,plot,compare,offline,profile,soak,context,tiny-model,moe-models,quality,lm-eval}`: flags to configs, runs, tables and files."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import orjson
 from tqdm import tqdm
 
 from bench.datasets import DATASETS, DatasetSpec, TokenCounter, build_dataset, load_tokenizer
+from bench.lm_eval_run import add_arguments as add_lm_eval_arguments
+from bench.lm_eval_run import cmd_lm_eval
 from bench.quality import add_arguments as add_quality_arguments
 from bench.quality import cmd_quality
 from bench.report import (Result, format_compare, format_summary, format_sweep, load_results,
@@ -161,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("quality", help="a served model's perplexity on real text (echo + prompt logprobs), "
                                        "and top-1 agreement with a reference run")
     add_quality_arguments(q)
+    e = sub.add_parser("lm-eval", help="lm-eval's local-completions loglikelihood run on a local task against a "
+                       "server it starts, checked against transformers")
+    add_lm_eval_arguments(e)
     return parser
 
 
@@ -375,7 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"serve": cmd_serve, "plot": cmd_plot, "compare": cmd_compare,
                 "offline": cmd_offline, "soak": cmd_soak, "context": cmd_context, "tiny-model": cmd_tiny_model,
-                "moe-models": cmd_moe_models, "profile": cmd_profile, "quality": cmd_quality}
+                "moe-models": cmd_moe_models, "profile": cmd_profile, "quality": cmd_quality,
+                "lm-eval": cmd_lm_eval}
     return commands[args.command](args)
 
 
