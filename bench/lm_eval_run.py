@@ -124,7 +124,9 @@ def reference_loglikelihoods(folder: Path, requests: list[tuple[str, str]], batc
     never see the padding after it)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     pairs = [encode_pair(tokenizer, context, continuation) for context, continuation in requests]
