@@ -27,8 +27,6 @@ from scheduler.request import ParamError
 from tests.server_utils import InProcessServer, in_process_server
 from tests.test_tools_e2e import ENGINE
 
-pytestmark = pytest.mark.slow
-
 KEY, LIMITED = "sk-errors-full", "sk-errors-limited"
 MESSAGES = [{"role": "user", "content": "Hello"}]
 MAX_REQUEST_BYTES = 64 * 1024
@@ -54,6 +52,7 @@ def anthropic_type(error: anthropic.APIStatusError) -> str:
     return body["error"]["type"]
 
 
+@pytest.mark.slow
 def test_rate_limit_is_a_rate_limit_error_with_retry_after(server: InProcessServer) -> None:
     client = sdk(server, LIMITED)
     assert client.messages.count_tokens(model=DEMO_MODEL_NAME, messages=MESSAGES).input_tokens > 0  # the one a minute
@@ -72,6 +71,7 @@ def test_rate_limit_is_a_rate_limit_error_with_retry_after(server: InProcessServ
     assert openai_shape.status_code == 429 and openai_shape.json()["error"]["code"] == "rate_limit_exceeded"
 
 
+@pytest.mark.slow
 def test_validation_model_size_and_method_errors(server: InProcessServer) -> None:
     client = sdk(server)
     with pytest.raises(anthropic.BadRequestError) as bad:
