@@ -112,3 +112,25 @@ class DenseMtpReference:
             embeds = torch.cat([embeds, embed(torch.tensor([tok]))])
             hidden = torch.cat([hidden, h[None]])
         return out
+
+
+def make_predictable(ckpt: Path, dim: int = 0) -> Path:
+    """Rewrite ckpt (untied lm_head, mtp.* present) so drafts get accepted often: the target's
+    final norm keeps only hidden dimension `dim` (1 + w = 0 elsewhere) and lm_head scores only
+    token 0 on it, so the target emits 0 where that component is positive and 1 (the first of the
+    tied zero logits) elsewhere; mtp.norm zeroes the MTP output, so every draft is 0 (the first
+    of its tied zero logits). Drafts are
+    then accepted exactly when the target emits 0: full and partial acceptances and rejections."""
+    f = ckpt / "model.safetensors"
+    tensors = load_file(str(f))
+    prefix = _text_prefix(list(tensors))
+    norm = torch.full_like(tensors[f"{prefix}norm.weight"], -1.0)
+    norm[dim] = 0.0
+    head = tensors["lm_head.weight"].clone()
+    head[:, dim] = 0.0
+    head[0] = 0.0
+    head[0, dim] = 1.0
+    tensors.update({f"{prefix}norm.weight": norm, "lm_head.weight": head,
+                    "mtp.norm.weight": torch.full_like(tensors["mtp.norm.weight"], -1.0)})
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return ckpt
