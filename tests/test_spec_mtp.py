@@ -131,3 +131,20 @@ def test_start_up_refuses_what_cannot_do_mtp(tmp_path: Path, qwen3_ckpt: Path) -
     moe = make_hybrid_moe_checkpoint(tmp_path / "moe")
     with pytest.raises(ConfigError, match="Qwen3.5-MoE"):
         mtp_engine(moe)
+
+
+def test_conditional_generation_layout_with_tied_embeddings(tmp_path: Path) -> None:
+    """Qwen3_5ForConditionalGeneration keeps the text model under model.language_model.* and the
+    MTP head at top-level mtp.*; with tied embeddings lm_head is embed_tokens for MTP too."""
+    path = add_mtp_tensors(make_hybrid_checkpoint(tmp_path / "vl", layout="vl", tie=True))
+    ps = random_prompts(7, 19, seed=21)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    engine = mtp_engine(path)
+    calls = record_drafts(engine)
+    got = engine.generate(ps, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in make_engine(path).generate(ps, params)]
+    reference = DenseMtpReference(path)
+    checked = [c for c in calls if c[2]]
+    assert checked
+    for context, k, drafts in checked[::3]:
+        assert drafts == reference.drafts(context, K)[:k]
