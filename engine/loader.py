@@ -320,4 +320,4 @@ def _log_left_out(left_out: dict[str, list[str]]) -> None:
     if vision:
         logger.info("skipped %d vision tensors (model.visual.*, e.g. %s): this server serves text", len(vision), vision[0])
     if mtp:
-        logger.info("skipped %d MTP tensors (mtp.*): --speculative-method mtp loads them", len(mtp))
+        logger.info("skipped %d MTP tensors (mtp.*): not loaded until speculative decoding uses them", len(mtp))
