@@ -109,8 +109,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", default=None, choices=("ngram", "mtp"),
-                      help="draft tokens and verify them in the batch: ngram (prompt lookup, any dense model) or "
-                      "mtp (not implemented yet); exact for greedy, the same distribution when sampling; default: off")
+                      help="draft tokens and verify them in the batch: ngram (prompt lookup, any model) or "
+                      "mtp (the checkpoint's multi-token-prediction head, dense Qwen3.5/3.6 checkpoints with mtp.* "
+                      "weights); exact for greedy, the same distribution when sampling; default: off")
     spec.add_argument("--num-speculative-tokens", type=int, default=_engine_default("num_speculative_tokens"),
                       metavar="K", help="most draft tokens per request and step")
     spec.add_argument("--ngram-min", type=int, default=_engine_default("ngram_min"), metavar="N",

@@ -28,7 +28,7 @@ from engine.spec_decode.ngram import NgramProposer
 from engine.structured import StructuredOutputs
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Drafter, Scheduler, SchedulerConfig
 
 __all__ = ["VERSION", "EngineCore", "EngineInfo", "resolve_model_path"]
 
@@ -44,9 +44,9 @@ class EngineCore:
         max_model_len = config.max_model_len or mc.max_position_embeddings
         # The tokenizer loads on a constrained request's first compile only (xgrammar needs it).
         self.structured = StructuredOutputs(path, mc.vocab_size)
-        self.runner = ModelRunner(path, mc, config, max_model_len, self.structured)
-        self.speculative = self._speculative_config(config, mc.hybrid is not None)
+        self.speculative = self._speculative_config(config, mc)  # before the runner: MTP changes what it loads
         spec = self.speculative
+        self.runner = ModelRunner(path, mc, config, max_model_len, self.structured)
         capacity = self.runner.num_kv_pages * config.block_size
         if max_model_len > capacity:
             logger.warning("max_model_len %d > KV capacity %d tokens: lowered to %d", max_model_len, capacity, capacity)
@@ -66,7 +66,7 @@ class EngineCore:
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                 speculative_max_batch=spec.max_batch if spec else 0,
             ),
-            drafter=NgramProposer(spec.ngram_min, spec.ngram_max).propose if spec else None,
+            drafter=self._drafter(spec),
         )
         if mc.hybrid is not None and config.enable_prefix_caching:
             logger.info("prefix caching off: %s is a hybrid model, and a cached prefix would need the "
@@ -88,8 +88,16 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
         )
 
+    def _drafter(self, spec: SpeculativeConfig | None) -> Drafter | None:
+        if spec is None:
+            return None
+        if spec.method == "mtp":
+            assert self.runner.drafter is not None, "the runner was built without its MTP drafter"
+            return self.runner.drafter.propose
+        return NgramProposer(spec.ngram_min, spec.ngram_max).propose
+
     @staticmethod
-    def _speculative_config(config: EngineConfig, hybrid: bool) -> SpeculativeConfig | None:
+    def _speculative_config(config: EngineConfig, mc: ModelConfig) -> SpeculativeConfig | None:
         if config.speculative_method is None:
             return None
         spec = SpeculativeConfig(
@@ -99,15 +107,22 @@ class EngineCore:
             ngram_max=config.ngram_max,
             max_batch=config.speculative_max_batch or DEFAULT_MAX_BATCH,
         )
-        if spec.method == "mtp":
-            raise ConfigError("--speculative-method mtp: the MTP drafter is not implemented yet (issue 18); "
-                              "use ngram")
+        hybrid = mc.hybrid is not None
+        if spec.method == "mtp" and (not hybrid or mc.moe is not None):
+            what = "a Qwen3.5-MoE checkpoint (its MTP head's experts are not loaded yet)" if hybrid else mc.architecture
+            raise ConfigError(f"--speculative-method mtp: needs a dense Qwen3.5/3.6 checkpoint with mtp.* weights, "
+                              f"not {what}; use --speculative-method ngram")
         if hybrid:
             logger.info("speculative decoding on a hybrid model: a rejected draft rolls the Gated DeltaNet state "
                         "back by recompute (engine/spec_decode/rollback.py)")
-        logger.info("speculative decoding: %s, up to %d draft tokens per step, n-gram %d..%d, while at most "
-                    "%d sequences run", spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max,
-                    spec.max_batch)
+        if spec.method == "mtp":
+            logger.info("speculative decoding: mtp (the checkpoint's MTP head drafts greedily after each forward), "
+                        "up to %d draft tokens per step, while at most %d sequences run", spec.num_speculative_tokens,
+                        spec.max_batch)
+        else:
+            logger.info("speculative decoding: %s, up to %d draft tokens per step, n-gram %d..%d, while at most "
+                        "%d sequences run", spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max,
+                        spec.max_batch)
         return spec
 
     @property

@@ -20,6 +20,7 @@ from engine.config import ConfigError, ModelConfig
 from engine.models.decoder import DecoderForCausalLM, make_mlp
 from engine.models.layers import Linear, RotaryEmbedding
 from engine.models.qwen3_5 import HybridForCausalLM
+from engine.models.qwen3_5_mtp import MTP_PREFIX, Qwen3_5MTP, map_mtp_name
 from engine.models.qwen3_5_weights import FUSED_LINEARS, LINEAR_ATTN_RULES, canonical_name, skipped_part
 from engine.models.moe import NVFP4Experts
 from engine.moe_loader import ExpertLoader, map_moe_name
@@ -158,14 +159,19 @@ def _nvfp4_plan(model: DecoderForCausalLM, names: set[str], method: Quantization
     return plan
 
 
-def _meta_model(cfg: ModelConfig, dtype: torch.dtype, max_len: int) -> DecoderForCausalLM:
-    """The model without storage, so a linear that becomes NVFP4 never allocates a float weight."""
+def _meta_model(cfg: ModelConfig, dtype: torch.dtype, max_len: int, mtp: bool = False) -> DecoderForCausalLM:
+    """The model without storage, so a linear that becomes NVFP4 never allocates a float weight.
+    `mtp`: with the checkpoint's MTP head as `model.mtp` (a hybrid model's)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             if cfg.hybrid is not None:
-                return HybridForCausalLM(cfg, max_len, mlp_factory=make_mlp)  # Qwen3.5-MoE: SparseMoeBlock
+                model = HybridForCausalLM(cfg, max_len, mlp_factory=make_mlp)  # Qwen3.5-MoE: SparseMoeBlock
+                if mtp:
+                    model.mtp = Qwen3_5MTP(cfg, make_mlp)
+                return model
+            assert not mtp, "an MTP head needs a Qwen3.5 hybrid"
             return DecoderForCausalLM(cfg, max_len)
     finally:
         torch.set_default_dtype(default_dtype)
@@ -202,10 +208,15 @@ def _expected_tensors(params: dict[str, nn.Parameter], modules: dict[str, nn.Mod
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-               quantization: QuantizationMethod | None = None) -> DecoderForCausalLM:
+               quantization: QuantizationMethod | None = None, mtp: bool = False) -> DecoderForCausalLM:
+    """`mtp`: load the checkpoint's mtp.* head too (`model.mtp`, --speculative-method mtp)."""
     files = checkpoint_files(path)
     names = [canonical_name(n) for n in tensor_names(files)]  # ConditionalGeneration: text model as model.*
-    model = _meta_model(cfg, dtype, max_len)
+    num_mtp = sum(n.startswith(MTP_PREFIX) for n in names)
+    if mtp and not num_mtp:
+        raise ConfigError(f"--speculative-method mtp: {path} has no mtp.* tensors (this checkpoint carries no MTP "
+                          "head); use --speculative-method ngram")
+    model = _meta_model(cfg, dtype, max_len, mtp)
     pending = _nvfp4_plan(model, set(names), quantization, dtype, device)
     experts = ExpertLoader(model, set(names), quantization, dtype, device)
     _materialize(model, list(pending), device, max_len)
@@ -221,7 +232,7 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
         for name, tensor in tqdm(iter_checkpoint(path), total=len(names), desc="loading weights", unit="tensor",
                                  disable=None):
             part = skipped_part(name)
-            if part is not None:
+            if part is not None and not (part == "mtp" and mtp):
                 left_out.setdefault(part, []).append(name)
                 continue
             name = canonical_name(name)
@@ -230,7 +241,7 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                     continue
             except ConfigError as e:
                 raise ConfigError(f"{path}: {e}") from None
-            mapped = map_name(name)
+            mapped = map_mtp_name(name, map_name) if name.startswith(MTP_PREFIX) else map_name(name)
             if mapped is None or (mapped[0].startswith("lm_head.") and cfg.tie_word_embeddings):
                 unused.append(name)
                 continue
@@ -279,6 +290,9 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
         logger.info("skipped %d W4A4 activation scales (%s): weight-only NVFP4, activations stay in %s",
                     num_skipped, "/".join(skipped), str(dtype).removeprefix("torch."))
     _log_left_out(left_out)
+    if mtp:
+        logger.info("MTP head loaded: %d mtp.* tensors (fc, 1 gated-attention layer, norms; embedding and lm_head "
+                    "shared with the main model)", num_mtp)
     if unused:
         logger.warning("ignored %d checkpoint tensors (e.g. %s)", len(unused), unused[0])
     return model.eval()

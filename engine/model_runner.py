@@ -12,15 +12,18 @@ import torch
 
 from engine.attention.backend import AttentionBackend, kv_cache_shape
 from engine.attention.select import choose_backend, flashinfer_import_error, make_backend
-from engine.batch import build_forward_batch
+from engine.batch import ForwardBatch, build_forward_batch
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason
+from engine.hybrid_backend import HybridBackend
 from engine.hybrid_runner import make_hybrid_backend, make_state_pool
 from engine.loader import load_model, weight_bytes
 from engine.outputs import SampledToken
 from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
 from engine.quantization import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
+from engine.spec_decode.config import DEFAULT_MAX_BATCH
+from engine.spec_decode.mtp import MtpDrafter
 from engine.spec_decode.rejection import verify
 from engine.spec_decode.rollback import StateSnapshot
 from engine.structured import StructuredOutputs
@@ -39,6 +42,7 @@ class StepTimings:
     prepare: float  # build the batch tensors
     forward: float  # attention planning, the forward and the logits
     sample: float
+    draft: float = 0.0  # MTP drafting after the forward (fill + K draft steps); 0 without MTP
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,9 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> tor
     return dtype
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_kv_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, extra_layers: int = 0) -> int:
+    """`extra_layers`: attention layers beside the model's on the same pages (the MTP head's)."""
+    return 2 * (cfg.num_kv_layers + extra_layers) * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 class ModelRunner:
@@ -108,7 +113,9 @@ class ModelRunner:
             model_path, model_config.quantization, config.quantization)
         if self.quantization is not None:
             logger.info("quantization: %s", self.quantization.describe())
-        self.model = load_model(model_path, model_config, self.dtype, self.device, max_model_len, self.quantization)
+        self.use_mtp = config.speculative_method == "mtp"
+        self.model = load_model(model_path, model_config, self.dtype, self.device, max_model_len, self.quantization,
+                                mtp=self.use_mtp)
         if self.device.type == "cuda":
             # Quantize-at-load temporaries sit in torch's cache, which mem_get_info counts as used.
             torch.cuda.empty_cache()
@@ -139,6 +146,16 @@ class ModelRunner:
         self.backend: AttentionBackend = make_backend(name, model_config, self.dtype, self.device, self.block_size)
         if self.state_pool is not None:
             self.backend = make_hybrid_backend(self.backend, self.state_pool, config, self.device)
+        self.drafter: MtpDrafter | None = None
+        if self.use_mtp:
+            assert isinstance(self.backend, HybridBackend), "MTP needs a hybrid model"
+            self.drafter = MtpDrafter(self.model, self.backend, self.num_kv_pages, self.block_size,  # type: ignore[arg-type]
+                                      config.max_num_seqs, config.num_speculative_tokens,
+                                      config.speculative_max_batch or DEFAULT_MAX_BATCH, self.dtype, self.device)
+            logger.info("MTP drafting on: the mtp head's KV is one more attention layer on the same pages "
+                        "(%.2f MiB, counted in the KV budget) plus %.2f MiB of draft scratch pages",
+                        self.drafter.kv_cache.nbytes / _MIB - self.drafter.scratch_nbytes / _MIB,
+                        self.drafter.scratch_nbytes / _MIB)
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.backend, DecodeBuckets.up_to(config.max_num_seqs),
                                       scratch_page=scratch_page, max_pages_per_seq=-(-max_model_len // self.block_size))
         why_not = graphs_disabled_reason(config.enforce_eager, self.device, self.backend)
@@ -151,7 +168,7 @@ class ModelRunner:
         self.structured = structured
 
     def _num_kv_pages(self) -> int:
-        per_page = kv_bytes_per_token(self.model_config, self.dtype) * self.block_size
+        per_page = kv_bytes_per_token(self.model_config, self.dtype, int(self.use_mtp)) * self.block_size
         spec = self.config.kv_cache_memory
         num_bytes, fraction = parse_memory(spec) if spec else (None, None)
         if num_bytes is None:
@@ -177,6 +194,8 @@ class ModelRunner:
         for request_id in out.finished_request_ids:
             self.sampler.remove_request(request_id)
             self.prompt_logprobs.remove_request(request_id)
+            if self.drafter is not None:
+                self.drafter.remove_request(request_id)
             if self.structured is not None:
                 self.structured.remove_request(request_id)
         for r in out.requests:
@@ -184,6 +203,8 @@ class ModelRunner:
                 nr = r.new_request
                 self.sampler.add_request(r.request_id, nr.params, nr.prompt_token_ids, nr.eos_token_ids)
                 self.prompt_logprobs.add_request(r.request_id, nr.prompt_token_ids, nr.params.prompt_logprobs)
+                if self.drafter is not None:
+                    self.drafter.add_request(r.request_id, nr.prompt_token_ids, nr.params.speculative)
                 if nr.params.grammar is not None:
                     assert self.structured is not None, "a grammar request reached a runner without StructuredOutputs"
                     # Compiles in the background while this request's prompt runs.
@@ -213,7 +234,9 @@ class ModelRunner:
                 snapshot.restore([r.state_slot for r in rejected if r.state_slot is not None])
                 rolled_back = frozenset(r.request_id for r in rejected)
             sampled_first = {rid: toks[0] for rid, toks in emitted.items()}
-            timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
+            t3 = time.perf_counter()
+            self._draft(out, batch, hidden, emitted, rolled_back)
+            timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
             # Prefill rows of other requests in this batch may still score prompt tokens.
             return StepResult(sampled_first, timings, prompt_logprobs, emitted=emitted, rolled_back=rolled_back)
         grammar_mask = self.structured.mask(ids, self.device) if self.structured is not None and ids else None
@@ -224,5 +247,16 @@ class ModelRunner:
         if grammar_mask is not None and self.structured is not None:
             self.structured.accept(ids, [tok.token_id for tok in sampled])
         t3 = time.perf_counter()
-        timings = StepTimings(t1 - t0, t2 - t1, t3 - t2)
+        self._draft(out, batch, hidden, {rid: (tok,) for rid, tok in zip(ids, sampled)})
+        timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return StepResult(dict(zip(batch.sample_request_ids, sampled)), timings, prompt_logprobs)
+
+    def _draft(self, out: SchedulerOutput, batch: ForwardBatch, hidden: torch.Tensor,
+               emitted: dict[str, tuple[SampledToken, ...]], rolled_back: frozenset[str] = frozenset()) -> None:
+        """MTP: fill its KV for this step's rows and draft for the next step (engine/spec_decode/mtp.py)."""
+        if self.drafter is None:
+            return
+        self.drafter.step(out, batch, hidden, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()},
+                          replan=self.graphs.graph_size_for(batch) is not None, skip=rolled_back)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
