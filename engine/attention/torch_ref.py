@@ -8,6 +8,8 @@ each with a causal mask offset by the tokens already cached.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,29 @@ from engine.batch import ForwardBatch
 
 
 _SMALL_DECODE_BATCH = 4  # decode batches up to this size skip SDPA (see _small_decode_attention)
+# Small decode batches run the KV write and attention on the calling thread alone (see
+# serial_cpu_ops); a module setting so that `bench` can A/B it in one process.
+SERIAL_SMALL_DECODE = True
+
+
+@contextmanager
+def serial_cpu_ops(enabled: bool = True) -> Iterator[None]:
+    """Run torch's CPU ops on the calling thread only, inside the block.
+
+    NOTE: torch splits any op over ~32k elements (index_copy_ of a single cache row included)
+    and every batched matmul over its OpenMP threads. For a batch-1 decode layer that is a
+    handful of parallel regions of a few microseconds of work each, and waking a passive worker
+    costs more than the work: one layer's attention took 61-130 us with 2 threads against 34 us
+    with 1 (docs/PERF.md). Setting the thread count is a few hundred nanoseconds."""
+    threads = torch.get_num_threads()
+    if not enabled or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)
@@ -31,6 +56,11 @@ class _DecodeGroup:
     lmax: int
     mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool: True where a key exists; None: no padding
     all_rows: bool  # the batch is these decode rows, in order: no gather of q, no scatter of out
+
+    @property
+    def small(self) -> bool:
+        """Few enough rows for the two-matmul path (and the serial one on CPU)."""
+        return len(self.rows) <= _SMALL_DECODE_BATCH
 
 
 @dataclass(frozen=True)
@@ -100,12 +130,12 @@ class TorchAttentionBackend:
         assert self._new_k_rows is not None, "plan() must run before forward()"
         bs = self._block_size
         flat = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [P*2*bs, Hkv, D]
-        # Write every new K/V of the batch first: same-step prefix hits read them.
-        flat.index_copy_(0, self._new_k_rows, k.to(flat.dtype))
-        flat.index_copy_(0, self._new_k_rows + bs, v.to(flat.dtype))
         d = self._decode
         if d is not None and d.all_rows:
-            return self._decode_attention(q, flat, d)
+            with serial_cpu_ops(SERIAL_SMALL_DECODE and d.small and flat.device.type == "cpu"):
+                self._write_kv(flat, k, v)
+                return self._decode_attention(q, flat, d)
+        self._write_kv(flat, k, v)
         out = torch.empty_like(q)
         if d is not None:
             out[d.rows] = self._decode_attention(q[d.rows], flat, d)
@@ -123,12 +153,18 @@ class TorchAttentionBackend:
             out[p.q_start : p.q_end] = o[0].transpose(0, 1)
         return out
 
+    def _write_kv(self, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write every new K/V of the batch first: same-step prefix hits read them."""
+        assert self._new_k_rows is not None
+        flat.index_copy_(0, self._new_k_rows, k.to(flat.dtype))
+        flat.index_copy_(0, self._new_k_rows + self._block_size, v.to(flat.dtype))
+
     def _decode_attention(self, q: torch.Tensor, flat: torch.Tensor, d: _DecodeGroup) -> torch.Tensor:
         """q [Bd, Hq, D] of the decode rows -> [Bd, Hq, D] over their gathered keys."""
         num = len(d.rows)
         keys = flat.index_select(0, d.k_rows).view(num, d.lmax, *flat.shape[1:])  # [Bd, L, Hkv, D]
         values = flat.index_select(0, d.k_rows + self._block_size).view(num, d.lmax, *flat.shape[1:])
-        if num <= _SMALL_DECODE_BATCH:
+        if d.small:
             return self._small_decode_attention(q, keys.to(q.dtype), values.to(q.dtype), d.mask)
         o = F.scaled_dot_product_attention(
             q[:, :, None, :],  # [Bd, Hq, 1, D]
