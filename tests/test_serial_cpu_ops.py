@@ -1,5 +1,6 @@
-"""Small decode batches run their KV write and attention on one CPU thread (no OpenMP wake-ups
-per layer); the thread count comes back afterwards, and the numbers are the same."""
+"""Small decode batches run their KV write and attention, and decode-sized batches their MLP
+activation, on one CPU thread (no OpenMP wake-ups per layer); the thread count comes back
+afterwards, and the numbers are the same."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 import engine.attention.torch_ref as torch_ref
-from engine.attention.torch_ref import TorchAttentionBackend, serial_cpu_ops
+from engine.attention.torch_ref import TorchAttentionBackend
+from engine.cpu_threads import serial_cpu_ops
 from tests.test_fast_decode_paths import _decode_batch
 
 
@@ -65,3 +67,33 @@ def test_a_small_decode_batch_attends_on_one_thread_with_the_same_result(
 def test_a_large_decode_batch_keeps_every_thread(two_threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
     _, _, seen = _run([3, 9, 16, 17, 30, 47], monkeypatch, serial=True)  # > 4 rows: SDPA over both threads
     assert seen == [2]
+
+
+@pytest.mark.parametrize(("num_tokens", "threads"), [(1, 1), (64, 1), (65, 2)])
+def test_the_mlp_activation_of_a_decode_sized_batch_runs_on_one_thread(
+        num_tokens: int, threads: int, two_threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from engine.models import decoder
+
+    seen: list[int] = []
+
+    class SpyF:  # torch.nn.functional as decoder.py sees it, counting threads at silu
+        def __getattr__(self, name: str):
+            return getattr(F, name)
+
+        def silu(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.get_num_threads())
+            return F.silu(x)
+
+    monkeypatch.setattr(decoder, "F", SpyF())
+    g = torch.Generator().manual_seed(num_tokens)
+    mlp = decoder.MLP(SimpleNamespace(hidden_size=8, intermediate_size=16, mlp_bias=False))
+    mlp.gate_up_proj.weight.data = torch.randn(32, 8, generator=g)
+    mlp.down_proj.weight.data = torch.randn(8, 16, generator=g)
+    x = torch.randn(num_tokens, 8, generator=g)
+    gate, up = (x @ mlp.gate_up_proj.weight.T).chunk(2, dim=-1)
+    assert torch.equal(mlp(x), (F.silu(gate) * up) @ mlp.down_proj.weight.T)
+    assert seen == [threads] and torch.get_num_threads() == 2

@@ -8,14 +8,13 @@ each with a causal mask offset by the tokens already cached.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
+from engine.cpu_threads import serial_cpu_ops
 
 
 # NOTE: the cache [P, 2, bs, H, D] is addressed through its flat view [P * 2 * bs, H, D]:
@@ -25,28 +24,9 @@ from engine.batch import ForwardBatch
 
 _SMALL_DECODE_BATCH = 4  # decode batches up to this size skip SDPA (see _small_decode_attention)
 # Small decode batches run the KV write and attention on the calling thread alone (see
-# serial_cpu_ops); a module setting so that `bench` can A/B it in one process.
+# engine/cpu_threads.py); a module setting, so that a benchmark can A/B it in one process.
 SERIAL_SMALL_DECODE = True
 
-
-@contextmanager
-def serial_cpu_ops(enabled: bool = True) -> Iterator[None]:
-    """Run torch's CPU ops on the calling thread only, inside the block.
-
-    NOTE: torch splits any op over ~32k elements (index_copy_ of a single cache row included)
-    and every batched matmul over its OpenMP threads. For a batch-1 decode layer that is a
-    handful of parallel regions of a few microseconds of work each, and waking a passive worker
-    costs more than the work: one layer's attention took 61-130 us with 2 threads against 34 us
-    with 1 (docs/PERF.md). Setting the thread count is a few hundred nanoseconds."""
-    threads = torch.get_num_threads()
-    if not enabled or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)
