@@ -13,26 +13,27 @@ step was no faster at batch 1 or 32. Run this where the answer may differ.
 
 from __future__ import annotations
 
-import engine  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
-
 import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
-import torch
-
-from engine.attention.opaque import OpaqueAttention
-from engine.batch import ForwardBatch
-from engine.cuda_graph import is_pure_decode
-from engine.offline import OfflineEngine
-
-Forward = Callable[[ForwardBatch], torch.Tensor]
+# NOTE: engine/ and torch are imported inside the functions (bench/ stays an HTTP client at
+# module level, tests/test_layering.py), engine first: it sets OMP_WAIT_POLICY, which OpenMP reads
+# once, when torch loads it. Engine types are `Any` here for the same reason.
+Engine = Any  # an engine.offline.OfflineEngine
+Forward = Callable[[Any], Any]  # ForwardBatch -> hidden states
 
 
-def compiled_decode_forward(engine: OfflineEngine, batch_size: int, backend: str = "inductor") -> tuple[Forward, Forward]:
+def compiled_decode_forward(engine: Engine, batch_size: int, backend: Any = "inductor") -> tuple[Forward, Forward]:
     """(eager, compiled) forwards for the runner's `graphs.forward` slot; the compiled one
     handles pure-decode batches of `batch_size` rows and defers everything else to eager."""
+    import torch
+
+    from engine.attention.opaque import OpaqueAttention
+    from engine.cuda_graph import is_pure_decode
+
     runner = engine.core.runner
     graphs = runner.graphs
     eager: Forward = graphs.forward
@@ -53,7 +54,7 @@ def compiled_decode_forward(engine: OfflineEngine, batch_size: int, backend: str
     return eager, compiled
 
 
-def fill_decode_batch(engine: OfflineEngine, batch_size: int, prompt_len: int, max_tokens: int) -> list[str]:
+def fill_decode_batch(engine: Engine, batch_size: int, prompt_len: int, max_tokens: int) -> list[str]:
     """Request ids of `batch_size` requests, every one decoding."""
     from scheduler.request import SamplingParams
 
@@ -69,7 +70,7 @@ def fill_decode_batch(engine: OfflineEngine, batch_size: int, prompt_len: int, m
     return ids
 
 
-def probe(engine: OfflineEngine, batch_size: int, prompt_len: int, steps: int, rounds: int) -> dict[str, float]:
+def probe(engine: Engine, batch_size: int, prompt_len: int, steps: int, rounds: int) -> dict[str, float]:
     graphs = engine.core.runner.graphs
     ids = fill_decode_batch(engine, batch_size, prompt_len, max_tokens=2 * rounds * (steps + 1) + 8)
     eager, compiled = compiled_decode_forward(engine, batch_size)
@@ -100,6 +101,7 @@ def probe(engine: OfflineEngine, batch_size: int, prompt_len: int, steps: int, r
 
 def main(argv: Sequence[str] | None = None) -> int:
     from engine.config import EngineConfig
+    from engine.offline import OfflineEngine
 
     p = argparse.ArgumentParser(prog="python -m bench.compile_probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint folder")
