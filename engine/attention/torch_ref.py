@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
+from engine.cpu_threads import serial_cpu_ops
 
 
 # NOTE: the cache [P, 2, bs, H, D] is addressed through its flat view [P * 2 * bs, H, D]:
@@ -22,6 +23,10 @@ from engine.batch import ForwardBatch
 
 
 _SMALL_DECODE_BATCH = 4  # decode batches up to this size skip SDPA (see _small_decode_attention)
+# Small decode batches run the KV write and attention on the calling thread alone (see
+# engine/cpu_threads.py); a module setting, so that a benchmark can A/B it in one process.
+SERIAL_SMALL_DECODE = True
+
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,11 @@ class _DecodeGroup:
     lmax: int
     mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool: True where a key exists; None: no padding
     all_rows: bool  # the batch is these decode rows, in order: no gather of q, no scatter of out
+
+    @property
+    def small(self) -> bool:
+        """Few enough rows for the two-matmul path (and the serial one on CPU)."""
+        return len(self.rows) <= _SMALL_DECODE_BATCH
 
 
 @dataclass(frozen=True)
@@ -100,12 +110,12 @@ class TorchAttentionBackend:
         assert self._new_k_rows is not None, "plan() must run before forward()"
         bs = self._block_size
         flat = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [P*2*bs, Hkv, D]
-        # Write every new K/V of the batch first: same-step prefix hits read them.
-        flat.index_copy_(0, self._new_k_rows, k.to(flat.dtype))
-        flat.index_copy_(0, self._new_k_rows + bs, v.to(flat.dtype))
         d = self._decode
         if d is not None and d.all_rows:
-            return self._decode_attention(q, flat, d)
+            with serial_cpu_ops(SERIAL_SMALL_DECODE and d.small and flat.device.type == "cpu"):
+                self._write_kv(flat, k, v)
+                return self._decode_attention(q, flat, d)
+        self._write_kv(flat, k, v)
         out = torch.empty_like(q)
         if d is not None:
             out[d.rows] = self._decode_attention(q[d.rows], flat, d)
@@ -123,12 +133,18 @@ class TorchAttentionBackend:
             out[p.q_start : p.q_end] = o[0].transpose(0, 1)
         return out
 
+    def _write_kv(self, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write every new K/V of the batch first: same-step prefix hits read them."""
+        assert self._new_k_rows is not None
+        flat.index_copy_(0, self._new_k_rows, k.to(flat.dtype))
+        flat.index_copy_(0, self._new_k_rows + self._block_size, v.to(flat.dtype))
+
     def _decode_attention(self, q: torch.Tensor, flat: torch.Tensor, d: _DecodeGroup) -> torch.Tensor:
         """q [Bd, Hq, D] of the decode rows -> [Bd, Hq, D] over their gathered keys."""
         num = len(d.rows)
         keys = flat.index_select(0, d.k_rows).view(num, d.lmax, *flat.shape[1:])  # [Bd, L, Hkv, D]
         values = flat.index_select(0, d.k_rows + self._block_size).view(num, d.lmax, *flat.shape[1:])
-        if num <= _SMALL_DECODE_BATCH:
+        if d.small:
             return self._small_decode_attention(q, keys.to(q.dtype), values.to(q.dtype), d.mask)
         o = F.scaled_dot_product_attention(
             q[:, :, None, :],  # [Bd, Hq, 1, D]

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_threads
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
+from engine.cpu_threads import serial_cpu_ops
 from engine.models.layers import Linear, PositionedRotary, RMSNorm, RotaryEmbedding
 from engine.models.moe import SparseMoeBlock
 
@@ -67,7 +69,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # silu's output is ours to write
+        with serial_cpu_ops(x.device.type == "cpu" and x.shape[0] <= cpu_threads.SERIAL_ELEMENTWISE_TOKENS):
+            h = F.silu(gate).mul_(up)  # silu's output is ours to write
+        return self.down_proj(h)
 
 
 def make_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
