@@ -237,7 +237,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     enforce_eager: bool = False  # decode without CUDA graphs
     device: str = "auto"  # auto | cpu | cuda
-    quantization: str | None = None  # None | "nvfp4" (quantize a bf16 checkpoint at load)
+    quantization: str | None = None  # None | "nvfp4" | "int8" (quantize a float checkpoint at load; int8: CPU)
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots; None: max_num_seqs (GPU: capped)
     linear_attention_backend: str = "auto"  # hybrid models: auto | torch | fla
     seed: int = 0
