@@ -5,6 +5,7 @@ torch's own CPU kernel `torch._weight_int8pack_mm`; and the builder the loader s
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import ConfigError
@@ -13,6 +14,10 @@ from engine.quantization import check_shape
 _QMAX = 127  # symmetric: -127..127, so negating a weight never overflows
 # The activation dtypes `_weight_int8pack_mm` takes on CPU (its scales must be the same dtype).
 INT8_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# NOTE: torch 2.13's CPU kernel crashes (SIGSEGV) for bf16 activations unless K is a multiple of
+# 16 (found by probing: K = 8, 24, 100, 120 crash, at 1 or more rows). Such a layer's codes are
+# padded with zero columns and its input with zeros: the products are unchanged.
+_BF16_K_MULTIPLE = 16
 
 
 def quantize_int8(weight: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -45,7 +50,10 @@ class Int8Linear(nn.Module):
         assert scales.shape == codes.shape[:1], "one scale per output row"
         assert scales.dtype in INT8_ACTIVATION_DTYPES, f"scales in an activation dtype, got {scales.dtype}"
         self.out_features, self.in_features = codes.shape
-        self.register_buffer("codes", codes.contiguous())  # [N, K] int8
+        self.pad = -self.in_features % _BF16_K_MULTIPLE if scales.dtype == torch.bfloat16 else 0
+        if self.pad:
+            codes = F.pad(codes, (0, self.pad))  # [N, K + pad], zero columns
+        self.register_buffer("codes", codes.contiguous())  # [N, K (+ pad)] int8
         self.register_buffer("scales", scales)  # [N], the activation dtype
         self.register_buffer("bias", bias)  # [N] activation dtype, or None
 
@@ -55,13 +63,20 @@ class Int8Linear(nn.Module):
         return Int8Linear(codes, scales, None if bias is None else bias.detach().to(dtype))
 
     @property
+    def weight_codes(self) -> Tensor:
+        """The codes [N, K] without any padding columns."""
+        return self.codes[:, :self.in_features]
+
+    @property
     def weight_nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, K]
-        if x2.stride(-1) != 1:
+        if self.pad:
+            x2 = F.pad(x2, (0, self.pad))  # [T, K + pad], a new contiguous tensor
+        elif x2.stride(-1) != 1:
             x2 = x2.contiguous()
         y = torch._weight_int8pack_mm(x2, self.codes, self.scales)  # [T, N], x's dtype
         if self.bias is not None:
