@@ -15,7 +15,7 @@ from engine.attention.select import choose_backend, flashinfer_import_error, mak
 from engine.batch import build_forward_batch
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason
-from engine.dtype_policy import resolve_dtype
+from engine.dtype_policy import resolve_dtype, resolve_quantization
 from engine.hybrid_runner import make_hybrid_backend, make_state_pool
 from engine.loader import load_model, weight_bytes
 from engine.outputs import SampledToken
@@ -80,11 +80,12 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device, config.quantization)
+        quantization = resolve_quantization(config.quantization, config.model, self.device)
+        self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device, quantization)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.quantization: QuantizationMethod | None = detect_quantization(
-            model_path, model_config.quantization, config.quantization)
+            model_path, model_config.quantization, quantization)
         if self.quantization is not None:
             logger.info("quantization: %s", self.quantization.describe())
         self.model = load_model(model_path, model_config, self.dtype, self.device, max_model_len, self.quantization)

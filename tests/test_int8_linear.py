@@ -202,6 +202,6 @@ def test_the_flag_reaches_the_engine_config_and_the_help() -> None:
     serve = next(a for a in parser._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
                  if any("--quantization" in o.option_strings for o in a._actions))
     help_text = " ".join(serve.format_help().split())
-    assert "{nvfp4,int8}" in help_text and "int8 (CPU only" in help_text
+    assert "{auto,none,nvfp4,int8}" in help_text and "int8 (CPU only" in help_text
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--quantization", "int4"])
