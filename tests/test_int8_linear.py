@@ -205,3 +205,23 @@ def test_the_flag_reaches_the_engine_config_and_the_help() -> None:
     assert "{auto,none,nvfp4,int8}" in help_text and "int8 (CPU only" in help_text
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--quantization", "int4"])
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["hybrid", "hybrid-moe"])
+def test_hybrid_models_quantize_their_projections_and_keep_experts_float(tmp_path: Path, moe: bool) -> None:
+    """Qwen3.5: DeltaNet qkv/z (fused) and out projections, attention and shared-expert linears
+    become int8; in_proj_a/b, the router and the routed experts stay float."""
+    from tests.factories import make_hybrid_checkpoint, make_hybrid_moe_checkpoint
+
+    path = (make_hybrid_moe_checkpoint if moe else make_hybrid_checkpoint)(tmp_path / "m")
+    e = engine(path, dtype="float32", quantization="int8")
+    model = e.core.runner.model
+    names = {n for n, m in model.named_modules() if isinstance(m, Int8Linear)}
+    assert "layers.0.linear_attn.in_proj_qkvz" in names and "layers.0.linear_attn.out_proj" in names
+    assert not any("in_proj_ba" in n or n.endswith("mlp.gate") or ".experts" in n for n in names), names
+    if moe:
+        assert "layers.0.mlp.shared_expert.gate_up_proj" in names
+    _, logits = greedy_with_logits(e, 1)
+    _, ref_logits = greedy_with_logits(engine(path, dtype="float32"), 1)
+    spread = ref_logits[0].max() - ref_logits[0].min()
+    assert 0 < (logits[0] - ref_logits[0]).abs().max() < 0.03 * spread  # quantized, and close
