@@ -75,7 +75,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="quantize a float checkpoint's linear layers at load time: nvfp4 (4-bit, for GPUs), "
                        "or int8 (CPU only: per-channel int8 weights and lm_head, activations in bfloat16 with "
                        "--dtype auto; the fastest CPU format, perplexity about 0.5%% higher on SmolLM2); "
-                       "auto: int8 for the built-in SmolLM2 on CPU, none for any other model")
+                       "auto: int8 for the built-in SmolLM2 on CPU (unless --dtype float32/float16), none for any "
+                       "other model")
     model.add_argument("--max-model-len", type=int, default=None, metavar="N",
                        help="context length (prompt + output) in tokens; default: the checkpoint's")
     model.add_argument("--seed", type=int, default=_engine_default("seed"), help="seed for requests that set none")

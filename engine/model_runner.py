@@ -80,7 +80,7 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
-        quantization = resolve_quantization(config.quantization, config.model, self.device)
+        quantization = resolve_quantization(config.quantization, config.model, self.device, config.dtype)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device, quantization)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)

@@ -81,6 +81,9 @@ def test_quantization_auto_makes_the_builtin_smollm2_int8_on_cpu_only(monkeypatc
     assert resolve_quantization("auto", DEMO_MODEL_KEYWORD, CPU) is None
     assert resolve_quantization("none", None, CPU) is None and resolve_quantization(None, None, CPU) is None
     assert resolve_quantization("nvfp4", None, CPU) == "nvfp4"
+    assert resolve_quantization("auto", None, CPU, "bfloat16") == "int8"
+    assert resolve_quantization("auto", None, CPU, "float32") is None  # int8 is slow with float32 activations
+    assert resolve_quantization("int8", None, CPU, "float32") == "int8"  # asked for: done (with a warning)
     monkeypatch.setenv(DEFAULT_MODEL_ENV, DEMO_MODEL_KEYWORD)  # the suite's default: the demo stays bf16
     assert resolve_quantization("auto", None, CPU) is None
 
