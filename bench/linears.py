@@ -12,12 +12,10 @@ import argparse
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from engine.config import ModelConfig
-from engine.int8_linear import Int8Linear
 
 # format name -> (weight dtype or "int8", activation dtype)
 FORMATS: dict[str, tuple[torch.dtype | str, torch.dtype]] = {
@@ -30,7 +28,7 @@ FORMATS: dict[str, tuple[torch.dtype | str, torch.dtype]] = {
 }
 
 
-def layer_kinds(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+def layer_kinds(cfg: Any) -> dict[str, tuple[int, int]]:
     """Each dense layer's linears as the engine fuses them: kind -> (out_features, in_features)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return {"qkv_proj": (q + 2 * kv, cfg.hidden_size), "o_proj": (cfg.hidden_size, q),
@@ -39,6 +37,8 @@ def layer_kinds(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def make_op(fmt: str, shape: tuple[int, int], lm_head_t: bool = False) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]:
+    from engine.int8_linear import Int8Linear  # lazily: bench/ imports engine/ only in its functions
+
     wdtype, adtype = FORMATS[fmt]
     weight = torch.randn(shape) * 0.05  # [N, K] float32
     if wdtype == "int8":
@@ -67,6 +67,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeat", type=int, default=20, help="calls per timing")
     args = p.parse_args()
+    from engine.config import ModelConfig
+
     cfg = ModelConfig.from_checkpoint(Path(args.model))
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     kinds = {**layer_kinds(cfg), "lm_head": (cfg.vocab_size, cfg.hidden_size)}

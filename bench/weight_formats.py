@@ -11,11 +11,9 @@ import random
 import statistics
 import time
 
-import torch
+from typing import Any
 
-from engine.config import EngineConfig
-from engine.offline import OfflineEngine
-from scheduler.request import SamplingParams
+import torch
 
 # setting name -> (dtype, quantization)
 SETTINGS: dict[str, tuple[str, str | None]] = {
@@ -26,8 +24,10 @@ SETTINGS: dict[str, tuple[str, str | None]] = {
 }
 
 
-def decode_step_times(engine: OfflineEngine, prompts: list[list[int]], output_len: int) -> list[float]:
-    """Seconds of each step after the first (the prefill), with every request decoding."""
+def decode_step_times(engine: Any, prompts: list[list[int]], output_len: int) -> list[float]:
+    """Seconds of each step of an OfflineEngine after the first (the prefill), with every request decoding."""
+    from scheduler.request import SamplingParams  # lazily: bench/ imports the engine only in its functions
+
     params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0.0)
     for prompt in prompts:
         engine.add_request(prompt, params)
@@ -48,6 +48,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
+    from engine.config import EngineConfig
+    from engine.offline import OfflineEngine
+
     names = [s.strip() for s in args.settings.split(",") if s.strip()]
     engines = {}
     for name in names:
