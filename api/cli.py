@@ -72,9 +72,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="activation and weight dtype; auto: bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX "
                        "(float32 checkpoints too), float32 on other CPUs")
     model.add_argument("--quantization", default=_engine_default("quantization"), choices=("auto", "none", "nvfp4", "int8"),
-                       help="quantize a float checkpoint's linear layers at load time: nvfp4 (4-bit, for GPUs), "
+                       help="quantize a float checkpoint's linear layers at load time: nvfp4 (4-bit, fast on GPUs), "
                        "or int8 (CPU only: per-channel int8 weights and lm_head, activations in bfloat16 with "
-                       "--dtype auto; the fastest CPU format, perplexity about 0.5%% higher on SmolLM2); "
+                       "--dtype auto; the fastest CPU format at small batches, perplexity about 0.5%% higher on "
+                       "SmolLM2); "
                        "auto: int8 for the built-in SmolLM2 on CPU (unless --dtype float32/float16), none for any "
                        "other model")
     model.add_argument("--max-model-len", type=int, default=None, metavar="N",
