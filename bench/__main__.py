@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--model", help="checkpoint folder (default: the embedded demo model)")
     o.add_argument("--dtype", default="auto", help="as fp4serve serve --dtype")
     o.add_argument("--device", default="auto", help="as fp4serve serve --device")
+    o.add_argument("--quantization", default=None, choices=("nvfp4", "int8"), help="as fp4serve serve --quantization")
     o.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one running batch")
     o.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step (default: the engine's)")
     o.add_argument("--max-model-len", type=int, help="context length (default: the checkpoint's)")
@@ -309,7 +310,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     from scheduler.request import SamplingParams
 
     fields: dict[str, object] = dict(model=args.model, dtype=args.dtype, device=args.device,
-                                     max_num_seqs=args.max_num_seqs)
+                                     max_num_seqs=args.max_num_seqs, quantization=args.quantization)
     for name in ("max_num_batched_tokens", "max_model_len", "kv_cache_memory"):
         if getattr(args, name) is not None:  # else EngineConfig's default
             fields[name] = getattr(args, name)

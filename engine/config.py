@@ -237,7 +237,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     enforce_eager: bool = False  # decode without CUDA graphs
     device: str = "auto"  # auto | cpu | cuda
-    quantization: str | None = None  # None | "nvfp4" (quantize a bf16 checkpoint at load)
+    # auto | none (or None) | nvfp4 | int8: quantize a float checkpoint at load (int8: CPU only);
+    # auto: int8 for the built-in SmolLM2 on CPU, else none (engine/dtype_policy.py)
+    quantization: str | None = "auto"
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots; None: max_num_seqs (GPU: capped)
     linear_attention_backend: str = "auto"  # hybrid models: auto | torch | fla
     seed: int = 0
@@ -266,5 +268,7 @@ class EngineConfig:
             raise ConfigError(f"--scheduling-policy: '{self.scheduling_policy}' is not one of fair, fcfs, priority")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"--long-prefill-token-threshold: must not be negative, got {self.long_prefill_token_threshold}")
+        if self.quantization not in (None, "auto", "none", "nvfp4", "int8"):
+            raise ConfigError(f"--quantization: '{self.quantization}' is not one of auto, none, nvfp4, int8")
         if self.linear_attention_backend not in ("auto", "torch", "fla"):
             raise ConfigError(f"--linear-attention-backend: '{self.linear_attention_backend}' is not one of auto, torch, fla")

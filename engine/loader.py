@@ -24,7 +24,9 @@ from engine.models.qwen3_5_mtp import MTP_PREFIX, Qwen3_5MTP, map_mtp_name
 from engine.models.qwen3_5_weights import FUSED_LINEARS, LINEAR_ATTN_RULES, canonical_name, skipped_part
 from engine.models.moe import NVFP4Experts
 from engine.moe_loader import ExpertLoader, map_moe_name
+from engine.int8_linear import Int8Linear, Int8LinearBuilder, check_int8_device, quantize_int8
 from engine.quantization import (
+    INT8,
     LINEAR_SUFFIXES,
     NVFP4LinearBuilder,
     QuantizationMethod,
@@ -133,15 +135,16 @@ class _Unloaded(nn.Module):
 
 
 def _nvfp4_plan(model: DecoderForCausalLM, names: set[str], method: QuantizationMethod | None,
-                dtype: torch.dtype, device: torch.device) -> dict[str, NVFP4LinearBuilder]:
-    """Which of the model's Linears are NVFP4: for a packed checkpoint, those whose tensors say so
-    (exclude lists vary between producers; the tensors do not lie); at load, q/k/v/o, gate/up/down."""
+                dtype: torch.dtype, device: torch.device) -> dict[str, NVFP4LinearBuilder | Int8LinearBuilder]:
+    """Which of the model's Linears are quantized: for a packed checkpoint, those whose tensors say
+    so (exclude lists vary between producers; the tensors do not lie); at load (NVFP4 or int8),
+    q/k/v/o, gate/up/down."""
     if method is None:
         return {}
     cfg = model.config
-    if method.quantize_at_load:
+    if method.quantize_at_load and method.scheme != INT8:
         check_quantizable(cfg, "--quantization nvfp4")
-    plan: dict[str, NVFP4LinearBuilder] = {}
+    plan: dict[str, NVFP4LinearBuilder | Int8LinearBuilder] = {}
     for module_path, module in model.named_modules():
         if not isinstance(module, Linear) or (module_path == "lm_head" and cfg.tie_word_embeddings):
             continue
@@ -155,7 +158,11 @@ def _nvfp4_plan(model: DecoderForCausalLM, names: set[str], method: Quantization
             bias = None
             if module.bias is not None:
                 bias = torch.zeros(sum(module.shard_sizes), dtype=dtype, device=device)  # [N]
-            plan[module_path] = NVFP4LinearBuilder(method, hf, module.shard_sizes, module.in_features, bias, device)
+            if method.scheme == INT8:
+                plan[module_path] = Int8LinearBuilder(hf, module.shard_sizes, module.in_features, bias, dtype, device)
+            else:
+                plan[module_path] = NVFP4LinearBuilder(method, hf, module.shard_sizes, module.in_features, bias,
+                                                       device)
     return plan
 
 
@@ -210,6 +217,14 @@ def _expected_tensors(params: dict[str, nn.Parameter], modules: dict[str, nn.Mod
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
                quantization: QuantizationMethod | None = None, mtp: bool = False) -> DecoderForCausalLM:
     """`mtp`: load the checkpoint's mtp.* head too (`model.mtp`, --speculative-method mtp)."""
+    int8 = quantization is not None and quantization.scheme == INT8
+    if int8:
+        check_int8_device(device)
+    # int8 lm_head: a quantized copy of the head's weight (the tied embedding stays float).
+    head_source = None
+    if int8 and quantization is not None and quantization.int8_lm_head:
+        head_source = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    head_int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes [V, H] int8, scales [V])
     files = checkpoint_files(path)
     names = [canonical_name(n) for n in tensor_names(files)]  # ConditionalGeneration: text model as model.*
     num_mtp = sum(n.startswith(MTP_PREFIX) for n in names)
@@ -218,7 +233,8 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                           "head); use --speculative-method ngram")
     model = _meta_model(cfg, dtype, max_len, mtp)
     pending = _nvfp4_plan(model, set(names), quantization, dtype, device)
-    experts = ExpertLoader(model, set(names), quantization, dtype, device)
+    # NOTE: routed experts stay in the model dtype under int8 (no int8 expert kernel here).
+    experts = ExpertLoader(model, set(names), None if int8 else quantization, dtype, device)
     _materialize(model, list(pending), device, max_len)
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
@@ -271,6 +287,8 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                 raise ConfigError(f"{path}: tensor '{name}' has shape {list(tensor.shape)}, expected {list(target.shape)}")
             target.copy_(tensor.to(dtype))
             seen.add((pname, shard))
+            if pname == head_source:
+                head_int8 = quantize_int8(tensor, dtype)  # from the stored values, not the dtype copy
     missing = sorted(expected - seen, key=str)
     if missing:
         pname, shard = missing[0]
@@ -286,6 +304,11 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
             raise ConfigError(f"{path}: {e}") from None
         parent, _, child = module_path.rpartition(".")
         setattr(model.get_submodule(parent), child, finished)
+    if head_int8 is not None:
+        bias = model.lm_head.bias
+        model.lm_head = Int8Linear(*head_int8, None if bias is None else bias.detach().clone())
+    if int8:
+        _log_int8(model, dtype)
     if num_skipped:
         logger.info("skipped %d W4A4 activation scales (%s): weight-only NVFP4, activations stay in %s",
                     num_skipped, "/".join(skipped), str(dtype).removeprefix("torch."))
@@ -321,3 +344,12 @@ def _log_left_out(left_out: dict[str, list[str]]) -> None:
         logger.info("skipped %d vision tensors (model.visual.*, e.g. %s): this server serves text", len(vision), vision[0])
     if mtp:
         logger.info("skipped %d MTP tensors (mtp.*): not loaded until speculative decoding uses them", len(mtp))
+
+
+def _log_int8(model: nn.Module, dtype: torch.dtype) -> None:
+    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    nbytes = sum(m.weight_nbytes for m in linears)
+    name = str(dtype).removeprefix("torch.")
+    head = "lm_head int8 too" if isinstance(getattr(model, "lm_head", None), Int8Linear) else "lm_head stays float"
+    logger.info("int8: %d linears quantized at load (%.2f MiB of int8 codes and scales; %s); activations in %s; "
+                "embeddings and norms stay in %s", len(linears), nbytes / (1 << 20), head, name, name)

@@ -15,6 +15,7 @@ from engine.attention.select import choose_backend, flashinfer_import_error, mak
 from engine.batch import ForwardBatch, build_forward_batch
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason
+from engine.dtype_policy import resolve_dtype, resolve_quantization
 from engine.hybrid_backend import HybridBackend
 from engine.hybrid_runner import make_hybrid_backend, make_state_pool
 from engine.loader import load_model, weight_bytes
@@ -31,7 +32,6 @@ from scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("fp4serve.runner")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_CPU_KV_BYTES = 256 << 20  # the demo model (float32) holds 65k tokens: 16 full contexts
 _DEFAULT_GPU_KV_FRACTION = 0.85
 _MIB = 1 << 20
@@ -66,27 +66,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_native_bf16() -> bool:
-    """AMX or AVX512-BF16: without them torch emulates bf16 matmuls, slower than float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    dtype = _DTYPES.get(checkpoint_dtype, torch.float32)
-    if dtype == torch.float32 and device.type == "cuda":
-        return torch.bfloat16  # a float32 checkpoint runs in bf16 on GPU
-    if dtype != torch.float32 and device.type == "cpu" and not cpu_has_native_bf16():
-        logger.info("dtype auto: this CPU has no AMX/AVX512-BF16, so %s runs as float32 (faster here)", checkpoint_dtype)
-        return torch.float32
-    return dtype
-
-
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, extra_layers: int = 0) -> int:
     """`extra_layers`: attention layers beside the model's on the same pages (the MTP head's)."""
     return 2 * (cfg.num_kv_layers + extra_layers) * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
@@ -106,11 +85,12 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
+        quantization = resolve_quantization(config.quantization, config.model, self.device, config.dtype)
+        self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device, quantization)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.quantization: QuantizationMethod | None = detect_quantization(
-            model_path, model_config.quantization, config.quantization)
+            model_path, model_config.quantization, quantization)
         if self.quantization is not None:
             logger.info("quantization: %s", self.quantization.describe())
         self.use_mtp = config.speculative_method == "mtp"

@@ -55,23 +55,35 @@ _QUANTIZABLE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(g
                           r"|mlp\.experts\.\d+\.(gate|up|down)_proj|mlp\.shared_expert\.(gate|up|down)_proj)$")
 
 
+NVFP4 = "nvfp4"
+INT8 = "int8"  # engine/int8_linear.py: per-channel int8 quantized at load, CPU only
+SCHEMES = (NVFP4, INT8)  # --quantization's choices
+
+
 @dataclass(frozen=True)
 class QuantizationMethod:
-    """Where the NVFP4 linears come from. Plain values, decided once before loading."""
+    """Where the quantized linears come from. Plain values, decided once before loading."""
 
     checkpoint_format: str | None  # modelopt | compressed-tensors: packed in the checkpoint; None: quantize at load
     source: str  # where it was declared: "config.json", "hf_quant_config.json" or "--quantization nvfp4"
     # What the checkpoint asks for that this server does not run (W4A4 activations, FP8 KV), for the log.
     ignored: tuple[str, ...] = ()
+    scheme: str = NVFP4  # nvfp4 | int8 (int8: quantized at load only)
+    int8_lm_head: bool = True  # int8: the lm_head too (a copy when tied; docs/PERF.md has the trade)
 
     def __post_init__(self) -> None:
         assert self.checkpoint_format in (None, *CHECKPOINT_FORMATS), f"unknown format {self.checkpoint_format}"
+        assert self.scheme in SCHEMES, f"unknown scheme {self.scheme}"
+        assert self.scheme == NVFP4 or self.checkpoint_format is None, "int8 is quantized at load only"
 
     @property
     def quantize_at_load(self) -> bool:
         return self.checkpoint_format is None
 
     def describe(self) -> str:
+        if self.scheme == INT8:
+            return (f"float linears quantized to int8 at load ({self.source}); weight-only int8, one symmetric "
+                    "scale per output channel, activations in the model dtype")
         what = ("float linears quantized to NVFP4 at load" if self.quantize_at_load
                 else f"NVFP4 {self.checkpoint_format} checkpoint")
         text = f"{what} ({self.source}); weight-only NVFP4, activations in the model dtype"
@@ -84,9 +96,15 @@ def detect_quantization(folder: Path, checkpoint_config: Mapping[str, Any] | Non
     (ModelConfig.quantization) and `requested` is EngineConfig.quantization.
 
     Raises ConfigError (one line naming the field) for a quantization this server cannot run."""
-    if requested not in (None, "nvfp4"):
-        raise ConfigError(f"--quantization: '{requested}' is not one of nvfp4")
+    if requested not in (None, *SCHEMES):
+        raise ConfigError(f"--quantization: '{requested}' is not one of {', '.join(SCHEMES)}")
     hf_quant = folder / HF_QUANT_CONFIG
+    if requested == INT8:
+        if checkpoint_config is not None or hf_quant.is_file():
+            where = "config.json's quantization_config" if checkpoint_config is not None else HF_QUANT_CONFIG
+            raise ConfigError(f"--quantization int8: the checkpoint is already quantized ({where}); int8 "
+                              "quantizes float checkpoints only (drop --quantization to run it as it is)")
+        return QuantizationMethod(None, "--quantization int8", scheme=INT8)
     if checkpoint_config is not None:
         if not isinstance(checkpoint_config, Mapping):
             raise ConfigError("config.json: field 'quantization_config' must be an object")
@@ -234,14 +252,14 @@ class NVFP4LinearBuilder:
         if suffix == "bias":
             if self.bias is None:
                 raise ConfigError(f"tensor '{hf_module}.bias' exists, but config.json declares no bias")
-            _check_shape(f"{hf_module}.bias", tensor.shape, (rows,))
+            check_shape(f"{hf_module}.bias", tensor.shape, (rows,))
             start = sum(self.shard_sizes[:shard])
             self.bias[start:start + rows].copy_(tensor.to(self.bias.dtype))
         elif fmt is None:
             if suffix != "weight":
                 raise ConfigError(f"tensor '{hf_module}.{suffix}' is a quantization tensor, but the checkpoint "
                                   "declares no quantization")
-            _check_shape(f"{hf_module}.weight", tensor.shape, (rows, self.in_features))
+            check_shape(f"{hf_module}.weight", tensor.shape, (rows, self.in_features))
             self.weights[shard] = quantize_weight(tensor.to(self.device), f"{hf_module}.weight")
         else:
             needed, _ = _TENSORS[fmt]
@@ -267,7 +285,7 @@ class NVFP4LinearBuilder:
         return NVFP4Linear(fused.to(self.device), self.bias)
 
 
-def _check_shape(name: str, shape: torch.Size, expected: tuple[int, ...]) -> None:
+def check_shape(name: str, shape: torch.Size, expected: tuple[int, ...]) -> None:
     if tuple(shape) != expected:
         raise ConfigError(f"tensor '{name}' has shape {list(shape)}, expected {list(expected)}")
 

@@ -1,0 +1,93 @@
+"""`--dtype auto`: what each checkpoint dtype runs as, on a CPU with and without native bf16
+(the flag probe is replaced, so these run the same on any CPU), on CUDA, and under int8; and
+`--quantization auto`: int8 for the built-in SmolLM2 on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine.dtype_policy as policy
+from engine.config import ConfigError, EngineConfig
+from engine.dtype_policy import resolve_dtype, resolve_quantization
+from engine.model_source import DEFAULT_MODEL_ENV, DEFAULT_MODEL_NAME, DEMO_MODEL_KEYWORD
+from engine.offline import OfflineEngine
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@pytest.fixture(params=[True, False], ids=["native-bf16", "no-bf16"])
+def native_bf16(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    monkeypatch.setattr(policy, "cpu_has_native_bf16", lambda: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("checkpoint", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
+def test_an_explicit_dtype_always_wins(native_bf16: bool, checkpoint: str, name: str) -> None:
+    for device in (CPU, CUDA):
+        for quantization in (None, "int8", "nvfp4"):
+            assert resolve_dtype(name, checkpoint, device, quantization) == getattr(torch, name)
+
+
+def test_auto_on_a_cpu_with_native_bf16_runs_float_checkpoints_as_bf16(native_bf16: bool) -> None:
+    expected = BF16 if native_bf16 else F32
+    assert resolve_dtype("auto", "float32", CPU) == expected
+    assert resolve_dtype("auto", "bfloat16", CPU) == expected
+    assert resolve_dtype("auto", "float16", CPU) == expected  # CPUs are slow at fp16 (docs/PERF.md)
+    assert resolve_dtype("auto", "float32", CPU, "nvfp4") == expected
+
+
+def test_auto_under_int8_takes_bf16_activations_on_any_cpu(native_bf16: bool) -> None:
+    for checkpoint in ("float32", "bfloat16", "float16"):
+        assert resolve_dtype("auto", checkpoint, CPU, "int8") == BF16
+
+
+def test_auto_on_cuda_ignores_the_cpu_flags(native_bf16: bool) -> None:
+    assert resolve_dtype("auto", "float32", CUDA) == BF16
+    assert resolve_dtype("auto", "bfloat16", CUDA) == BF16
+    assert resolve_dtype("auto", "float16", CUDA) == F16
+
+
+def test_the_engine_applies_the_policy(qwen3_ckpt: Path, native_bf16: bool) -> None:
+    """qwen3_ckpt is a float32 checkpoint."""
+    runner = OfflineEngine.from_config(EngineConfig(model=str(qwen3_ckpt), kv_cache_memory="2MiB")).core.runner
+    assert runner.dtype == (BF16 if native_bf16 else F32)
+    assert runner.model.embed_tokens.weight.dtype == runner.dtype and runner.kv_caches[0].dtype == runner.dtype
+
+
+def test_the_probe_reads_the_cpu_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(policy, "CPUINFO", cpuinfo)
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n")
+    assert not policy.cpu_has_native_bf16()
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+    assert policy.cpu_has_native_bf16()
+    cpuinfo.write_text("flags\t\t: fpu amx_tile amx_bf16\n")
+    assert policy.cpu_has_native_bf16()
+    cpuinfo.unlink()
+    assert not policy.cpu_has_native_bf16()
+
+
+def test_quantization_auto_makes_the_builtin_smollm2_int8_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DEFAULT_MODEL_ENV)  # what users get without --model
+    assert resolve_quantization("auto", None, CPU) == "int8"
+    assert resolve_quantization("auto", DEFAULT_MODEL_NAME, CPU) == "int8"
+    assert resolve_quantization("auto", None, CUDA) is None
+    assert resolve_quantization("auto", "/models/SmolLM2-135M-Instruct", CPU) is None  # a folder: as it is
+    assert resolve_quantization("auto", DEMO_MODEL_KEYWORD, CPU) is None
+    assert resolve_quantization("none", None, CPU) is None and resolve_quantization(None, None, CPU) is None
+    assert resolve_quantization("nvfp4", None, CPU) == "nvfp4"
+    assert resolve_quantization("auto", None, CPU, "bfloat16") == "int8"
+    assert resolve_quantization("auto", None, CPU, "float32") is None  # int8 is slow with float32 activations
+    assert resolve_quantization("int8", None, CPU, "float32") == "int8"  # asked for: done (with a warning)
+    monkeypatch.setenv(DEFAULT_MODEL_ENV, DEMO_MODEL_KEYWORD)  # the suite's default: the demo stays bf16
+    assert resolve_quantization("auto", None, CPU) is None
+
+
+def test_an_unknown_quantization_fails_in_the_config() -> None:
+    with pytest.raises(ConfigError, match="--quantization: 'int4' is not one of auto, none, nvfp4, int8"):
+        EngineConfig(quantization="int4")
