@@ -166,7 +166,9 @@ def run_version(argv: Sequence[str], env: Mapping[str, str]) -> str:
         return f"unknown ({type(e).__name__})"
     lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
     version = [ln for ln in lines if "version" in ln.lower()] or lines
-    return version[-1] if version and done.returncode == 0 else f"unknown (exit {done.returncode})"
+    if not version or done.returncode != 0:
+        return f"unknown (exit {done.returncode})"
+    return version[-1].removeprefix("version:").strip()
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
@@ -299,8 +301,9 @@ def format_table(rows: Sequence[Mapping[str, object]], output_len: int) -> str:
 
 
 def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], out_dir: Path,
-                 cores: int, log: list[str]) -> dict[str, object]:
-    """Start, wait, warm, measure every level, stop: the server's record."""
+                 cores: int, log: list[str], servers: list[dict[str, object]]) -> None:
+    """Start, wait, warm, measure every level, stop; the server's record goes into `servers`
+    first, so an interrupt keeps the levels already measured."""
     argv, env = peer.render(values)
     base_url = f"http://127.0.0.1:{values['port']}/v1"
     record: dict[str, object] = {
@@ -308,6 +311,7 @@ def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], o
         "version": run_version([a.format(**values) for a in peer.version_argv], env)
         if peer.version_argv else "unknown",
         "load_before": load_snapshot(), "levels": [], "error": None}
+    servers.append(record)
     warning = quiet_warning(record["load_before"], cores, args.quiet_per_core)  # type: ignore[arg-type]
     if warning:
         log.append(f"{peer.name}: {warning}")
@@ -338,8 +342,15 @@ def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], o
     except ServerFailed as e:
         record["error"] = str(e)
         print(f"error: {peer.name}: {e}", file=sys.stderr, flush=True)
-    record.setdefault("load_after", load_snapshot())
-    return record
+    except KeyboardInterrupt:
+        record["error"] = "interrupted"
+        raise
+    finally:
+        record.setdefault("load_after", load_snapshot())
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _values(args: argparse.Namespace, port: int) -> dict[str, str]:
@@ -364,9 +375,11 @@ def cmd_peers(args: argparse.Namespace) -> int:
         print("error: --num-requests needs one count, or one per --concurrency level",
               file=sys.stderr)
         return 2
-    unknown = [s for s in args.servers if s not in PEERS]
+    peers = {**PEERS, **{p.name: p for p in args.peer}}
+    args.servers = [*args.servers, *(p.name for p in args.peer if p.name not in args.servers)]
+    unknown = [s for s in args.servers if s not in peers]
     if unknown:
-        print(f"error: unknown server(s) {unknown}; choose from {list(PEERS)}", file=sys.stderr)
+        print(f"error: unknown server(s) {unknown}; choose from {list(peers)}", file=sys.stderr)
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -375,18 +388,20 @@ def cmd_peers(args: argparse.Namespace) -> int:
     servers: list[dict[str, object]] = []
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     # SIGTERM ends the run like Ctrl-C: through the finally blocks that stop the servers.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     interrupted = False
     try:
         for i, name in enumerate(args.servers):
-            servers.append(measure_peer(PEERS[name], args, _values(args, args.port + i), out_dir,
-                                        cores, notes))
+            measure_peer(peers[name], args, _values(args, args.port + i), out_dir, cores, notes,
+                         servers)
             if i + 1 < len(args.servers) and args.settle > 0:
                 time.sleep(args.settle)
     except KeyboardInterrupt:
         interrupted = True
         notes.append("interrupted: the table covers what ran")
         print("\ninterrupted: servers stopped; writing what was measured", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     rows = rows_of(servers, args.output_len)
     for r in rows:
         if r["ok"] and r["full_length"] != r["ok"]:
@@ -416,6 +431,14 @@ def cmd_peers(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
+def extra_peer(text: str) -> Peer:
+    """`NAME=COMMAND` (a template like the table's) as a peer that takes ignore_eos."""
+    name, sep, command = text.partition("=")
+    if not sep or not name.strip() or not command.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=COMMAND, got {text!r}")
+    return Peer(name.strip(), tuple(shlex.split(command)), note="--peer")
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -424,6 +447,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--servers", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
                    default=list(DEFAULT_SERVERS),
                    help=f"comma-separated, run in this order (default: {','.join(DEFAULT_SERVERS)})")
+    p.add_argument("--peer", type=extra_peer, action="append", default=[],
+                   help="another server, NAME=COMMAND, run after --servers; the command may use "
+                   "{port}, {threads}, {python} and the path flags' names, e.g. {hf}")
     p.add_argument("--concurrency", type=_ints, default=[1, 32],
                    help="streams of each level (default 1,32)")
     p.add_argument("--num-requests", type=_ints, default=[8, 64],

@@ -6,6 +6,7 @@ answers, and that every server's whole process group is gone afterwards."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,10 +21,10 @@ from tests.server_utils import free_port
 
 # A peer as small as it gets: Starlette on hypercorn, /v1/models and streamed chat completions
 # of `max_tokens` chunks (one fewer when the request neither sets ignore_eos nor bans tokens
-# through logit_bias, as a model that stops early). It starts a child process and writes its pid,
-# so the test can check the whole group is stopped.
+# through logit_bias, as a model that stops early). It starts a child process and writes its own
+# pid and the child's, so the test can check the whole group is stopped.
 FAKE_SERVER = r'''
-import asyncio, json, subprocess, sys
+import asyncio, json, os, subprocess, sys
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 from starlette.applications import Starlette
@@ -32,7 +33,7 @@ from starlette.routing import Route
 
 port, pid_file = int(sys.argv[1]), sys.argv[2]
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-open(pid_file, "w").write(str(child.pid))
+open(pid_file, "w").write(f"{os.getpid()} {child.pid}")
 
 async def models(request):
     return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
@@ -133,7 +134,7 @@ def test_running_kills_the_group_on_interrupt(tmp_path: Path) -> None:
                 time.sleep(0.05)
             raise KeyboardInterrupt
     assert proc.poll() is not None
-    assert not _alive(int(pid_file.read_text()))
+    assert not any(_alive(int(pid)) for pid in pid_file.read_text().split())
 
 
 @pytest.mark.slow
@@ -174,4 +175,32 @@ def test_peers_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert "| fake | fake 1.0 | 2 |" in md and "dies" in md and "exited with 3" in md
     assert (out / "peers.png").stat().st_size > 1000
     for port in (base, base + 3):  # fake and fake-eos: their children went with them
-        assert not _alive(int((tmp_path / f"{port}.pid").read_text()))
+        assert not any(_alive(int(pid)) for pid in (tmp_path / f"{port}.pid").read_text().split())
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_server_and_keeps_what_ran(tmp_path: Path) -> None:
+    script = tmp_path / "fake.py"
+    script.write_text(FAKE_SERVER)
+    pid_file, out, log = tmp_path / "fake.pid", tmp_path / "out", tmp_path / "harness.log"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    harness = subprocess.Popen(
+        [sys.executable, "-m", "bench", "peers", "--servers", "",
+         "--peer", f"fake={{python}} {script} {{port}} {pid_file}", "--concurrency", "1",
+         "--num-requests", "1", "--output-len", "4000", "--input-len", "8", "--duration", "60",
+         "--port", str(free_port()), "--hf-model", str(tmp_path / "no-model"), "--out", str(out)],
+        env=env, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    try:
+        deadline = time.monotonic() + 60
+        while "warm-up answer" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and harness.poll() is None, log.read_text()
+            time.sleep(0.1)
+        time.sleep(2)  # into the measurement (4000 tokens take 20 s)
+        harness.terminate()
+        assert harness.wait(60) == 130, log.read_text()
+    finally:
+        harness.kill()
+    assert not any(_alive(int(pid)) for pid in pid_file.read_text().split())
+    doc = orjson.loads((out / "peers.json").read_bytes())
+    assert doc["interrupted"] and doc["servers"][0]["error"] == "interrupted"
+    assert doc["servers"][0]["warm_up_answer"] == "Paris"
