@@ -349,6 +349,11 @@ def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], o
         record.setdefault("load_after", load_snapshot())
 
 
+def _load(server: Mapping[str, object], key: str) -> str:
+    snap = server.get(key)
+    return f"{snap['load1']:.2f}" if isinstance(snap, dict) else "?"
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -415,7 +420,8 @@ def cmd_peers(args: argparse.Namespace) -> int:
     md = [f"# Peer servers, {started} ({args.machine})", "",
           f"{args.input_len} prompt tokens, {args.output_len} output tokens, streams "
           f"{','.join(map(str, args.concurrency))}.", "", table, "", "Commands:", ""]
-    md += [f"- {s['server']} ({s['version']}): `{s['command']}`"
+    md += [f"- {s['server']} ({s['version']}, load {_load(s, 'load_before')} before, "
+           f"{_load(s, 'load_after')} after): `{s['command']}`"
            + (f" (env: {' '.join(f'{k}={v}' for k, v in s['env'].items())})" if s["env"] else "")
            + (f" — failed: {str(s['error']).splitlines()[0]}" if s["error"] else "")
            for s in servers]

@@ -173,6 +173,7 @@ def test_peers_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert any("fake-eos at 2 streams: only 0 of 4" in n for n in doc["notes"])
     md = (out / "peers.md").read_text()
     assert "| fake | fake 1.0 | 2 |" in md and "dies" in md and "exited with 3" in md
+    assert "- fake (fake 1.0, load " in md
     assert (out / "peers.png").stat().st_size > 1000
     for port in (base, base + 3):  # fake and fake-eos: their children went with them
         assert not any(_alive(int(pid)) for pid in (tmp_path / f"{port}.pid").read_text().split())
