@@ -1,4 +1,5 @@
-"""`python -m bench {serve,plot,compare,offline,profile,soak,context,tiny-model,moe-models,quality,lm-eval}`: flags to configs, runs, tables and files."""
+"""`python -m bench {serve,plot,compare,offline,profile,soak,context,tiny-model,moe-models,quality,lm-eval,peers}`: flags to
+configs, runs, tables and files."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from bench.report import (Result, format_compare, format_summary, format_sweep, 
 from bench.serve import ENDPOINTS, EndpointError, Load, Target, discover_model, probe_target, \
     run_load
 from bench.moe_models import add_arguments as add_moe_model_arguments
+from bench.peers import add_arguments as add_peers_arguments
+from bench.peers import cmd_peers
 from bench.moe_models import cmd_moe_models
 from bench.noisy_neighbor import add_arguments as add_noisy_neighbor_arguments
 from bench.soak import add_arguments as add_soak_arguments
@@ -138,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("dst", help="folder to write")
     t.add_argument("--hidden-size", type=int, default=256, help="model width")
     t.add_argument("--num-layers", type=int, default=8, help="decoder layers")
+    pe = sub.add_parser("peers", help="fp4serve against peer servers (llama.cpp, vLLM CPU, transformers) "
+                                      "on the same model, started one at a time, at 1 and 32 streams")
+    add_peers_arguments(pe)
     m = sub.add_parser("moe-models", help="write a random Qwen3-MoE checkpoint and its every-expert-active "
                                           "twin, for `offline` to compare")
     add_moe_model_arguments(m)
@@ -381,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"serve": cmd_serve, "plot": cmd_plot, "compare": cmd_compare,
                 "offline": cmd_offline, "soak": cmd_soak, "context": cmd_context, "tiny-model": cmd_tiny_model,
-                "moe-models": cmd_moe_models, "profile": cmd_profile, "quality": cmd_quality,
+                "moe-models": cmd_moe_models, "peers": cmd_peers, "profile": cmd_profile, "quality": cmd_quality,
                 "lm-eval": cmd_lm_eval}
     return commands[args.command](args)
 

@@ -132,3 +132,28 @@ def plot_results(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
         plot_throughput_vs_load(runs, out / "throughput_vs_load.png"),
         plot_latency_cdfs(runs, out / "latency_cdf.png"),
     ]
+
+
+def plot_throughput_bars(rows: Sequence[dict[str, object]], path: str | Path) -> Path:
+    """Grouped bars of output throughput: one group per stream count, one bar per server (rows
+    as `bench peers` makes them: `server`, `streams`, `output_throughput`)."""
+    servers = list(dict.fromkeys(str(r["server"]) for r in rows))
+    levels = sorted({int(s) for r in rows if isinstance(s := r.get("streams"), int)})
+    fig = Figure(figsize=(max(6.4, 1.6 * len(levels) * len(servers) / 2), 4.8))
+    ax = fig.subplots()
+    width = 0.8 / max(len(servers), 1)
+    for i, server in enumerate(servers):
+        xs, ys = [], []
+        for j, level in enumerate(levels):
+            y = next((_num(r.get("output_throughput")) for r in rows
+                      if r["server"] == server and r.get("streams") == level), None)
+            if y is not None:
+                xs.append(j + (i - (len(servers) - 1) / 2) * width)
+                ys.append(y)
+        bars = ax.bar(xs, ys, width, color=f"C{i % 10}", label=server)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks(range(len(levels)), [f"{n} stream{'s' if n > 1 else ''}" for n in levels])
+    ax.set_ylabel("output throughput (tok/s)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, Path(path))
