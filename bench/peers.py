@@ -80,7 +80,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
                        "rev = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], "
                        "capture_output=True, text=True).stdout.strip(); "
                        "print(m.version('fp4serve') + (' git ' + rev if rev else ''))"),
-         note="the default model (SmolLM2-135M-Instruct, float32, from its GGUF)"),
+         note="the default model (SmolLM2-135M-Instruct from its GGUF) with the default policy: int8 weights and bf16 activations on a CPU with native bf16, else float32"),
     Peer("llama-server",
          ("{llama_bin}/llama-server", "-m", "{gguf}", "--host", "127.0.0.1", "--port", "{port}",
           "-np", "32", "-cb", "-c", "8192", "-t", "{threads}"),
