@@ -82,7 +82,8 @@ def test_backend_outputs_and_states_do_not_depend_on_the_route() -> None:
     that chunk every row (short_max 0), route rows <= 4 or <= 16 to the recurrence."""
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(24, 3, generator=gen)
-    steps = [[(0, 20, 0), (0, 3, 1), (0, 1, 2)], [(20, 5, 0), (3, 4, 1), (1, 17, 2)], [(25, 1, 0), (7, 2, 1), (18, 3, 2)]]
+    steps = [[(0, 20, 0), (0, 3, 1), (0, 1, 2)], [(20, 5, 0), (3, 4, 1), (1, 17, 2)],
+             [(25, 1, 0), (7, 2, 1), (18, 3, 2)]]
     inputs_ = []
     for step in steps:
         t = sum(n for _, n, _ in step)

@@ -1,6 +1,7 @@
 """Torch reference kernels of the Gated DeltaNet layers, batched over sequences: the gated delta
-rule in a chunked form (prefill; sequences padded to one [B, L] layout) and a recurrent form (one
-token per sequence: decode), and the causal depthwise conv1d that carries a conv state.
+rule in a chunked form (long prefill chunks; sequences padded to one [B, L] layout) and a recurrent
+form run token by token (decodes, and short rows: verify steps, recompute chunks), and the causal
+depthwise conv1d that carries a conv state.
 
 The math follows transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule
 (qwen3_5): S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T, o_t = S_t^T q_t,
@@ -120,7 +121,7 @@ def sequential_gated_delta_rule(
     decay, beta, v = g.float().exp(), beta.float(), v.float()
     batch, _, _, head_k_dim = q.shape
     head_v_dim = v.shape[-1]
-    state = initial_state.float().clone()
+    state = initial_state.float().clone(memory_format=torch.contiguous_format)
     flat = state.view(batch * num_v_heads, head_k_dim, head_v_dim)  # in-place updates of `state`
     outs = []
     for t in range(v.shape[1]):
@@ -129,7 +130,8 @@ def sequential_gated_delta_rule(
         kv_mem = torch.bmm(k_t, flat)  # [B*H, 1, Dv]: what the state recalls for k
         delta = (v[:, t].reshape(-1, 1, head_v_dim) - kv_mem) * beta[:, t].reshape(-1, 1, 1)
         flat.baddbmm_(k_t.transpose(1, 2), delta)
-        outs.append(torch.bmm(q[:, t].reshape(batch * num_v_heads, 1, head_k_dim), flat).view(batch, num_v_heads, head_v_dim))
+        q_t = q[:, t].reshape(batch * num_v_heads, 1, head_k_dim)
+        outs.append(torch.bmm(q_t, flat).view(batch, num_v_heads, head_v_dim))
     return torch.stack(outs, dim=1).to(out_dtype), state
 
 
