@@ -10,8 +10,8 @@ accepted token. A request that accepted every draft keeps the advanced state. Th
 rejection is one extra chunk of 2 + accepted tokens in the next step's batch, a short row that the
 torch backend runs through the recurrence (engine/linear_attention.py). Per-position states for the
 draft window (no recompute) are not kept: they cost K + 1 states per DeltaNet layer per verifying
-request (~2 MiB each at Qwen3.5 sizes), the fla kernels used on GPU do not emit them, and the MTP
-drafter and the scheduler's computed-token count would change with them."""
+request (~2 MiB each at Qwen3.5 sizes), and the fla kernels used on GPU do not emit them, so the
+runner would need a second rollback path beside this one."""
 
 from __future__ import annotations
 
