@@ -8,7 +8,10 @@ with the tests' tiny-checkpoint factory, tests/factories.py + tests/mtp_factory.
 - "predictable": the target and the MTP head rigged so drafts are often right (make_predictable):
   a high acceptance with the same shapes.
 Greedy, concurrency as given, the offline engine (no HTTP); each checkpoint's runs are back to back
-in one process and the script checks that every K gives the same text as no speculation."""
+in one process and the script checks that every K gives the same text as no speculation.
+`--short-max 16,0` runs every K twice more in the same rounds, with the Gated DeltaNet short-row
+path (engine/linear_attention.py SHORT_ROW_MAX) on and off (0: every multi-token row chunked), for
+before/after ratios on a shared machine; `--method ngram` drafts with n-grams instead of MTP."""
 
 from __future__ import annotations
 
@@ -51,16 +54,19 @@ def record_timings(engine: Any) -> list[Any]:
 class Run:
     """One engine (K drafts, or none) and the fastest of its timed runs."""
 
-    def __init__(self, path: Path, k: int, prompts: list[list[int]], max_tokens: int) -> None:
+    def __init__(self, path: Path, k: int, prompts: list[list[int]], max_tokens: int, method: str = "mtp",
+                 short_max: int | None = None) -> None:
         from engine.config import EngineConfig
         from engine.offline import OfflineEngine
         from scheduler.request import SamplingParams
 
-        self.k, self.prompts = k, prompts
+        self.k, self.prompts, self.short_max = k, prompts, short_max
         config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=False,
-                              speculative_method="mtp" if k else None, num_speculative_tokens=max(k, 1),
+                              speculative_method=method if k else None, num_speculative_tokens=max(k, 1),
                               speculative_max_batch=64)
         self.engine = OfflineEngine.from_config(config)
+        if short_max is not None:  # the torch linear-attention backend's route for 2..short_max-token rows
+            self.engine.core.runner.backend.linear.short_max = short_max
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
         self.steps = record_steps(self.engine)
@@ -86,6 +92,7 @@ class Run:
         draft_s = sum(t.draft for t in timings)
         return {
             "k": k,
+            "short_max": self.short_max,
             "tok_per_s": round(tokens / wall, 2),
             "steps": len(steps),
             "step_ms": round(1000 * wall / len(steps), 2),
@@ -106,6 +113,10 @@ def main() -> None:
     p.add_argument("--hidden-size", type=int, default=256, help="tiny model width")
     p.add_argument("--layers", type=int, default=8, help="tiny model depth (3 of 4 layers Gated DeltaNet)")
     p.add_argument("--repeats", type=int, default=3, help="rounds over every K; the fastest run of each is reported")
+    p.add_argument("--method", default="mtp", choices=["mtp", "ngram"], help="draft method for K > 0")
+    p.add_argument("--short-max", default=None,
+                   help="comma-separated SHORT_ROW_MAX values to compare in the same rounds (0: chunked form only); "
+                        "default: the engine's own")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     import torch
@@ -115,17 +126,22 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind, path in build_checkpoints(Path(tmp), args.hidden_size, args.layers).items():
-            runs = [Run(path, int(k), prompts, args.max_tokens) for k in args.ks.split(",")]
+            shorts = [int(x) for x in args.short_max.split(",")] if args.short_max else [None]
+            runs = [Run(path, int(k), prompts, args.max_tokens, args.method, short)
+                    for short in shorts for k in args.ks.split(",")]
             for _ in range(args.repeats):  # rounds over every K: load from other jobs hits them alike
                 for r in runs:
                     r.once()
-            base = runs[0].row()
+            first = runs[0].row()
             for r in runs:
-                row = {"checkpoint": kind, "concurrency": args.concurrency, **r.row()}
-                assert row["texts"] == base["texts"], f"{kind}: greedy output changed with K={row['k']}"
+                row = {"checkpoint": kind, "method": args.method, "concurrency": args.concurrency, **r.row()}
+                assert row["texts"] == first["texts"], f"{kind}: greedy output changed with K={row['k']}"
+                base = next(b for b in runs if b.short_max == r.short_max).row()  # first K of the same route
                 row["speed_up"] = round(row["tok_per_s"] / base["tok_per_s"], 2)
+                row["vs_first"] = round(row["tok_per_s"] / first["tok_per_s"], 2)
                 rows.append(row)
-                print(f"{kind:11} K={row['k']} tok/s={row['tok_per_s']:7.2f} step={row['step_ms']:7.2f} ms "
+                print(f"{kind:11} short_max={r.short_max} K={row['k']} tok/s={row['tok_per_s']:7.2f} "
+                      f"step={row['step_ms']:7.2f} ms "
                       f"tokens/step={row['tokens_per_step']:.2f} acceptance={row['acceptance']} "
                       f"draft={row['draft_ms_per_step']} ms/step ({row['draft_ms_per_draft_token']} ms/draft token) "
                       f"speed-up={row['speed_up']:.2f}x", flush=True)

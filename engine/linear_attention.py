@@ -1,14 +1,20 @@
 """The linear-attention (Gated DeltaNet) backend: planned once per step from a `ForwardBatch`, then
 called by every DeltaNet layer for its conv and its delta rule over the state slots.
 
-Each step's requests split into two groups, with no Python loop over sequences inside a layer:
-decodes (one token each) run the recurrent form on [Bd] rows; prefill chunks are padded once per
-step to one [Bp, Lmax] layout and run the chunked form. Each request reads and writes its own slot;
-a request starting at position 0 has its slot zeroed at plan time.
+Each step's requests split into three groups, with no Python loop over sequences inside a layer:
+decodes (one token each) run the recurrent form on [Bd] rows; short rows (2..SHORT_ROW_MAX tokens:
+speculative verify steps, the recompute chunk after a rejected draft, short prompts) are padded to
+one [Bs, Ls] layout and run the recurrence token by token; longer prefill chunks are padded to one
+[Bp, Lp] layout and run the chunked form. Each request reads and writes its own slot; a request
+starting at position 0 has its slot zeroed at plan time.
 
-    tokens  [a0 a1 a2 | b0 | c0 c1 | d0]      (a, c: prefill chunks; b, d: decodes)
-    prefill rows [[a0 a1 a2], [c0 c1 pad]]    mask [[1 1 1], [1 1 0]]
-    decode rows  [b0, d0]
+    tokens  [a0 .. a39 | b0 | c0 c1 | d0 d1 d2 | e0]   (a: long chunk; c, d: short rows; b, e: decodes)
+    prefill rows [[a0 .. a39]]                         short rows [[c0 c1 pad], [d0 d1 d2]]
+    decode rows  [b0, e0]                              short mask [[1 1 0], [1 1 1]]
+
+SHORT_ROW_MAX = 16 by measurement (docs/PERF.md, "Short rows"): the chunked form pays for a whole
+padded chunk of 64 whatever the row's length, the recurrence pays per token; on tiny test models
+they break even near 16 tokens, at Qwen3.5's DeltaNet sizes the recurrence is still far cheaper.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ from typing import Protocol
 import torch
 
 from engine.batch import ForwardBatch
-from engine.models.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from engine.models.gated_delta import (causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule,
+                                       sequential_gated_delta_rule)
 from engine.state_pool import StatePool
+
+SHORT_ROW_MAX = 16  # rows of up to this many tokens run the recurrence (see the module docstring)
 
 
 class LinearAttentionBackend(Protocol):
@@ -62,11 +71,13 @@ class Segments:
 @dataclass(frozen=True)
 class LinearAttentionPlan:
     decode: Segments | None  # requests with one new token: L = 1
-    prefill: Segments | None  # requests with several new tokens
+    prefill: Segments | None  # requests with more than short_max new tokens: the chunked form
     num_tokens: int
+    short: Segments | None = None  # requests with 2..short_max new tokens: the recurrence
 
     @staticmethod
-    def build(batch: ForwardBatch, device: torch.device) -> tuple[LinearAttentionPlan, list[int]]:
+    def build(batch: ForwardBatch, device: torch.device,
+              short_max: int = SHORT_ROW_MAX) -> tuple[LinearAttentionPlan, list[int]]:
         """The plan and the slots of sequences starting at position 0 (to be zeroed)."""
         assert len(batch.state_slots) == batch.num_requests, "a hybrid batch needs a state slot per request"
         starts: list[int] = []
@@ -74,47 +85,50 @@ class LinearAttentionPlan:
         for n in batch.query_lens:
             starts.append(offset)
             offset += n
-        groups: dict[bool, tuple[list[int], list[int], list[int]]] = {True: ([], [], []), False: ([], [], [])}
+        kinds = ("decode", "short", "prefill")
+        groups: dict[str, tuple[list[int], list[int], list[int]]] = {kind: ([], [], []) for kind in kinds}
         fresh: list[int] = []
         for start, n, seq_len, slot in zip(starts, batch.query_lens, batch.seq_lens, batch.state_slots):
             assert slot >= 0, "a hybrid request without a state slot"
-            g = groups[n == 1]
+            g = groups["decode" if n == 1 else "short" if n <= short_max else "prefill"]
             g[0].append(start)
             g[1].append(n)
             g[2].append(slot)
             if seq_len == n:
                 fresh.append(slot)
 
-        def segments(is_decode: bool) -> Segments | None:
-            s, n, slots = groups[is_decode]
+        def segments(kind: str) -> Segments | None:
+            s, n, slots = groups[kind]
             return Segments.build(s, n, slots, device) if s else None
 
-        return LinearAttentionPlan(segments(True), segments(False), offset), fresh
+        return LinearAttentionPlan(segments("decode"), segments("prefill"), offset, segments("short")), fresh
 
 
 class TorchLinearAttentionBackend:
-    """The torch reference (any device): padded chunked form for prefill, recurrent for decode."""
+    """The torch reference (any device): padded chunked form for long prefill chunks, the recurrence
+    for decodes and short rows."""
 
     name = "torch"
 
-    def __init__(self, pool: StatePool, device: torch.device) -> None:
+    def __init__(self, pool: StatePool, device: torch.device, short_max: int = SHORT_ROW_MAX) -> None:
         self.pool = pool
         self.device = device
+        self.short_max = short_max  # rows of 2..short_max tokens run the recurrence; 0: every row chunked
         self._plan: LinearAttentionPlan | None = None
 
     def plan(self, batch: ForwardBatch) -> None:
-        self._plan, fresh = LinearAttentionPlan.build(batch, self.device)
+        self._plan, fresh = LinearAttentionPlan.build(batch, self.device, self.short_max)
         if fresh:
             self.pool.reset(torch.tensor(fresh, dtype=torch.int64, device=self.device))
 
     def _groups(self) -> list[Segments]:
         assert self._plan is not None, "plan() must run before the forward"
-        return [s for s in (self._plan.decode, self._plan.prefill) if s is not None]
+        return [s for s in (self._plan.decode, self._plan.short, self._plan.prefill) if s is not None]
 
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         states = self.pool.conv[layer]  # [S, C, K-1] float32
         out = torch.empty_like(x)
-        for seg in self._groups():  # two groups at most, never one per sequence
+        for seg in self._groups():  # three groups at most, never one per sequence
             y, new_state = causal_conv1d(x[seg.rows].transpose(1, 2), states[seg.slots], weight, seg.lengths)
             states.index_copy_(0, seg.slots, new_state.float())
             out[seg.flat_rows] = y.transpose(1, 2)[seg.mask]
@@ -131,11 +145,12 @@ class TorchLinearAttentionBackend:
             o, new_state = recurrent_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], states[slots])
             states.index_copy_(0, slots, new_state)
             out[rows] = o
-        if plan.prefill is not None:
-            seg = plan.prefill
+        for seg, rule in ((plan.short, sequential_gated_delta_rule), (plan.prefill, chunk_gated_delta_rule)):
+            if seg is None:
+                continue
             keep = seg.mask[..., None]  # pads: g = 0 and beta = 0 leave the state as it was
-            o, new_state = chunk_gated_delta_rule(q[seg.rows], k[seg.rows], v[seg.rows], g[seg.rows] * keep,
-                                                  beta[seg.rows] * keep, states[seg.slots])
+            o, new_state = rule(q[seg.rows], k[seg.rows], v[seg.rows], g[seg.rows] * keep, beta[seg.rows] * keep,
+                                states[seg.slots])
             states.index_copy_(0, seg.slots, new_state)
             out[seg.flat_rows] = o[seg.mask]
         return out

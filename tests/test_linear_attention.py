@@ -26,7 +26,7 @@ def batch(requests: list[tuple[int, int, int]]):  # type: ignore[no-untyped-def]
 def test_plan_groups_decodes_and_pads_prefill_chunks() -> None:
     b = batch([(0, 3, 2), (5, 1, 0), (4, 2, 1), (0, 1, 3)])
     assert b.state_slots == (2, 0, 1, 3)
-    plan, fresh = LinearAttentionPlan.build(b, CPU)
+    plan, fresh = LinearAttentionPlan.build(b, CPU, short_max=0)  # every multi-token row chunked
     assert fresh == [2, 3]  # the sequences starting at position 0
     assert plan.decode is not None and plan.prefill is not None
     assert plan.decode.flat_rows.tolist() == [3, 6] and plan.decode.slots.tolist() == [0, 3]

@@ -1,6 +1,7 @@
 """Torch reference kernels of the Gated DeltaNet layers, batched over sequences: the gated delta
-rule in a chunked form (prefill; sequences padded to one [B, L] layout) and a recurrent form (one
-token per sequence: decode), and the causal depthwise conv1d that carries a conv state.
+rule in a chunked form (long prefill chunks; sequences padded to one [B, L] layout) and a recurrent
+form run token by token (decodes, and short rows: verify steps, recompute chunks), and the causal
+depthwise conv1d that carries a conv state.
 
 The math follows transformers' torch_chunk_gated_delta_rule / torch_recurrent_gated_delta_rule
 (qwen3_5): S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T, o_t = S_t^T q_t,
@@ -100,6 +101,40 @@ def chunk_gated_delta_rule(
     return out.transpose(1, 2).to(out_dtype), state
 
 
+def sequential_gated_delta_rule(
+    q: torch.Tensor,  # [B, L, Hk, Dk]
+    k: torch.Tensor,  # [B, L, Hk, Dk]
+    v: torch.Tensor,  # [B, L, Hv, Dv]
+    g: torch.Tensor,  # [B, L, Hv] log decay (<= 0)
+    beta: torch.Tensor,  # [B, L, Hv]
+    initial_state: torch.Tensor,  # [B, Hv, Dk, Dv] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token over a few positions: outputs [B, L, Hv, Dv] (v's dtype) and
+    final states [B, Hv, Dk, Dv] float32. Same maths and padding rule as the chunked form (a pad
+    with g = 0 and beta = 0 leaves the state as it was), with a Python loop over the L positions:
+    cheaper than the chunked form for short rows (verify steps, recompute chunks), whose cost is
+    that of a whole padded chunk of 64 whatever L is."""
+    out_dtype, num_v_heads = v.dtype, v.shape[2]
+    q, k = _expand_heads(q, num_v_heads, 2).float(), _expand_heads(k, num_v_heads, 2).float()
+    q, k = l2norm(q), l2norm(k)
+    q = q / q.shape[-1] ** 0.5
+    decay, beta, v = g.float().exp(), beta.float(), v.float()
+    batch, _, _, head_k_dim = q.shape
+    head_v_dim = v.shape[-1]
+    state = initial_state.float().clone(memory_format=torch.contiguous_format)
+    flat = state.view(batch * num_v_heads, head_k_dim, head_v_dim)  # in-place updates of `state`
+    outs = []
+    for t in range(v.shape[1]):
+        k_t = k[:, t].reshape(batch * num_v_heads, 1, head_k_dim)
+        flat.mul_(decay[:, t].reshape(-1, 1, 1))
+        kv_mem = torch.bmm(k_t, flat)  # [B*H, 1, Dv]: what the state recalls for k
+        delta = (v[:, t].reshape(-1, 1, head_v_dim) - kv_mem) * beta[:, t].reshape(-1, 1, 1)
+        flat.baddbmm_(k_t.transpose(1, 2), delta)
+        q_t = q[:, t].reshape(batch * num_v_heads, 1, head_k_dim)
+        outs.append(torch.bmm(q_t, flat).view(batch, num_v_heads, head_v_dim))
+    return torch.stack(outs, dim=1).to(out_dtype), state
+
+
 def recurrent_gated_delta_rule(
     q: torch.Tensor,  # [B, Hk, Dk]: one token per sequence
     k: torch.Tensor,  # [B, Hk, Dk]
@@ -109,16 +144,8 @@ def recurrent_gated_delta_rule(
     state: torch.Tensor,  # [B, Hv, Dk, Dv] float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step: outputs [B, Hv, Dv] (v's dtype) and the new states [B, Hv, Dk, Dv] float32."""
-    num_v_heads = v.shape[1]
-    q, k = _expand_heads(q, num_v_heads, 1).float(), _expand_heads(k, num_v_heads, 1).float()
-    q, k = l2norm(q), l2norm(k)
-    q = q / q.shape[-1] ** 0.5
-    state = state.float() * g.float().exp()[..., None, None]
-    kv_mem = (k[..., None, :] @ state)[..., 0, :]  # [B, H, Dv]: what the state recalls for k
-    delta = (v.float() - kv_mem) * beta.float()[..., None]
-    state = state + k[..., None] * delta[..., None, :]
-    out = (q[..., None, :] @ state)[..., 0, :]
-    return out.to(v.dtype), state
+    out, state = sequential_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state)
+    return out[:, 0], state
 
 
 def causal_conv1d(
