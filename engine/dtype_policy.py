@@ -14,6 +14,11 @@ from engine.quantization import INT8
 
 logger = logging.getLogger("fp4serve.runner")
 
+# --quantization auto's int8 keeps a dense bf16 copy of the dequantized weights for inputs of this
+# many rows or more, where the float GEMM beats torch's int8 matrix-vector kernel (measured
+# crossover 14-16 rows on SmolLM2's shapes: Int8Linear.keep_dense_copy, docs/PERF.md).
+AUTO_INT8_DENSE_FROM_ROWS = 16
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -76,3 +81,10 @@ def resolve_quantization(requested: str | None, model: str | None, device: torch
                     "--quantization none keeps it float", DEFAULT_MODEL_NAME)
         return INT8
     return None
+
+
+def int8_dense_from_rows(requested: str | None, scheme: str | None) -> int:
+    """The row count from which int8 linears use their dense copy: only when `--quantization auto`
+    chose int8 (it trades memory for speed on a small built-in model); 0 (no copy) otherwise, so an
+    explicit --quantization int8 keeps int8's memory saving."""
+    return AUTO_INT8_DENSE_FROM_ROWS if requested == "auto" and scheme == INT8 else 0

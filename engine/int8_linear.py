@@ -56,6 +56,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", codes.contiguous())  # [N, K (+ pad)] int8
         self.register_buffer("scales", scales)  # [N], the activation dtype
         self.register_buffer("bias", bias)  # [N] activation dtype, or None
+        # Optional: the dequantized weight [N, K] in the activation dtype, for inputs of at least
+        # `dense_from_rows` rows (`keep_dense_copy`); None: every input runs the int8 kernel.
+        self.register_buffer("dense", None)
+        self.dense_from_rows = 0
 
     @staticmethod
     def from_float(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Int8Linear:
@@ -69,11 +73,30 @@ class Int8Linear(nn.Module):
 
     @property
     def weight_nbytes(self) -> int:
+        """The int8 codes and scales (not a dense copy: `dense_nbytes`)."""
         return self.codes.nbytes + self.scales.nbytes
+
+    @property
+    def dense_nbytes(self) -> int:
+        return 0 if self.dense is None else self.dense.nbytes
+
+    def keep_dense_copy(self, from_rows: int) -> None:
+        """Inputs of `from_rows` rows or more multiply a dense copy of the dequantized weight (the
+        same values, codes times scales, in the activation dtype) with the float GEMM instead.
+
+        NOTE: `_weight_int8pack_mm` is a matrix-vector kernel: its time grows linearly with the rows
+        (30 SmolLM2 layers, bf16, quiet 2-core AVX512 EPYC: 4.0 ms at 4 rows against 10.2 ms for the
+        bf16 GEMM, even at 16 rows, 23.8 against 16.2 ms at 32). The copy costs the weight's bytes
+        in the activation dtype once more, so only `--quantization auto` asks for it (docs/PERF.md)."""
+        assert from_rows > 0, "a row threshold of at least 1"
+        self.dense = dequantize_int8(self.weight_codes, self.scales, self.scales.dtype).contiguous()
+        self.dense_from_rows = from_rows
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, K]
+        if self.dense is not None and x2.shape[0] >= self.dense_from_rows:
+            return F.linear(x2, self.dense, self.bias).view(*lead, self.out_features)
         if self.pad:
             x2 = F.pad(x2, (0, self.pad))  # [T, K + pad], a new contiguous tensor
         elif x2.stride(-1) != 1:
@@ -84,7 +107,8 @@ class Int8Linear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+        dense = f", dense copy from {self.dense_from_rows} rows" if self.dense is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel{dense}"
 
 
 def check_int8_device(device: torch.device) -> None:

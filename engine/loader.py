@@ -308,6 +308,10 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
         bias = model.lm_head.bias
         model.lm_head = Int8Linear(*head_int8, None if bias is None else bias.detach().clone())
     if int8:
+        if quantization is not None and quantization.int8_dense_from_rows:
+            for m in model.modules():
+                if isinstance(m, Int8Linear):
+                    m.keep_dense_copy(quantization.int8_dense_from_rows)
         _log_int8(model, dtype)
     if num_skipped:
         logger.info("skipped %d W4A4 activation scales (%s): weight-only NVFP4, activations stay in %s",
@@ -353,3 +357,8 @@ def _log_int8(model: nn.Module, dtype: torch.dtype) -> None:
     head = "lm_head int8 too" if isinstance(getattr(model, "lm_head", None), Int8Linear) else "lm_head stays float"
     logger.info("int8: %d linears quantized at load (%.2f MiB of int8 codes and scales; %s); activations in %s; "
                 "embeddings and norms stay in %s", len(linears), nbytes / (1 << 20), head, name, name)
+    dense = sum(m.dense_nbytes for m in linears)
+    if dense:
+        logger.info("int8: inputs of %d rows or more (prefill, large batches) multiply a dense %s copy of the "
+                    "dequantized weights (%.2f MiB more), faster there than the int8 kernel",
+                    linears[0].dense_from_rows, name, dense / (1 << 20))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -15,7 +15,7 @@ from engine.attention.select import choose_backend, flashinfer_import_error, mak
 from engine.batch import ForwardBatch, build_forward_batch
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason
-from engine.dtype_policy import resolve_dtype, resolve_quantization
+from engine.dtype_policy import int8_dense_from_rows, resolve_dtype, resolve_quantization
 from engine.hybrid_backend import HybridBackend
 from engine.hybrid_runner import make_hybrid_backend, make_state_pool
 from engine.loader import load_model, weight_bytes
@@ -91,6 +91,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.quantization: QuantizationMethod | None = detect_quantization(
             model_path, model_config.quantization, quantization)
+        if self.quantization is not None and (rows := int8_dense_from_rows(config.quantization, quantization)):
+            self.quantization = replace(self.quantization, int8_dense_from_rows=rows)
         if self.quantization is not None:
             logger.info("quantization: %s", self.quantization.describe())
         self.use_mtp = config.speculative_method == "mtp"

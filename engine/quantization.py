@@ -70,6 +70,9 @@ class QuantizationMethod:
     ignored: tuple[str, ...] = ()
     scheme: str = NVFP4  # nvfp4 | int8 (int8: quantized at load only)
     int8_lm_head: bool = True  # int8: the lm_head too (a copy when tied; docs/PERF.md has the trade)
+    # int8: inputs of this many rows or more use a dense copy of the dequantized weights and the
+    # float GEMM (Int8Linear.keep_dense_copy); 0: never (no copy).
+    int8_dense_from_rows: int = 0
 
     def __post_init__(self) -> None:
         assert self.checkpoint_format in (None, *CHECKPOINT_FORMATS), f"unknown format {self.checkpoint_format}"

@@ -225,3 +225,39 @@ def test_hybrid_models_quantize_their_projections_and_keep_experts_float(tmp_pat
     _, ref_logits = greedy_with_logits(engine(path, dtype="float32"), 1)
     spread = ref_logits[0].max() - ref_logits[0].min()
     assert 0 < (logits[0] - ref_logits[0]).abs().max() < 0.03 * spread  # quantized, and close
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_copy_serves_large_inputs_with_the_same_weights(dtype: torch.dtype) -> None:
+    """keep_dense_copy: inputs from the threshold on run the float GEMM over codes * scales (the
+    int8 kernel's weights), smaller ones keep the int8 kernel bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(40, 100, generator=g) * 0.05, torch.randn(40, generator=g)  # K=100: padded under bf16
+    plain = Int8Linear.from_float(w, b, dtype)
+    dense = Int8Linear.from_float(w, b, dtype)
+    dense.keep_dense_copy(16)
+    assert dense.dense is not None and dense.dense.shape == (40, 100) and dense.dense_nbytes > 0
+    assert plain.dense_nbytes == 0 and "dense copy from 16 rows" in repr(dense)
+    small = torch.randn(15, 100, generator=g).to(dtype)
+    assert torch.equal(dense(small), plain(small))  # under the threshold: the int8 kernel
+    large = torch.randn(2, 8, 100, generator=g).to(dtype)  # 16 rows: the dense path
+    y = dense(large)
+    assert y.shape == (2, 8, 40) and y.dtype == dtype
+    assert torch.equal(y, F.linear(large, dense.dense, dense.bias))
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(y.float(), reference(large, plain), rtol=tol, atol=tol)
+    torch.testing.assert_close(y.float(), plain(large).float(), rtol=tol, atol=tol)
+
+
+def test_quantization_auto_keeps_dense_copies_and_an_explicit_int8_does_not(on_grid: Path) -> None:
+    from engine.dtype_policy import AUTO_INT8_DENSE_FROM_ROWS, int8_dense_from_rows
+    assert int8_dense_from_rows("auto", INT8) == AUTO_INT8_DENSE_FROM_ROWS
+    assert int8_dense_from_rows(INT8, INT8) == 0 and int8_dense_from_rows("auto", None) == 0
+    cfg = ModelConfig.from_checkpoint(on_grid)
+    method = detect_quantization(on_grid, cfg.quantization, INT8)
+    from dataclasses import replace
+    model = load_model(on_grid, cfg, torch.bfloat16, torch.device("cpu"), 64, replace(method, int8_dense_from_rows=4))
+    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert linears and all(m.dense is not None and m.dense_from_rows == 4 for m in linears)
+    model = load_model(on_grid, cfg, torch.bfloat16, torch.device("cpu"), 64, method)
+    assert all(m.dense is None for m in model.modules() if isinstance(m, Int8Linear))
