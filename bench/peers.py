@@ -323,7 +323,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eos-ids", type=_ints, default=list(SMOLLM2_EOS_IDS),
                    help="token ids banned by logit_bias on servers without ignore_eos")
     p.add_argument("--quiet-per-core", type=float, default=0.5,
-                   help="warn when the load before a server passes this per core")
+                   help="warn when the share of busy CPU before a server passes this (1 second sample)")
     p.add_argument("--machine", default="2-core AMD EPYC, no GPU", help="machine description")
     p.add_argument("--out", default="bench-peers", help="folder for the JSON, table, chart, logs")
     for key, (flag, env, default) in PATHS.items():
