@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--model", help="checkpoint folder (default: the embedded demo model)")
     o.add_argument("--dtype", default="auto", help="as fp4serve serve --dtype")
     o.add_argument("--device", default="auto", help="as fp4serve serve --device")
-    o.add_argument("--quantization", default=None, choices=("nvfp4", "int8"), help="as fp4serve serve --quantization")
+    o.add_argument("--quantization", default="auto", choices=("auto", "none", "nvfp4", "int8"),
+                   help="as fp4serve serve --quantization (default auto, as the server)")
     o.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one running batch")
     o.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step (default: the engine's)")
     o.add_argument("--max-model-len", type=int, help="context length (default: the checkpoint's)")
