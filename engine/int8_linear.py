@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import ConfigError
-from engine.quantization import check_shape
+from engine.quantization import check_shape, copy_bias_shard
 
 _QMAX = 127  # symmetric: -127..127, so negating a weight never overflows
 # The activation dtypes `_weight_int8pack_mm` takes on CPU (its scales must be the same dtype).
@@ -136,11 +136,7 @@ class Int8LinearBuilder:
     def add(self, shard: int, suffix: str, tensor: Tensor) -> None:
         hf_module, rows = self.hf_modules[shard], self.shard_sizes[shard]
         if suffix == "bias":
-            if self.bias is None:
-                raise ConfigError(f"tensor '{hf_module}.bias' exists, but config.json declares no bias")
-            check_shape(f"{hf_module}.bias", tensor.shape, (rows,))
-            start = sum(self.shard_sizes[:shard])
-            self.bias[start:start + rows].copy_(tensor.to(self.bias.dtype))
+            copy_bias_shard(self.bias, hf_module, self.shard_sizes, shard, tensor)
             return
         if suffix != "weight":
             raise ConfigError(f"tensor '{hf_module}.{suffix}' is a quantization tensor; --quantization int8 "

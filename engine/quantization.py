@@ -232,6 +232,17 @@ def quantize_weight(weight: Tensor, hf_name: str) -> NVFP4Weight:
         raise ConfigError(f"{hf_name}: {e}") from None
 
 
+def copy_bias_shard(bias: Tensor | None, hf_module: str, shard_sizes: list[int], shard: int, tensor: Tensor) -> None:
+    """A fused linear's bias rows for shard `shard` (checkpoint linear `hf_module`), checked and
+    copied into `bias` ([sum(shard_sizes)], None when config.json declares no bias)."""
+    rows = shard_sizes[shard]
+    if bias is None:
+        raise ConfigError(f"tensor '{hf_module}.bias' exists, but config.json declares no bias")
+    check_shape(f"{hf_module}.bias", tensor.shape, (rows,))
+    start = sum(shard_sizes[:shard])
+    bias[start:start + rows].copy_(tensor.to(bias.dtype))
+
+
 class NVFP4LinearBuilder:
     """Assembles one NVFP4 linear (its shards fused: q/k/v, gate/up) from checkpoint tensors that
     stream in any order, across files; `build` once all have arrived."""
@@ -253,11 +264,7 @@ class NVFP4LinearBuilder:
         hf_module, rows = self.hf_modules[shard], self.shard_sizes[shard]
         fmt = self.method.checkpoint_format
         if suffix == "bias":
-            if self.bias is None:
-                raise ConfigError(f"tensor '{hf_module}.bias' exists, but config.json declares no bias")
-            check_shape(f"{hf_module}.bias", tensor.shape, (rows,))
-            start = sum(self.shard_sizes[:shard])
-            self.bias[start:start + rows].copy_(tensor.to(self.bias.dtype))
+            copy_bias_shard(self.bias, hf_module, self.shard_sizes, shard, tensor)
         elif fmt is None:
             if suffix != "weight":
                 raise ConfigError(f"tensor '{hf_module}.{suffix}' is a quantization tensor, but the checkpoint "

@@ -8,26 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from engine.linear_attention import SHORT_ROW_MAX, LinearAttentionPlan, TorchLinearAttentionBackend
 from engine.models.gated_delta import chunk_gated_delta_rule, sequential_gated_delta_rule
 from engine.state_pool import StatePool
+from tests.test_gated_delta import inputs
 from tests.test_linear_attention import CPU, HYBRID, batch, run
 
 LENGTHS = [1, 2, SHORT_ROW_MAX - 1, SHORT_ROW_MAX, SHORT_ROW_MAX + 1, 40]
-
-
-def inputs(batch: int, length: int, hk: int, hv: int, seed: int, dk: int = 8, dv: int = 4) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, length, hk, dk, generator=g)
-    k = torch.randn(batch, length, hk, dk, generator=g)
-    v = torch.randn(batch, length, hv, dv, generator=g)
-    decay = -F.softplus(torch.randn(batch, length, hv, generator=g))  # log decay <= 0
-    beta = torch.rand(batch, length, hv, generator=g)
-    state = torch.randn(batch, hv, dk, dv, generator=g)
-    return q, k, v, decay, beta, state
 
 
 @pytest.mark.parametrize("length", LENGTHS)

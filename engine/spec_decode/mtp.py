@@ -38,6 +38,9 @@ from engine.models.qwen3_5_mtp import Qwen3_5MTP
 from scheduler.output import ScheduledRequest, SchedulerOutput
 
 
+_MATCH_TAIL = 16  # tokens compared to tell requests of one length apart (`propose`)
+
+
 @dataclass
 class _Live:
     tokens: list[int]  # prompt + every emitted token, as the scheduler has them
@@ -82,8 +85,12 @@ class MtpDrafter:
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """The drafts made after the last step for the request whose tokens are `token_ids`; []
         when none were (the request did not sample, or the batch was too large to draft)."""
+        # NOTE: the length picks the candidates and a short tail tells them apart, not the whole
+        # context (per request and step). A mix-up of two requests with the same length and tail
+        # could only cost acceptance: verification keeps the output exact whatever the drafts.
+        tail = list(token_ids[-_MATCH_TAIL:])
         for request_id, drafts in self._ready.get(len(token_ids), ()):
-            if self.live[request_id].tokens == list(token_ids):
+            if self.live[request_id].tokens[-_MATCH_TAIL:] == tail:
                 return drafts[:k]
         return []
 
