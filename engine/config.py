@@ -312,12 +312,14 @@ class KVEventsConfig:
             raise ConfigError(f"--kv-events-config: invalid JSON ({e})") from None
         if not isinstance(raw, dict):
             raise ConfigError("--kv-events-config: expected a JSON object")
-        fields = {f.name: f for f in dataclasses.fields(KVEventsConfig)}
+        fields = [f.name for f in dataclasses.fields(KVEventsConfig)]
+        kinds = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int, "max_queue_size": int}
         for key, value in raw.items():
             if key not in fields:
                 raise ConfigError(f"--kv-events-config: unknown field '{key}'; known: {', '.join(fields)}")
-            kind = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int, "max_queue_size": int}.get(key, str)
-            optional = key in ("publisher", "replay_endpoint")
-            if not (value is None and optional) and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            kind = kinds.get(key, str)
+            if value is None and key in ("publisher", "replay_endpoint"):
+                continue
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise ConfigError(f"--kv-events-config: field '{key}' must be {kind.__name__}, got {value!r}")
         return KVEventsConfig(**raw)

@@ -14,6 +14,7 @@ Nothing here runs unless events are on; the engine core imports it only then.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -87,12 +88,9 @@ class KVEventRecorder:
         # within an event each hash chains on the one before it. A gap is a page the block manager
         # skipped (its content is cached in another page already).
         bs = self.block_size
-        start = 0
-        for k in range(1, len(block_indices) + 1):
-            if k < len(block_indices) and block_indices[k] == block_indices[k - 1] + 1:
-                continue
-            run = block_indices[start:k]
-            start = k
+        # Consecutive indices share index - position.
+        for _, group in itertools.groupby(enumerate(block_indices), key=lambda p: p[1] - p[0]):
+            run = [i for _, i in group]
             parent = self.hashes.parent_of(request, run[0])
             tokens = request.token_slice(run[0] * bs, (run[-1] + 1) * bs)
             stored = self.hashes.store(request, run)
@@ -153,7 +151,8 @@ class ZmqEventPublisher:
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
-            raise ConfigError(f"--kv-events-config: cannot open {config.endpoint} / {config.replay_endpoint} ({e})") from None
+            where = config.endpoint + (f" / {config.replay_endpoint}" if config.replay_endpoint else "")
+            raise ConfigError(f"--kv-events-config: cannot open {where} ({e})") from None
         self._thread = threading.Thread(target=self._run, name="fp4serve-kv-events", daemon=True)
         self._thread.start()
 
