@@ -21,7 +21,7 @@ from api.errors import OVERLOADED_RETRY_AFTER_S
 from api.limits import HARD_MAX_LOGPROBS, RequestLimits
 from api.team_args import add_team_arguments, team_engine_settings, team_server_settings
 from engine.async_engine import MAX_CONSECUTIVE_FAILURES, QueueLimits
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, KVEventsConfig
 
 API_KEY_ENV = "FP4SERVE_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -112,6 +112,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--in-process-engine", action="store_true",
                         help="run the engine core (scheduler and model) on a thread of the HTTP process instead of "
                         "a process of its own: for debugging; the forward then shares the GIL with HTTP")
+    engine.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="publish KV-cache events (BlockStored, BlockRemoved, AllBlocksCleared) in vLLM's wire "
+                        "format for cache-aware routers (llm-d, vllm-router): vLLM's KVEventsConfig as JSON, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'; block hashes are vLLM's "
+                        "sha256_cbor chain seeded by $PYTHONHASHSEED (docs/deploy.md); default: off")
 
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", default=None, choices=("ngram", "mtp"),
@@ -241,6 +247,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         speculative_max_batch=args.speculative_max_batch,
+        kv_events_config=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
     )
     _check_parser_names(args.tool_parser, args.reasoning_parser)
     origins = tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip())

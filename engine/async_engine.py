@@ -88,7 +88,7 @@ class AsyncEngine:
         self.client = client
         self.info = info = client.info
         self.tokenizer = Tokenizer(info.model_path, info.eos_token_ids)
-        self.metrics = EngineMetrics(info.model_name)
+        self.metrics = EngineMetrics(info.model_name, info)
         self.input_processor = InputProcessor(
             info.vocab_size, info.max_model_len, self.tokenizer.eos_token_ids, self.tokenizer
         )

@@ -252,6 +252,7 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     speculative_max_batch: int | None = None  # None: engine/spec_decode/config.py's measured default
+    kv_events_config: KVEventsConfig | None = None  # None: no KV-cache events (engine/kv_events.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -272,3 +273,53 @@ class EngineConfig:
             raise ConfigError(f"--quantization: '{self.quantization}' is not one of auto, none, nvfp4, int8")
         if self.linear_attention_backend not in ("auto", "torch", "fla"):
             raise ConfigError(f"--linear-attention-backend: '{self.linear_attention_backend}' is not one of auto, torch, fla")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `--kv-events-config` (its `KVEventsConfig` fields and defaults): KV-cache events
+    published over ZMQ for routers that track what each replica caches (engine/kv_events.py)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" | "null"; None: "zmq" when enabled, as vLLM derives it
+    endpoint: str = "tcp://*:5557"  # bound when it holds "*", "::", ipc:// or inproc://, else connected to
+    replay_endpoint: str | None = None  # a ROUTER socket that resends buffered batches from a sequence number
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # ZMQ high-water mark of the PUB socket
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher not in (None, "zmq", "null"):
+            raise ConfigError(f"--kv-events-config: publisher '{self.publisher}' is not one of zmq, null")
+        for name in ("buffer_steps", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--kv-events-config: {name} must be positive, got {getattr(self, name)}")
+        if self.hwm < 0:
+            raise ConfigError(f"--kv-events-config: hwm must not be negative, got {self.hwm}")
+
+    @property
+    def enabled(self) -> bool:
+        """Events are recorded and sent: enabled, and a real publisher (vLLM's "null" sends nothing)."""
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    @staticmethod
+    def from_json(text: str) -> KVEventsConfig:
+        """The flag's JSON object; unknown fields and wrong types are a ConfigError naming the field."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--kv-events-config: invalid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--kv-events-config: expected a JSON object")
+        fields = [f.name for f in dataclasses.fields(KVEventsConfig)]
+        kinds = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int, "max_queue_size": int}
+        for key, value in raw.items():
+            if key not in fields:
+                raise ConfigError(f"--kv-events-config: unknown field '{key}'; known: {', '.join(fields)}")
+            kind = kinds.get(key, str)
+            if value is None and key in ("publisher", "replay_endpoint"):
+                continue
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ConfigError(f"--kv-events-config: field '{key}' must be {kind.__name__}, got {value!r}")
+        return KVEventsConfig(**raw)

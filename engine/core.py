@@ -10,6 +10,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.core_types import (
@@ -30,6 +31,9 @@ from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Drafter, Scheduler, SchedulerConfig
 
+if TYPE_CHECKING:
+    from engine.kv_events import KVEvents
+
 __all__ = ["VERSION", "EngineCore", "EngineInfo", "resolve_model_path"]
 
 logger = logging.getLogger("fp4serve.engine")
@@ -45,6 +49,7 @@ class EngineCore:
         # The tokenizer loads on a constrained request's first compile only (xgrammar needs it).
         self.structured = StructuredOutputs(path, mc.vocab_size)
         self.speculative = self._speculative_config(config, mc)  # before the runner: MTP changes what it loads
+        self.kv_events = self._kv_events(config)  # before the model loads: a taken port fails start-up at once
         spec = self.speculative
         self.runner = ModelRunner(path, mc, config, max_model_len, self.structured)
         capacity = self.runner.num_kv_pages * config.block_size
@@ -68,6 +73,11 @@ class EngineCore:
             ),
             drafter=self._drafter(spec),
         )
+        if self.kv_events is not None:
+            self.scheduler.block_manager.event_sink = self.kv_events.recorder
+            if not self.scheduler.config.enable_prefix_caching:
+                logger.warning("KV events: prefix caching is off, so no page ever enters the cache and no "
+                               "BlockStored event will be sent")
         if mc.hybrid is not None and config.enable_prefix_caching:
             logger.info("prefix caching off: %s is a hybrid model, and a cached prefix would need the "
                         "Gated DeltaNet state at its end (not kept yet)", mc.architecture)
@@ -125,6 +135,19 @@ class EngineCore:
                         spec.max_batch)
         return spec
 
+    @staticmethod
+    def _kv_events(config: EngineConfig) -> KVEvents | None:
+        if config.kv_events_config is None or not config.kv_events_config.enabled:
+            return None
+        from engine.kv_events import KVEvents  # zmq, msgspec and cbor2 only with events on
+
+        return KVEvents(config.kv_events_config, config.block_size)
+
+    def close(self) -> None:
+        """Send the KV events still queued and close their sockets (the model needs nothing)."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+
     @property
     def model_path(self) -> Path:
         return Path(self.info.model_path)
@@ -165,6 +188,8 @@ class EngineCore:
         ids = list(self.scheduler.requests)
         self.abort_requests(ids)
         self.scheduler.block_manager.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()  # the failed step's BlockStored events, then AllBlocksCleared
         return ids
 
     def has_unfinished(self) -> bool:
@@ -213,6 +238,8 @@ class EngineCore:
         # speculating step is a decode (drafts follow the last sampled token), so it carries none.
         outputs.extend(EngineCoreOutput(rid, (), prompt_logprobs=chunk) for rid, chunk in scored.items())
         drafted, accepted = self._acceptance(out, emitted)
+        if self.kv_events is not None:
+            self.kv_events.flush()  # what this step's schedule() stored in and evicted from the cache
         return EngineCoreOutputs(
             outputs=tuple(outputs),
             stats=self.scheduler.stats(),

@@ -147,3 +147,4 @@ def run_engine_core_proc(config: EngineConfig, conn: Connection) -> None:
                 pass
 
     EngineCoreLoop(core, emit).run(inbox)
+    core.close()

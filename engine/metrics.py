@@ -1,4 +1,5 @@
-"""Prometheus metrics of one engine, in its own registry (served by api/ at /metrics)."""
+"""Prometheus metrics of one engine, in its own registry (served by api/ at /metrics): our own
+`fp4serve_*` series, and vLLM's names beside them (engine/vllm_metrics.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from engine.core_types import EngineInfo
+from engine.vllm_metrics import VllmMetrics
 from scheduler.scheduler import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -31,9 +34,12 @@ class KeyUsage:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, info: EngineInfo | None = None) -> None:
+        """`info`: the engine's (the vLLM-named series describe its KV cache); the page's tests pass none."""
         self.registry = CollectorRegistry()
         r = self.registry
+        # The same measurements under vLLM's names, for the routers that read those (engine/vllm_metrics.py).
+        self.vllm = VllmMetrics(r, model_name, info)
         self.running = Gauge("fp4serve_num_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("fp4serve_num_requests_waiting", "Requests waiting (new or preempted).", registry=r)
         self.kv_usage = Gauge(
@@ -108,6 +114,7 @@ class EngineMetrics:
             self.spec_accepted_by_position.labels(position=str(pos)).inc(a)
 
     def observe_scheduler(self, stats: SchedulerStats) -> None:
+        self.vllm.observe_scheduler(stats)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)

@@ -145,6 +145,7 @@ class OutputProcessor:
         if step.num_batched_requests:
             m.batch_size.observe(step.num_batched_requests)
             m.batch_tokens.observe(step.num_batched_tokens)
+            m.vllm.iteration_tokens.observe(step.num_batched_tokens)
         if step.step_time_s is not None:
             m.step_time.observe(step.step_time_s)
         if step.stats is not None:
@@ -157,15 +158,19 @@ class OutputProcessor:
         if sample.first_token_time is None:
             sample.first_token_time = now
             self.metrics.ttft.labels(key=sample.key).observe(now - sample.arrival)
+            self.metrics.vllm.observe_first_token(now - sample.arrival, sample.num_prompt_tokens,
+                                                  len(core_out.new_token_ids))
             usage.ttft_seconds_sum += now - sample.arrival
             usage.ttft_count += 1
         else:
             # Per token, not per step: a step that emits several (speculative decoding) spreads
             # its gap over them.
             num_new = max(1, len(core_out.new_token_ids))
-            gap = (now - (sample.last_token_time or now)) / num_new
+            since_last = now - (sample.last_token_time or now)
+            gap = since_last / num_new
             for _ in range(num_new):
                 self.metrics.itl.observe(gap)
+            self.metrics.vllm.observe_next_tokens(since_last, len(core_out.new_token_ids))  # per step, as vLLM
         sample.last_token_time = now
         sample.num_output_tokens += len(core_out.new_token_ids)
         sample.num_cached_tokens = core_out.num_cached_tokens
@@ -218,6 +223,8 @@ class OutputProcessor:
         usage.cached_tokens += sample.num_cached_tokens
         ttft = (sample.first_token_time - sample.arrival) if sample.first_token_time else None
         decode_time = now - (sample.first_token_time or now)
+        self.metrics.vllm.observe_finished(reason, e2e, decode_time, sample.num_prompt_tokens,
+                                           sample.num_output_tokens)
         tps = (sample.num_output_tokens - 1) / decode_time if decode_time > 0 and sample.num_output_tokens > 1 else 0.0
         request_logger.info(
             "%s key=%s prompt=%d completion=%d cached=%d ttft=%s tok/s=%.1f e2e=%.3fs finish=%s",

@@ -12,6 +12,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from scheduler.request import Request
 
@@ -22,6 +23,20 @@ _ROOT_HASH = b"fp4serve-prefix-v1"
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """128-bit chained hash of one full page: collisions are out of reach, so a hit is exact."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class KVCacheEventSink(Protocol):
+    """Told of the prefix cache's own decisions, as they happen (engine/kv_events.py turns them into
+    vLLM's KV-cache events). Absent (None) unless events are on: nothing is recorded then."""
+
+    def blocks_stored(self, request: Request, block_indices: list[int]) -> None:
+        """These full pages of `request` (indices into its block table, ascending) entered the cache."""
+
+    def block_removed(self, block_hash: bytes) -> None:
+        """The page cached under this hash was evicted (reused for other tokens)."""
+
+    def all_cleared(self) -> None:
+        """Every cached hash was forgotten."""
 
 
 class BlockManager:
@@ -37,6 +52,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         # Pages with ref count 0, in eviction order. OrderedDict: O(1) removal on revival.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.event_sink: KVCacheEventSink | None = None  # set by the engine core when KV events are on
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -116,6 +132,8 @@ class BlockManager:
         if old is not None:  # evict it from the prefix cache
             if self.cached.get(old) == block:
                 del self.cached[old]
+                if self.event_sink is not None:
+                    self.event_sink.block_removed(old)
             self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block
@@ -131,6 +149,8 @@ class BlockManager:
         self._extend_hashes(request, num_full * self.block_size)
         # Only pages not looked at before: a step's cost must not grow with the context length.
         # (A page skipped as a duplicate stays unregistered even if the copy is evicted later.)
+        sink = self.event_sink
+        stored: list[int] = []
         for i in range(request.num_registered_blocks, num_full):
             block = request.block_table[i]
             if self.block_hash[block] is not None:
@@ -140,7 +160,11 @@ class BlockManager:
                 continue
             self.block_hash[block] = h
             self.cached[h] = block
+            if sink is not None:
+                stored.append(i)
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+        if sink is not None and stored:
+            sink.blocks_stored(request, stored)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Return the pages past those `num_tokens` tokens need (pages rejected drafts held)."""
@@ -166,6 +190,8 @@ class BlockManager:
         """Forget every cached hash (e.g. after a failed forward left pages undefined)."""
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        if self.event_sink is not None:
+            self.event_sink.all_cleared()
 
     def check_invariants(self) -> None:
         """Assert the internal bookkeeping is consistent (tests call this)."""
