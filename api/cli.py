@@ -116,7 +116,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hybrid models: besides prompt ends, sequence ends and shared-prefix junctions, a prefill "
                         "keeps its state at page boundaries at most F x their position apart, so a later request "
                         "sharing a prefix with it restores at least 1/(1+F) of the prefix; 0: none; default: as dense "
-                        "as a quarter of the checkpoints allow for one max-model-len context")
+                        "as half the checkpoints allow for one max-model-len context")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="decode without CUDA graphs (graphs are captured at start-up on CUDA otherwise)")
     engine.add_argument("--in-process-engine", action="store_true",

@@ -243,7 +243,7 @@ class EngineConfig:
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots; None: max_num_seqs (GPU: capped)
     # Hybrid prefix caching: DeltaNet state checkpoints (None: sized from memory; 0: hybrid prefix
     # caching off), and the most spacing, as a fraction of the position, between the snapshots taken
-    # inside a prefill (None: as dense as a quarter of the checkpoints allow; 0: none).
+    # inside a prefill (None: as dense as half the checkpoints allow; 0: none).
     num_state_checkpoints: int | None = None
     state_checkpoint_spacing: float | None = None
     linear_attention_backend: str = "auto"  # hybrid models: auto | torch | fla

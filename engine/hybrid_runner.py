@@ -70,8 +70,9 @@ def make_checkpoint_pool(cfg: ModelConfig, config: EngineConfig, device: torch.d
     pool = CheckpointPool(cfg.hybrid, num, kv_page_shape, num_kv_layers, kv_dtype, device)
     spacing = config.state_checkpoint_spacing
     max_pages = -(-max_model_len // config.block_size)
-    # Auto: the densest grid whose snapshots of one max_model_len context take at most a quarter.
-    bits = grid_bits_for(max_pages, num // 4) if spacing is None else spacing_bits(spacing)
+    # Auto: the densest grid whose snapshots of one max_model_len context take at most half the pool
+    # (they are evicted before any prompt end or sequence end, scheduler/checkpoint_manager.py).
+    bits = grid_bits_for(max_pages, num // 2) if spacing is None else spacing_bits(spacing)
     grid = (f"page counts with at most {bits} significant bits (spacing <= {2.0 ** (1 - bits):.3g} of the "
             f"position)" if bits else "none")
     logger.info("hybrid prefix caching on: %d state checkpoints x %.2f MiB = %.2f MiB (the DeltaNet state of %d "

@@ -36,6 +36,9 @@ from scheduler.output import CheckpointSave, StateSave
 from scheduler.request import Request
 
 MAX_GRID_BITS = 6  # spacing 1/32 of the position: denser grids only cost checkpoints
+# The automatic grid stops at spacing 1/16 (any shared prefix restores >= 94% of its full pages): a
+# denser one costs measurably more on CPU (docs/PERF.md "Hybrid prefix caching").
+AUTO_GRID_BITS = 5
 
 
 def on_grid(num_pages: int, bits: int) -> bool:
@@ -50,8 +53,8 @@ def on_grid(num_pages: int, bits: int) -> bool:
 
 
 def grid_bits_for(max_pages: int, budget: int) -> int:
-    """The densest grid (most bits, up to MAX_GRID_BITS) whose points in `max_pages` fit in `budget`."""
-    for bits in range(MAX_GRID_BITS, 0, -1):
+    """The densest grid (most bits, up to AUTO_GRID_BITS) whose points in `max_pages` fit in `budget`."""
+    for bits in range(AUTO_GRID_BITS, 0, -1):
         if sum(on_grid(n, bits) for n in range(1, max_pages + 1)) <= budget:
             return bits
     return 0

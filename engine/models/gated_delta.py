@@ -89,7 +89,15 @@ def chunk_gated_delta_rule(
     for _, t in snapshots:
         assert 1 <= t <= seq_len, f"snapshot after {t} of {seq_len} tokens"
     assert not snapshots or snapshot_states is not None, "snapshots need snapshot_states"
-    snapshot_chunks = {(t - 1) // chunk_size for _, t in snapshots}
+    # A snapshot at a chunk's end is the scan's own state there; the others need the formula.
+    at_ends: dict[int, list[tuple[int, int]]] = {}  # chunk -> (snapshot index, row)
+    inside: list[tuple[int, int, int]] = []  # (snapshot index, row, t)
+    for index, (row, t) in enumerate(snapshots):
+        if t % chunk_size == 0:
+            at_ends.setdefault(t // chunk_size - 1, []).append((index, row))
+        else:
+            inside.append((index, row, t))
+    snapshot_chunks = {(t - 1) // chunk_size for _, _, t in inside}
     raw_k = k  # [B, H, N, C, Dk]: k before the chunk-end decay below
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [B, H, N, C, C]
@@ -116,15 +124,18 @@ def chunk_gated_delta_rule(
         if i in snapshot_chunks:
             starts[i] = (state, v_new)
         state = state * chunk_decay[i] + k_t[i] @ v_new
-    if snapshots:
+        for index, row in at_ends.get(i, ()):
+            assert snapshot_states is not None
+            snapshot_states[index] = state[row]
+    if inside:
         assert snapshot_states is not None
-        _states_inside_chunks(snapshots, chunk_size, starts, cum, raw_k, snapshot_states)
+        _states_inside_chunks(inside, chunk_size, starts, cum, raw_k, snapshot_states)
     out = torch.stack(outs, dim=2).reshape(batch, num_v_heads, -1, head_v_dim)[:, :, :seq_len]
     return out.transpose(1, 2).to(out_dtype), state
 
 
 def _states_inside_chunks(
-    snapshots: Sequence[tuple[int, int]],  # (row, tokens done)
+    snapshots: Sequence[tuple[int, int, int]],  # (snapshot index, row, tokens done)
     chunk_size: int,
     starts: dict[int, tuple[torch.Tensor, torch.Tensor]],  # chunk -> ([B, H, Dk, Dv] state at its start, [B, H, C, Dv] v_new)
     cum: torch.Tensor,  # [B, H, N, C] in-chunk cumulative log decay
@@ -137,16 +148,17 @@ def _states_inside_chunks(
     where = {c: i for i, c in enumerate(chunks)}
     state0 = torch.stack([starts[c][0] for c in chunks])  # [n, B, H, Dk, Dv]
     values = torch.stack([starts[c][1] for c in chunks])  # [n, B, H, C, Dv]
-    rows = torch.tensor([r for r, _ in snapshots], dtype=torch.int64, device=device)
-    chunk = torch.tensor([(t - 1) // chunk_size for _, t in snapshots], dtype=torch.int64, device=device)
-    slot = torch.tensor([where[(t - 1) // chunk_size] for _, t in snapshots], dtype=torch.int64, device=device)
-    last = torch.tensor([(t - 1) % chunk_size for _, t in snapshots], dtype=torch.int64, device=device)
+    index = torch.tensor([i for i, _, _ in snapshots], dtype=torch.int64, device=device)
+    rows = torch.tensor([r for _, r, _ in snapshots], dtype=torch.int64, device=device)
+    chunk = torch.tensor([(t - 1) // chunk_size for _, _, t in snapshots], dtype=torch.int64, device=device)
+    slot = torch.tensor([where[(t - 1) // chunk_size] for _, _, t in snapshots], dtype=torch.int64, device=device)
+    last = torch.tensor([(t - 1) % chunk_size for _, _, t in snapshots], dtype=torch.int64, device=device)
     c = cum[rows, :, chunk]  # [S, H, C]
     c_last = c.gather(-1, last[:, None, None].expand(-1, c.shape[1], 1))  # [S, H, 1]
     upto = torch.arange(chunk_size, device=device)[None, None, :] <= last[:, None, None]  # [S, 1, C]
     weights = torch.where(upto, c_last - c, torch.full_like(c, float("-inf"))).exp()  # exp(G_t - G_j), 0 past t
     keys = k[rows, :, chunk] * weights[..., None]  # [S, H, C, Dk]
-    out.copy_(state0[slot, rows] * c_last.exp()[..., None] + keys.transpose(-1, -2) @ values[slot, rows])
+    out.index_copy_(0, index, state0[slot, rows] * c_last.exp()[..., None] + keys.transpose(-1, -2) @ values[slot, rows])
 
 
 def sequential_gated_delta_rule(
