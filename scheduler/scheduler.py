@@ -174,6 +174,10 @@ class Scheduler:
         # New arrivals and resumed requests, oldest first, when nothing was preempted. A request
         # whose grammar still compiles keeps its place and is passed over.
         skipped: list[Request] = []
+        bs = self.config.block_size
+        # Hybrid: the pages this step computes (a prefix in them has no state to restore yet).
+        in_flight = {b for r in scheduled for b in r.block_table[r.num_computed_tokens // bs:]} \
+            if self.checkpoints is not None else set()
         if (ordered := self.fair.order(self.waiting)) is not None:
             self.waiting = deque(ordered)
         while self.waiting and budget > 0 and num_preempted == 0 and len(self.running) < self.config.max_num_seqs:
@@ -193,10 +197,15 @@ class Scheduler:
             restore = None
             if self.checkpoints is not None and lookup:  # hybrid: the hit ends where a state checkpoint is
                 restore, num_cached = self.checkpoints.restore_point(request, hit)
-                hit = hit[: num_cached // self.config.block_size]
+                if in_flight.intersection(hit[num_cached // bs:]):
+                    # Its prefix is being computed this step (a user sharing a system prompt with
+                    # one who arrived with it): wait a step and restore the state kept there.
+                    skipped.append(self.waiting.popleft())
+                    continue
+                hit = hit[: num_cached // bs]
             n = min(request.num_tokens - request.num_computed_tokens - num_cached, budget, cap)
             # Pages for the cached tokens past the hit's full pages too (a checkpoint's partial page).
-            if not self.block_manager.allocate(request, num_cached - len(hit) * self.config.block_size + n, hit):
+            if not self.block_manager.allocate(request, num_cached - len(hit) * bs + n, hit):
                 break
             self.waiting.popleft()
             if self.slots is not None:
@@ -210,6 +219,7 @@ class Scheduler:
             if request.status is RequestStatus.WAITING and request.num_output_tokens == 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens += num_cached
+            in_flight.update(request.block_table[num_cached // bs:])
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_new[request.request_id] = n

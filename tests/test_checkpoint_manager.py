@@ -215,3 +215,22 @@ def test_a_step_that_verifies_drafts_keeps_no_state() -> None:
     # Every page boundary is on this grid, and the verify steps cross 8 and 12: no state kept, as a
     # verify step's state may hold rejected drafts.
     assert [(sr.start_pos, sr.num_draft_tokens, sr.checkpoint_saves) for sr in outs[1:]] == [(7, 3, ()), (11, 3, ())]
+
+
+def test_a_request_whose_prefix_is_being_computed_waits_a_step_and_restores_it() -> None:
+    sched = hybrid_scheduler(bits=1, checkpoints=8, slots=3)
+    head = tokens(1, 24)
+    a = make_request("a", head + [50, 51], 0.0, max_tokens=1)
+    b = make_request("b", head + [60], 0.0, max_tokens=1)
+    c = make_request("c", [90] * 5, 0.0, max_tokens=1)  # shares nothing: not held back
+    for r in (a, b, c):
+        sched.add_request(r)
+    first = run_step(sched)
+    assert [sr.request_id for sr in first.requests] == ["a", "c"] and sched.waiting[0] is b
+    second = run_step(sched)
+    sr = scheduled(second, "b")
+    # a's grid snapshot after 4 pages (a kept 0-3, c 4-5), then b computes to the junction (a's 6
+    # pages) and its prompt's end, keeping both.
+    assert (sr.restore_checkpoint, sr.start_pos) == (2, 16)
+    assert sr.checkpoint_saves == (CheckpointSave(6, 24), CheckpointSave(7, 25))
+    assert b.num_cached_tokens == 16

@@ -157,3 +157,17 @@ def test_mtp_speculation_with_cached_turns_drafts_from_an_exact_context(mtp_ckpt
     assert later
     for context, k, drafts in later:
         assert drafts == reference.drafts(context, 3)[:k], f"context of {len(context)} tokens"
+
+
+def test_users_arriving_together_with_one_system_prompt_restore_it(ckpt: Path) -> None:
+    """The first computes the shared system prompt; the others wait a step and restore it (a hybrid
+    hit needs the state, which exists only once that step ran), then compute their own questions."""
+    system = words(333, 8)
+    users = [system + words(15, 200 + u) for u in range(4)]
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    engine = make_engine(ckpt)
+    got = engine.generate(users, params)
+    cached = [r.outputs[0][-1].num_cached_tokens for r in got]
+    assert cached[0] == 0 and min(cached[1:]) >= 0.9 * len(system), cached
+    want = make_engine(ckpt, enable_prefix_caching=False).generate(users, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
