@@ -11,7 +11,7 @@ from scheduler.checkpoint_manager import grid_bits_for, on_grid
 from scheduler.output import CheckpointSave, SchedulerOutput, StateSave
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.test_scheduler import make_request, run_step, run_steps, tokens
+from tests.test_scheduler import make_request, run_step, tokens
 
 
 def hybrid_scheduler(num_blocks: int = 32, block_size: int = 4, slots: int = 2, checkpoints: int = 4, bits: int = 0,
