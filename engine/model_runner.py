@@ -267,7 +267,7 @@ class ModelRunner:
         """Every attention layer's KV cache a checkpoint's partial page covers (the MTP head's too)."""
         return self.kv_caches + ([self.drafter.kv_cache] if self.drafter is not None else [])
 
-    def save_states(self, saves: tuple[StateSave, ...]) -> None:
+    def _save_states(self, saves: tuple[StateSave, ...]) -> None:
         """Slot (and partial page) -> checkpoint copies."""
         pool, slots = self.checkpoint_pool, self.state_pool
         assert pool is not None and slots is not None, "state saves without a checkpoint pool"
@@ -282,7 +282,7 @@ class ModelRunner:
         pool, slots = self.checkpoint_pool, self.state_pool
         assert pool is not None and slots is not None, "restores without a checkpoint pool"
         if out.state_saves:
-            self.save_states(out.state_saves)
+            self._save_states(out.state_saves)
         restoring = [r for r in out.requests if r.restore_checkpoint is not None]
         if not restoring:
             return
@@ -302,4 +302,4 @@ class ModelRunner:
                       for r in out.requests if r.state_slot is not None
                       for s in r.checkpoint_saves if s.num_tokens == r.seq_len)
         if saves:
-            self.save_states(saves)
+            self._save_states(saves)
