@@ -107,6 +107,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "the torch reference otherwise")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off reuse of KV pages across requests sharing a prompt prefix")
+    engine.add_argument("--num-state-checkpoints", type=int, default=None, metavar="N",
+                        help="hybrid models: prefix caching keeps the DeltaNet state after cached prefixes in N "
+                        "checkpoints (each a slot's size plus one KV page, logged at start-up), evicted least "
+                        "recently used together with the KV pages they need; 0 turns prefix caching off for hybrids; "
+                        "default: on a GPU a fifth of free memory, on CPU 256 MiB")
+    engine.add_argument("--state-checkpoint-spacing", type=float, default=None, metavar="F",
+                        help="hybrid models: besides prompt ends, sequence ends and shared-prefix junctions, a prefill "
+                        "keeps its state at page boundaries at most F x their position apart, so a later request "
+                        "sharing a prefix with it restores at least 1/(1+F) of the prefix; 0: none; default: as dense "
+                        "as half the checkpoints allow for one max-model-len context")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="decode without CUDA graphs (graphs are captured at start-up on CUDA otherwise)")
     engine.add_argument("--in-process-engine", action="store_true",
@@ -239,6 +249,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         device=args.device,
         quantization=args.quantization,
         num_state_slots=args.num_state_slots,
+        num_state_checkpoints=args.num_state_checkpoints,
+        state_checkpoint_spacing=args.state_checkpoint_spacing,
         linear_attention_backend=args.linear_attention_backend,
         seed=args.seed,
         **team_engine_settings(args),

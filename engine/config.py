@@ -241,6 +241,11 @@ class EngineConfig:
     # auto: int8 for the built-in SmolLM2 on CPU, else none (engine/dtype_policy.py)
     quantization: str | None = "auto"
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots; None: max_num_seqs (GPU: capped)
+    # Hybrid prefix caching: DeltaNet state checkpoints (None: sized from memory; 0: hybrid prefix
+    # caching off), and the most spacing, as a fraction of the position, between the snapshots taken
+    # inside a prefill (None: as dense as half the checkpoints allow; 0: none).
+    num_state_checkpoints: int | None = None
+    state_checkpoint_spacing: float | None = None
     linear_attention_backend: str = "auto"  # hybrid models: auto | torch | fla
     seed: int = 0
     engine_process: bool = True  # the engine core in a process of its own; False: a thread of the server's
@@ -265,6 +270,10 @@ class EngineConfig:
             parse_memory(self.kv_cache_memory)
         if self.num_state_slots is not None and self.num_state_slots < 1:
             raise ConfigError(f"--num-state-slots: must be positive, got {self.num_state_slots}")
+        if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
+            raise ConfigError(f"--num-state-checkpoints: must not be negative, got {self.num_state_checkpoints}")
+        if self.state_checkpoint_spacing is not None and not 0.0 <= self.state_checkpoint_spacing <= 1.0:
+            raise ConfigError(f"--state-checkpoint-spacing: must be in [0, 1], got {self.state_checkpoint_spacing}")
         if self.scheduling_policy not in ("fair", "fcfs", "priority"):
             raise ConfigError(f"--scheduling-policy: '{self.scheduling_policy}' is not one of fair, fcfs, priority")
         if self.long_prefill_token_threshold < 0:

@@ -64,8 +64,12 @@ class EngineCore:
                 max_model_len=max_model_len,
                 block_size=config.block_size,
                 num_blocks=self.runner.num_kv_pages,
-                enable_prefix_caching=config.enable_prefix_caching and mc.hybrid is None,
+                # Hybrid models: only with state checkpoints (the runner logs their budget).
+                enable_prefix_caching=config.enable_prefix_caching and (
+                    mc.hybrid is None or self.runner.num_state_checkpoints > 0),
                 num_state_slots=self.runner.num_state_slots,
+                num_state_checkpoints=self.runner.num_state_checkpoints,
+                state_checkpoint_bits=self.runner.state_checkpoint_bits,
                 scheduling_policy=config.scheduling_policy,  # type: ignore[arg-type]
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
@@ -78,9 +82,9 @@ class EngineCore:
             if not self.scheduler.config.enable_prefix_caching:
                 logger.warning("KV events: prefix caching is off, so no page ever enters the cache and no "
                                "BlockStored event will be sent")
-        if mc.hybrid is not None and config.enable_prefix_caching:
-            logger.info("prefix caching off: %s is a hybrid model, and a cached prefix would need the "
-                        "Gated DeltaNet state at its end (not kept yet)", mc.architecture)
+        if mc.hybrid is not None and not self.scheduler.config.enable_prefix_caching:
+            logger.info("prefix caching off for %s (a hybrid model): %s", mc.architecture,
+                        "--no-prefix-caching" if not config.enable_prefix_caching else "--num-state-checkpoints 0")
         self.info = EngineInfo(
             model_name=config.served_model_name or default_model_name(config),
             model_path=str(path),
@@ -186,8 +190,9 @@ class EngineCore:
         """After a failed step: end every live request and forget cached KV (the batch's KV state
         is suspect). Returns the ids it ended."""
         ids = list(self.scheduler.requests)
-        self.abort_requests(ids)
-        self.scheduler.block_manager.reset_prefix_cache()
+        for request_id in ids:  # no state checkpoint of a suspect state
+            self.scheduler.abort_request(request_id, keep_state=False)
+        self.scheduler.reset_prefix_cache()
         if self.kv_events is not None:
             self.kv_events.flush()  # the failed step's BlockStored events, then AllBlocksCleared
         return ids
