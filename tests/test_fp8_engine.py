@@ -50,8 +50,9 @@ def transformers_greedy(path: Path, ps: list[list[int]], num_tokens: int) -> lis
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = []
     for p in ps:
-        ids = model.generate(torch.tensor([p]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                             do_sample=False, pad_token_id=0)
+        # NOTE: an explicit mask: generate would mask out prompt tokens equal to pad_token_id
+        ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False, pad_token_id=0)
         out.append(ids[0, len(p):].tolist())
     return out
 
