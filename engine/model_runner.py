@@ -96,8 +96,9 @@ class ModelRunner:
         if self.quantization is not None:
             logger.info("quantization: %s", self.quantization.describe())
         self.use_mtp = config.speculative_method == "mtp"
+        mtp_path = Path(config.speculative_model).expanduser() if config.speculative_model else None
         self.model = load_model(model_path, model_config, self.dtype, self.device, max_model_len, self.quantization,
-                                mtp=self.use_mtp)
+                                mtp=self.use_mtp, mtp_path=mtp_path)
         if self.device.type == "cuda":
             # Quantize-at-load temporaries sit in torch's cache, which mem_get_info counts as used.
             torch.cuda.empty_cache()
