@@ -201,3 +201,17 @@ def test_fp8_format_reads_what_qwen_declares() -> None:
     assert fp8_format({**declared, "modules_to_not_convert": None, "ignored_layers": ["lm_head"]}) == \
         Fp8Format((128, 128), ("lm_head",))
     assert fp8_format({"quant_method": "modelopt"}) is None and fp8_format(None) is None
+
+
+def test_fp4serve_quantize_turns_an_fp8_release_into_nvfp4(tmp_path: Path) -> None:
+    """`fp4serve quantize` reads an FP8 source through the same dequantization: its NVFP4 checkpoint
+    serves exactly what `--quantization nvfp4` makes of the dequantized float checkpoint."""
+    from fp4serve_tools.quantize import quantize_checkpoint
+
+    fp8 = to_fp8_checkpoint(make_moe_checkpoint(tmp_path / "f", seed=5), tmp_path / "fp8", fused_experts=True)
+    report = quantize_checkpoint(fp8, tmp_path / "nvfp4", "compressed-tensors", torch.device("cpu"))
+    assert report.num_quantized == 3 * (4 + 3 * 8)  # q/k/v/o and 8 experts' gate/up/down per layer
+    written = json.loads((tmp_path / "nvfp4" / "config.json").read_text())["quantization_config"]
+    assert written["quant_method"] == "compressed-tensors"
+    ref = dequantized_copy(fp8, tmp_path / "ref")
+    assert torch.equal(_requantized_logits(tmp_path / "nvfp4", None), _requantized_logits(ref, "nvfp4"))
