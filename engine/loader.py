@@ -6,18 +6,16 @@ A missing or mis-shaped tensor fails start-up with one line naming it."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from engine.checkpoint_files import checkpoint_files, iter_checkpoint, tensor_names
 from engine.config import ConfigError, ModelConfig
 from engine.fp8 import Fp8Dequantizer, Fp8Format, fp8_format, keeps_fp8
 from engine.int8_linear import Int8Linear, check_int8_device, quantize_int8
@@ -55,38 +53,6 @@ _LAYER_RULES: list[tuple[re.Pattern[str], str, int | None]] = [
 ]
 _LM_HEAD = re.compile(rf"lm_head\.{_LINEAR}$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-
-
-def checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / f for f in weight_map.values()})
-        for f in files:
-            if not f.is_file():
-                raise ConfigError(f"{index}: shard {f.name} not found")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{path}: no *.safetensors weights found")
-    return files
-
-
-def tensor_names(files: list[Path]) -> list[str]:
-    """Every tensor name in the checkpoint, read from the safetensors headers only."""
-    names: list[str] = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            names.extend(st.keys())
-    return names
-
-
-def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = checkpoint_files(path)
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                yield name, st.get_tensor(name)
 
 
 def map_name(name: str) -> tuple[str, int | None] | None:

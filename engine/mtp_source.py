@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.checkpoint_files import checkpoint_files, tensor_names
 from engine.config import ConfigError, ModelConfig
 from engine.fp8 import SCALE_SUFFIX, Fp8Dequantizer, fp8_format
 from engine.models.qwen3_5_mtp import MTP_PREFIX
@@ -34,8 +35,6 @@ class MtpSource:
     @staticmethod
     def open(path: Path, body: ModelConfig) -> MtpSource:
         """Check the folder's config against the body's and list its mtp.* tensors."""
-        from engine.loader import checkpoint_files, tensor_names
-
         flag = f"--speculative-model {path}"
         if not path.is_dir():
             raise ConfigError(f"{flag}: not a local checkpoint folder")

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from engine.config import ConfigError, ModelConfig
 from engine.fp8 import Fp8Dequantizer, Fp8Format, fp8_format
-from engine.loader import checkpoint_files, tensor_names
+from engine.checkpoint_files import checkpoint_files, tensor_names
 from engine.models.qwen3_5_weights import canonical_name
 from engine.moe_loader import split_fused_experts
 from engine.quantization import (
