@@ -155,8 +155,8 @@ def _hf_config(path: Path, reader: Any, arch: str) -> dict[str, Any]:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
         try:
-            config = own_config(arch, lambda key: _field(reader, f"{arch}.{key}"), {t.name for t in reader.tensors},
-                                int(vocab or 0))
+            shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # GGUF lists dims reversed
+            config = own_config(arch, lambda key: _field(reader, f"{arch}.{key}"), shapes, int(vocab or 0))
         except KeyError as e:
             raise ConfigError(f"{path}: GGUF metadata key {e} is missing (a {arch} model needs it)") from None
         config["bos_token_id"] = _field(reader, "tokenizer.ggml.bos_token_id")

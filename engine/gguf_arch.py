@@ -136,9 +136,9 @@ class TensorMap:
             return _NEXTN[leaf] + suffix, leaf, block
         if mtp and leaf in _NEXTN_SHARED:
             return "", leaf, block
-        if hybrid and leaf == "ssm_a" and not suffix:
+        if hybrid and leaf == "ssm_a":  # llama.cpp names it without a suffix; a .weight is read too
             return prefix + "linear_attn.A_log", leaf, block
-        if hybrid and leaf == "ssm_dt" and suffix == ".bias":
+        if hybrid and leaf == "ssm_dt" and suffix:
             return prefix + "linear_attn.dt_bias", leaf, block
         if leaf in _EXPERTS and suffix == ".weight" and self.arch in ("qwen3moe", "qwen35moe"):
             return prefix + "mlp.experts.{e}.{proj}_proj.weight", leaf, block
@@ -153,7 +153,7 @@ class TensorMap:
             # A_log, by torch's float32 log as transformers' LogNegate (numpy's differs in the last bit)
             value = torch.log(-torch.from_numpy(np.require(value, np.float32, ["C", "W"]))).numpy()
         elif stem == "ssm_conv1d":
-            value = value[:, None, :]  # [C, K] -> HF's [C, 1, K]
+            value = value.reshape(value.shape[0], 1, -1)  # llama.cpp's squeezed [C, K] -> HF's [C, 1, K]
         elif stem == "ffn_gate_inp_shexp":
             value = value.reshape(1, -1)
         if self.num_v_heads == self.num_k_heads:
@@ -203,14 +203,25 @@ def tensor_map(arch: str, config: dict[str, Any]) -> TensorMap:
                      head_k_dim=config["linear_key_head_dim"], head_v_dim=config["linear_value_head_dim"])
 
 
-def own_config(arch: str, field: Any, tensor_names: set[str], vocab_size: int) -> dict[str, Any]:
+def own_config(arch: str, field: Any, tensor_shapes: dict[str, tuple[int, ...]], vocab_size: int) -> dict[str, Any]:
     """The HF config of a qwen3moe / qwen35 / qwen35moe GGUF from llama.cpp's metadata keys;
-    `field(key)` reads `{arch}.{key}` (None when absent)."""
+    `field(key)` reads `{arch}.{key}` (None when absent); `tensor_shapes` (GGUF name -> numpy-order
+    shape) stand in for the expert widths a file may omit."""
     def need(key: str) -> Any:
         value = field(key)
         if value is None:
             raise KeyError(f"{arch}.{key}")
         return value
+
+    def width(key: str, tensor: str) -> int:
+        """A width from its key, else from the first block's tensor (rows of gate / up)."""
+        value = field(key)
+        shape = tensor_shapes.get(f"blk.0.{tensor}.weight")
+        if value is None and shape is not None:
+            return int(shape[-2])
+        return int(need(key))
+
+    tensor_names = set(tensor_shapes)
 
     hf_arch, model_type = GGUF_ARCHITECTURES[arch]
     head_dim = int(field("attention.key_length") or need("embedding_length") // need("attention.head_count"))
@@ -235,10 +246,12 @@ def own_config(arch: str, field: Any, tensor_names: set[str], vocab_size: int) -
         config["intermediate_size"] = int(field("feed_forward_length"))
     if arch in ("qwen3moe", "qwen35moe"):
         config.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
-                      moe_intermediate_size=int(need("expert_feed_forward_length")))
+                      moe_intermediate_size=width("expert_feed_forward_length", "ffn_up_exps"))
     if arch == "qwen3moe":
-        # llama.cpp's qwen3moe graph renormalizes the top-k weights whatever the source config said.
-        config.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        # llama.cpp's qwen3moe graph renormalizes the top-k weights whatever the source config said
+        # (its converter writes no flag); a file that states expert_weights_norm is taken at its word.
+        norm = field("expert_weights_norm")
+        config.update(norm_topk_prob=True if norm is None else bool(norm), decoder_sparse_step=1, mlp_only_layers=[])
         config.setdefault("intermediate_size", config["moe_intermediate_size"])
     if arch in HYBRIDS:
         value_heads = int(need("ssm.time_step_rank"))
@@ -259,6 +272,6 @@ def own_config(arch: str, field: Any, tensor_names: set[str], vocab_size: int) -
         if mtp_layers:
             config["mtp_num_hidden_layers"] = mtp_layers
     if arch == "qwen35moe":
-        config["shared_expert_intermediate_size"] = int(need("expert_shared_feed_forward_length"))
+        config["shared_expert_intermediate_size"] = width("expert_shared_feed_forward_length", "ffn_up_shexp")
     config["rope_parameters"] = rope
     return config

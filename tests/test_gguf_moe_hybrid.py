@@ -154,24 +154,37 @@ def test_quantized_hybrid_moe_gguf(tmp_path: Path) -> None:
                 for p in ps])
 
 
-def test_missing_metadata_fails_start_up_with_one_line(tmp_path: Path) -> None:
+def without_keys(src: Path, dst: Path, drop: set[str]) -> Path:
+    """A copy of GGUF `src` without the metadata keys in `drop`."""
     import gguf
 
-    src = make_hybrid_checkpoint(tmp_path / "src")
-    full = write_llamacpp_gguf(src, tmp_path / "full.gguf")
-    reader = gguf.GGUFReader(str(full))
-    writer = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "qwen35")
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", "qwen35.ssm.time_step_rank"):
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
             continue
-        value = field.contents()
-        writer.add_key_value(key, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
     for t in reader.tensors:
-        writer.add_tensor(t.name, t.data.copy())
+        writer.add_tensor(t.name, t.data.copy(), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return dst
+
+
+def test_missing_metadata_fails_start_up_with_one_line(tmp_path: Path) -> None:
+    full = write_llamacpp_gguf(make_hybrid_checkpoint(tmp_path / "src"), tmp_path / "full.gguf")
+    bad = without_keys(full, tmp_path / "bad.gguf", {"qwen35.ssm.time_step_rank"})
     with pytest.raises(ConfigError, match=r"GGUF metadata key 'qwen35\.ssm\.time_step_rank' is missing") as e:
-        make_engine(tmp_path / "bad.gguf")
+        make_engine(bad)
     assert "\n" not in str(e.value)
+
+
+def test_expert_widths_come_from_the_tensors_when_the_keys_are_absent(tmp_path: Path) -> None:
+    src = make_hybrid_moe_checkpoint(tmp_path / "src", seed=7)
+    full = write_llamacpp_gguf(src, tmp_path / "full.gguf")
+    path = without_keys(full, tmp_path / "lean.gguf", {"qwen35moe.expert_feed_forward_length",
+                                                        "qwen35moe.expert_shared_feed_forward_length"})
+    config = json.loads((ensure_gguf_checkpoint(path, tmp_path / "cache") / "config.json").read_text())
+    assert (config["moe_intermediate_size"], config["shared_expert_intermediate_size"]) == (32, 48)
