@@ -110,6 +110,9 @@ class ModelRunner:
         if footprint.num_nvfp4_linears:
             logger.info("weights: %.2f MiB resident (nvfp4 linears: %.2f MiB in %d layers)", footprint.total / _MIB,
                         footprint.nvfp4 / _MIB, footprint.num_nvfp4_linears)
+        elif footprint.num_fp8_linears:
+            logger.info("weights: %.2f MiB resident (fp8 linears: %.2f MiB in %d layers)", footprint.total / _MIB,
+                        footprint.fp8 / _MIB, footprint.num_fp8_linears)
         else:
             logger.info("weights: %.2f MiB resident (%s)", footprint.total / _MIB, str(self.dtype).removeprefix("torch."))
         if self.model.lm_head_t is not None:
