@@ -129,7 +129,8 @@ def test_dequantizer_pairs_tensors_in_any_order_and_splits_fused_experts() -> No
         d.finish()
 
 
-def _requantized_logits(path: Path, scheme: str, **overrides: Any) -> torch.Tensor:
+def _requantized_logits(path: Path, scheme: str | None, max_tokens: int = 4, **overrides: Any) -> torch.Tensor:
+    """Every sampled row's logits over two prompts' greedy decoding (each step's rows in turn)."""
     engine = make_engine(path, quantization=scheme, **overrides)
     seen: list[torch.Tensor] = []
     sample = engine.core.runner.sampler.sample
@@ -139,7 +140,7 @@ def _requantized_logits(path: Path, scheme: str, **overrides: Any) -> torch.Tens
         return sample(logits, *args)
 
     engine.core.runner.sampler.sample = record  # type: ignore[method-assign]
-    engine.generate(prompts()[1:3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.generate(prompts()[1:3], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return torch.cat(seen)
 
 
@@ -215,3 +216,44 @@ def test_fp4serve_quantize_turns_an_fp8_release_into_nvfp4(tmp_path: Path) -> No
     assert written["quant_method"] == "compressed-tensors"
     ref = dequantized_copy(fp8, tmp_path / "ref")
     assert torch.equal(_requantized_logits(tmp_path / "nvfp4", None), _requantized_logits(ref, "nvfp4"))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-moe-fused", "hybrid-moe", "hybrid-vl"])
+def test_the_kept_fp8_path_builds_the_checkpoints_weights(kind: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a GPU with FP8 tensor cores loads (Fp8Linear / Fp8Experts, built from the codes and scales
+    as stored; fused shards and fused experts included), forced on CPU: every FP8 module's weight
+    dequantizes to exactly the float model's, each Fp8Linear computes its float twin on activations
+    rounded per (token, 128-group) to e4m3, the router and lm_head stay float, and the engine serves
+    the kept model (the W8A8 torch reference on CPU)."""
+    import torch.nn.functional as F
+
+    import engine.loader
+    from engine.models.layers import Linear
+    from kernels.fp8_block import Fp8Linear, quantize_activation_groups
+    from kernels.fused_moe_fp8 import Fp8Experts
+
+    fp8 = to_fp8_checkpoint(MAKERS[kind](tmp_path / "f"), tmp_path / "fp8", fused_experts=kind.endswith("fused"))
+    cfg = ModelConfig.from_checkpoint(fp8)
+    dense = load_model(fp8, cfg, torch.float32, torch.device("cpu"), 64)
+    monkeypatch.setattr(engine.loader, "keeps_fp8", lambda *args, **kwargs: True)
+    kept = load_model(fp8, cfg, torch.float32, torch.device("cpu"), 64)
+    floats = dict(dense.named_modules())
+    num_fp8 = 0
+    for path, module in kept.named_modules():
+        if isinstance(module, Fp8Linear):
+            w = module.weight_fp8
+            assert torch.equal(dequantize_block_fp8(w.codes, w.scale, (w.block_n, w.block_k)), floats[path].weight), path
+            x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(num_fp8))
+            codes, scales = quantize_activation_groups(x, w.block_k)
+            x_q = codes.float() * scales.repeat_interleave(w.block_k, dim=1)[:, :module.in_features]  # [3, K]
+            assert torch.allclose(module(x), F.linear(x_q, floats[path].weight), rtol=1e-5, atol=1e-6), path
+            num_fp8 += 1
+        elif isinstance(module, Fp8Experts):
+            for ours, theirs in ((module.w13, floats[path].w13), (module.w2, floats[path].w2)):
+                assert torch.equal(dequantize_block_fp8(ours.codes, ours.scale, (ours.block_n, ours.block_k)), theirs)
+            num_fp8 += 1
+    assert num_fp8 >= 2 * cfg.num_layers
+    assert isinstance(kept.lm_head, Linear) and all(isinstance(m.gate, Linear) for m in kept.modules() if hasattr(m, "top_k"))
+    logits = _requantized_logits(fp8, None, max_tokens=2)  # the engine loads with keeps_fp8 still patched
+    assert logits.shape == (4, cfg.vocab_size) and torch.isfinite(logits).all()
