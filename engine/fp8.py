@@ -32,6 +32,7 @@ from kernels.fp8_block import (
     fp8_device_supported,
     fuse_fp8,
 )
+from kernels.fused_moe_fp8 import Fp8ExpertWeights
 
 FP8_METHOD = "fp8"
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv; fused experts P -> P_scale_inv
@@ -253,10 +254,8 @@ class Fp8ExpertCollector:
                             return f"{expert}.{proj}_proj.{suffix}"
         return None
 
-    def build(self, prefix: str) -> tuple[Any, Any]:
-        """(w13, w2) as kernels.fused_moe_fp8.Fp8ExpertWeights; `prefix` names the block in errors."""
-        from kernels.fused_moe_fp8 import Fp8ExpertWeights
-
+    def build(self, prefix: str) -> tuple[Fp8ExpertWeights, Fp8ExpertWeights]:
+        """(w13, w2) as the FP8 fused-MoE kernels read them; `prefix` names the block in errors."""
         e, i, h = self.num_experts, self.intermediate, self.hidden
         built = []
         for which, projs, shape in (("gate_up_proj", ("gate", "up"), (2 * i, h)), ("down_proj", ("down",), (h, i))):

@@ -19,7 +19,7 @@ log(-x), TiledToGroupedRows), which the tests hold us to."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,7 +203,7 @@ def tensor_map(arch: str, config: dict[str, Any]) -> TensorMap:
                      head_k_dim=config["linear_key_head_dim"], head_v_dim=config["linear_value_head_dim"])
 
 
-def own_config(arch: str, field: Any, tensor_shapes: dict[str, tuple[int, ...]], vocab_size: int) -> dict[str, Any]:
+def own_config(arch: str, field: Callable[[str], Any], tensor_shapes: dict[str, tuple[int, ...]], vocab_size: int) -> dict[str, Any]:
     """The HF config of a qwen3moe / qwen35 / qwen35moe GGUF from llama.cpp's metadata keys;
     `field(key)` reads `{arch}.{key}` (None when absent); `tensor_shapes` (GGUF name -> numpy-order
     shape) stand in for the expert widths a file may omit."""
