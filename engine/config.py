@@ -258,6 +258,8 @@ class EngineConfig:
     ngram_max: int = 4
     speculative_max_batch: int | None = None  # None: engine/spec_decode/config.py's measured default
     kv_events_config: KVEventsConfig | None = None  # None: no KV-cache events (engine/kv_events.py)
+    # mtp: take the MTP head (mtp.*) from this second checkpoint folder (FP8 or float) of the same model
+    speculative_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -280,6 +282,9 @@ class EngineConfig:
             raise ConfigError(f"--long-prefill-token-threshold: must not be negative, got {self.long_prefill_token_threshold}")
         if self.quantization not in (None, "auto", "none", "nvfp4", "int8"):
             raise ConfigError(f"--quantization: '{self.quantization}' is not one of auto, none, nvfp4, int8")
+        if self.speculative_model is not None and self.speculative_method != "mtp":
+            raise ConfigError(f"--speculative-model: takes the MTP head of another checkpoint, so it needs "
+                              f"--speculative-method mtp, not {self.speculative_method}")
         if self.linear_attention_backend not in ("auto", "torch", "fla"):
             raise ConfigError(f"--linear-attention-backend: '{self.linear_attention_backend}' is not one of auto, torch, fla")
 

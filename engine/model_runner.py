@@ -97,8 +97,9 @@ class ModelRunner:
         if self.quantization is not None:
             logger.info("quantization: %s", self.quantization.describe())
         self.use_mtp = config.speculative_method == "mtp"
+        mtp_path = Path(config.speculative_model).expanduser() if config.speculative_model else None
         self.model = load_model(model_path, model_config, self.dtype, self.device, max_model_len, self.quantization,
-                                mtp=self.use_mtp)
+                                mtp=self.use_mtp, mtp_path=mtp_path)
         if self.device.type == "cuda":
             # Quantize-at-load temporaries sit in torch's cache, which mem_get_info counts as used.
             torch.cuda.empty_cache()
@@ -110,6 +111,9 @@ class ModelRunner:
         if footprint.num_nvfp4_linears:
             logger.info("weights: %.2f MiB resident (nvfp4 linears: %.2f MiB in %d layers)", footprint.total / _MIB,
                         footprint.nvfp4 / _MIB, footprint.num_nvfp4_linears)
+        elif footprint.num_fp8_linears:
+            logger.info("weights: %.2f MiB resident (fp8 linears: %.2f MiB in %d layers)", footprint.total / _MIB,
+                        footprint.fp8 / _MIB, footprint.num_fp8_linears)
         else:
             logger.info("weights: %.2f MiB resident (%s)", footprint.total / _MIB, str(self.dtype).removeprefix("torch."))
         if self.model.lm_head_t is not None:

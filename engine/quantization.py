@@ -40,8 +40,10 @@ _TENSORS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     MODELOPT: (("weight", "weight_scale", "weight_scale_2"), ("input_scale",)),
     COMPRESSED_TENSORS: (("weight_packed", "weight_scale", "weight_global_scale"), ("input_global_scale",)),
 }
-# Every tensor suffix a linear may carry, in either layout (the loader's name rules use it).
-LINEAR_SUFFIXES = ("bias",) + tuple(dict.fromkeys(s for req, skip in _TENSORS.values() for s in req + skip))
+# Every tensor suffix a linear may carry, in either NVFP4 layout or block-wise FP8 (engine/fp8.py,
+# its `weight_scale_inv`); the loader's name rules use it.
+LINEAR_SUFFIXES = ("bias", "weight_scale_inv") + tuple(dict.fromkeys(s for req, skip in _TENSORS.values()
+                                                                     for s in req + skip))
 # NOTE: ModelOpt names its packed tensor `weight`, like an excluded bf16 linear's; the block
 # scale beside it is what tells the two apart.
 _MARKER = {MODELOPT: "weight_scale", COMPRESSED_TENSORS: "weight_packed"}
@@ -102,6 +104,8 @@ def detect_quantization(folder: Path, checkpoint_config: Mapping[str, Any] | Non
     if requested not in (None, *SCHEMES):
         raise ConfigError(f"--quantization: '{requested}' is not one of {', '.join(SCHEMES)}")
     hf_quant = folder / HF_QUANT_CONFIG
+    if _is_fp8(checkpoint_config):
+        return _fp8_checkpoint_method(checkpoint_config, requested)
     if requested == INT8:
         if checkpoint_config is not None or hf_quant.is_file():
             where = "config.json's quantization_config" if checkpoint_config is not None else HF_QUANT_CONFIG
@@ -117,7 +121,7 @@ def detect_quantization(folder: Path, checkpoint_config: Mapping[str, Any] | Non
         if method != MODELOPT:
             raise ConfigError(
                 f"config.json: unsupported quantization '{method}' in field 'quantization_config.quant_method'; "
-                f"supported: {MODELOPT} (NVFP4), {COMPRESSED_TENSORS} ({CT_NVFP4_FORMAT})")
+                f"supported: {MODELOPT} (NVFP4), {COMPRESSED_TENSORS} ({CT_NVFP4_FORMAT}), fp8 (block-wise)")
         if not hf_quant.is_file():
             return _modelopt_method(checkpoint_config, "config.json", "quantization_config.")
     if hf_quant.is_file():
@@ -132,6 +136,23 @@ def detect_quantization(folder: Path, checkpoint_config: Mapping[str, Any] | Non
     if requested == "nvfp4":
         return QuantizationMethod(None, "--quantization nvfp4")
     return None
+
+
+def _is_fp8(checkpoint_config: Mapping[str, Any] | None) -> bool:
+    return isinstance(checkpoint_config, Mapping) and checkpoint_config.get("quant_method") == "fp8"
+
+
+def _fp8_checkpoint_method(checkpoint_config: Mapping[str, Any], requested: str | None) -> QuantizationMethod | None:
+    """A block-wise FP8 checkpoint: its linears are FP8 or dequantized by the loader (engine/fp8.py);
+    a requested scheme re-quantizes the dequantized weights, else None (the checkpoint as it is)."""
+    from engine.fp8 import fp8_format  # engine.fp8 builds on this module
+
+    fmt = fp8_format(checkpoint_config)  # checks the declaration: one line naming a bad field
+    assert fmt is not None, "an fp8 quant_method has a format"
+    if requested is None:
+        return None
+    source = f"--quantization {requested}, from the dequantized {fmt.describe()} weights"
+    return QuantizationMethod(None, source, scheme=requested)
 
 
 def _modelopt_method(cfg: Mapping[str, Any], source: str, prefix: str) -> QuantizationMethod:
