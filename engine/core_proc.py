@@ -9,6 +9,7 @@ itself, end it with a `dead` message. The same loop runs on a thread of the serv
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import queue
 import signal
@@ -21,6 +22,8 @@ from typing import Any
 
 from engine.config import ConfigError, EngineConfig
 from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, Shutdown
+from engine.heartbeat import Heartbeat
+from scheduler.fair_queue import FairShareState
 
 logger = logging.getLogger("fp4serve.engine")
 
@@ -34,9 +37,10 @@ Message = AddRequests | AbortRequests | Shutdown
 class EngineCoreLoop:
     """Runs on one thread; `core` is an engine.core.EngineCore (or a test's proxy of one)."""
 
-    def __init__(self, core: Any, emit: Callable[[EngineCoreOutputs], None]) -> None:
+    def __init__(self, core: Any, emit: Callable[[EngineCoreOutputs], None], heartbeat: Heartbeat | None = None) -> None:
         self.core = core
         self.emit = emit
+        self.heartbeat = heartbeat  # what the server's watchdog reads (engine/supervisor.py)
         self.num_failures = 0  # consecutive failed steps
 
     def run(self, inbox: queue.SimpleQueue[Message]) -> None:
@@ -62,6 +66,8 @@ class EngineCoreLoop:
                     messages.append(inbox.get_nowait())
                 except queue.Empty:
                     break
+            if self.heartbeat is not None:
+                self.heartbeat.beat()
             for message in messages:
                 if isinstance(message, Shutdown):
                     return
@@ -77,14 +83,20 @@ class EngineCoreLoop:
         """One step, its outputs emitted; False once the engine is dead."""
         t0 = time.perf_counter()
         out = self.core.schedule()
+        beat = self.heartbeat
         if out.is_empty:
             # Everything waits for a grammar, or for pages only an abort can free.
             time.sleep(0.001)
             return True
+        if beat is not None:
+            beat.step_begins(out.requests)
         try:
             result = self.core.execute(out)
         except Exception as e:
             return self._step_failed(e)
+        finally:
+            if beat is not None:
+                beat.step_ends()
         self.num_failures = 0
         outputs = self.core.update(out, result)
         self.emit(replace(outputs, step_time_s=time.perf_counter() - t0))
@@ -106,19 +118,33 @@ class EngineCoreLoop:
 
 
 # ---- the engine process ---------------------------------------------------------------------------
-def run_engine_core_proc(config: EngineConfig, conn: Connection) -> None:
+def run_engine_core_proc(
+    config: EngineConfig, conn: Connection, heartbeat_slots: Any = None, fair_share: FairShareState = ()
+) -> None:
     """The engine process's main: load, say ready (EngineInfo) or why not, then loop until the
-    front says shutdown or goes away (its end of the pipe closes)."""
+    front says shutdown or goes away (its end of the pipe closes). `heartbeat_slots`: the shared
+    array the server's watchdog reads (engine/heartbeat.py); `fair_share`: the fair-share counters
+    a previous engine reported, when this one replaces it (engine/supervisor.py)."""
     # NOTE: the front handles SIGINT/SIGTERM and drains; it stops this process through the pipe,
     # so a signal to the whole process group must not kill the engine under in-flight requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the front reloads its API keys on SIGHUP (api/keys.py)
+    # The watchdog sends SIGUSR1 before it kills a hung engine: every thread's stack goes to stderr
+    # (the server's log), even from inside a C call that never returns.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # tqdm's default lock (the load's progress bars) also makes a multiprocessing semaphore, which a
+    # killed engine leaves to the resource tracker, and the server warns of it at exit: one
+    # process, one thread lock is enough.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     try:
         from engine.core import EngineCore
 
         core = EngineCore(config)
+        core.scheduler.fair.restore(fair_share)
     except ConfigError as e:
         conn.send(("failed", "config", str(e)))
         return
@@ -146,4 +172,4 @@ def run_engine_core_proc(config: EngineConfig, conn: Connection) -> None:
             except (BrokenPipeError, OSError):
                 pass
 
-    EngineCoreLoop(core, emit).run(inbox)
+    EngineCoreLoop(core, emit, None if heartbeat_slots is None else Heartbeat(heartbeat_slots)).run(inbox)

@@ -89,6 +89,10 @@ class EngineMetrics:
             "fp4serve_spec_decode_accepted_tokens_per_position", "Draft tokens accepted, by draft position (0 = first).",
             ["position"], registry=r,
         )
+        self.engine_restarts = Counter(
+            "fp4serve_engine_restarts", "Engine processes lost and restarted, by why: crash, hang or error "
+            "(engine/supervisor.py).", ["reason"], registry=r,
+        )
         info = Gauge("fp4serve_model_info", "The model being served.", ["model_name"], registry=r)
         info.labels(model_name=model_name).set(1)
         self._last_queried = 0
@@ -112,10 +116,15 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
         self.kv_pages_total.set(stats.num_blocks)
-        # The block manager keeps cumulative counts; counters take the increments.
-        self.prefix_queries.inc(stats.prefix_cache_queried_tokens - self._last_queried)
-        self.prefix_hits.inc(stats.prefix_cache_hit_tokens - self._last_hits)
-        self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
+        # The block manager keeps cumulative counts; counters take the increments. A restarted
+        # engine counts from zero again: a count below the last one is all new.
+        self.prefix_queries.inc(_increment(stats.prefix_cache_queried_tokens, self._last_queried))
+        self.prefix_hits.inc(_increment(stats.prefix_cache_hit_tokens, self._last_hits))
+        self.preemptions.inc(_increment(stats.num_preemptions, self._last_preemptions))
         self._last_queried = stats.prefix_cache_queried_tokens
         self._last_hits = stats.prefix_cache_hit_tokens
         self._last_preemptions = stats.num_preemptions
+
+
+def _increment(count: int, last: int) -> int:
+    return count - last if count >= last else count

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler.block_manager import BlockManager
-from scheduler.fair_queue import FairQueue, Policy
+from scheduler.fair_queue import FairQueue, FairShareState, Policy
 from scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.slot_manager import SlotManager
@@ -53,6 +53,7 @@ class SchedulerStats:
     prefix_cache_queried_tokens: int  # cumulative
     prefix_cache_hit_tokens: int  # cumulative
     num_preemptions: int  # cumulative
+    fair_share: FairShareState = ()  # each key's virtual tokens (scheduler/fair_queue.py), for a restart
 
     @property
     def kv_usage(self) -> float:
@@ -315,4 +316,5 @@ class Scheduler:
             prefix_cache_queried_tokens=self.num_prefix_queried_tokens,
             prefix_cache_hit_tokens=self.num_prefix_hit_tokens,
             num_preemptions=self.num_preemptions,
+            fair_share=self.fair.snapshot(),
         )
