@@ -71,9 +71,10 @@ class RestartPolicy:
                 return None
             return f"a step made no progress for {stalled:.1f} s (limit {allowance:g} s; batch: {beat.shape})"
         if last_sent > beat.alive and now - last_sent > timeout:
-            return f"the engine took no new requests for {now - last_sent:.1f} s (limit {timeout:g} s)"
+            return f"the engine took no new requests for {now - last_sent:.1f} s (limit {timeout:g} s; last batch: {beat.shape})"
         if busy and now - beat.alive > timeout:
-            return f"the engine loop made no progress for {now - beat.alive:.1f} s with requests in it (limit {timeout:g} s)"
+            return (f"the engine loop made no progress for {now - beat.alive:.1f} s with requests in it (limit {timeout:g} s; "
+                    f"last batch: {beat.shape})")
         return None
 
 
@@ -130,6 +131,11 @@ class EngineSupervisor:
             client = self._client
             state = "stopped" if self._gave_up or self._stopping.is_set() else "running" if client else "restarting"
             return CoreStatus(state, client.pid if client else None, self._num_restarts, self._last_restart)
+
+    @property
+    def fair_share(self) -> FairShareState:
+        """The fair-share counters of the core's last report: what its successor starts from."""
+        return self._fair_share
 
     def shutdown(self) -> None:
         self._stopping.set()

@@ -55,7 +55,7 @@ def test_requests_the_engine_never_takes_count_as_a_hang() -> None:
     idle = reading(alive=T)  # blocked on its inbox since T, e.g. frozen by SIGSTOP
     assert POLICY.hang(idle, last_sent=T + 1, busy=False, now=T + 10.9) is None
     assert POLICY.hang(idle, last_sent=T + 1, busy=False, now=T + 11.5) == \
-        "the engine took no new requests for 10.5 s (limit 10 s)"
+        f"the engine took no new requests for 10.5 s (limit 10 s; last batch: {SHAPE})"
 
 
 def test_a_loop_stalled_outside_a_step_with_requests_in_it_is_a_hang() -> None:
