@@ -23,8 +23,8 @@ def add_reliability_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--engine-step-timeout", "--watchdog-timeout", type=float, metavar="SECONDS",
                        default=_DEFAULTS.engine_step_timeout_s,
                        help="an engine step (one batch's forward) that makes no progress for this long counts as "
-                       "a hang: the engine process is killed and restarted (the first step of each engine gets "
-                       "twice as long: it may compile kernels); raise it if one prefill chunk of your model takes "
+                       "a hang: the engine process is killed and restarted (on a GPU the first step of each engine "
+                       "gets twice as long: it may compile kernels); raise it if one prefill chunk of your model takes "
                        "longer on your hardware; 0: no watchdog")
     group.add_argument("--engine-start-timeout", type=float, metavar="SECONDS", default=_DEFAULTS.engine_start_timeout_s,
                        help="most seconds an engine process may take to load the model and say it is ready; "

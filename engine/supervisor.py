@@ -34,8 +34,8 @@ from scheduler.fair_queue import FairShareState
 
 logger = logging.getLogger("fp4serve.engine")
 
-# The first step of a core runs cold (on a GPU: Triton compiles its prefill kernels, cuBLAS picks
-# its plans), so it gets this many step timeouts.
+# The first step of a core on a GPU runs cold (Triton compiles its prefill kernels, cuBLAS picks
+# its plans), so it gets this many step timeouts. On a CPU the first step is like any other.
 FIRST_STEP_FACTOR = 2
 KILL_GRACE_S = 1.0  # between the stack dump (SIGUSR1) and SIGKILL, for the dump to reach the log
 BACKOFF_S = 1.0
@@ -48,11 +48,16 @@ class RestartPolicy:
     window_s: float = 600.0
     step_timeout_s: float = 60.0  # 0: no watchdog
     start_timeout_s: float = 600.0  # loading a core; 0: no limit
+    first_step_factor: float = 1.0  # the first step's allowance, in step timeouts
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> RestartPolicy:
         return cls(config.engine_max_restarts, config.engine_restart_window_s, config.engine_step_timeout_s,
                    config.engine_start_timeout_s)
+
+    def for_device(self, device: str) -> RestartPolicy:
+        """The policy for an engine on `device` (EngineInfo.device: "cpu", "cuda:0", ...)."""
+        return replace(self, first_step_factor=FIRST_STEP_FACTOR if device.startswith("cuda") else 1.0)
 
     def backoff_s(self, num_failures: int) -> float:
         """The wait before a restart, after `num_failures` failures in the window (>= 1)."""
@@ -65,7 +70,7 @@ class RestartPolicy:
         if not timeout:
             return None
         if beat.in_step:
-            allowance = timeout * (FIRST_STEP_FACTOR if beat.num_steps == 0 else 1)
+            allowance = timeout * (self.first_step_factor if beat.num_steps == 0 else 1)
             stalled = now - beat.step_started
             if stalled <= allowance:
                 return None
@@ -90,6 +95,7 @@ class EngineSupervisor:
         self._loading: MPClient | None = None  # a core being loaded: shutdown kills it
         self._client: MPClient | None = self._load(())  # None while a restart runs
         self.info: EngineInfo = self._client.info  # type: ignore[assignment]
+        self.policy = self.policy.for_device(self.info.device)
         self._generation = 0  # bumped at each loss: a lost core's late messages are dropped
         self._waiting: dict[str, EngineCoreRequest] = {}  # added during a restart, in order
         self._on_outputs: OnOutputs | None = None
