@@ -20,6 +20,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
+from engine.allocator import memory_releaser
 from engine.config import ConfigError, EngineConfig
 from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, Shutdown
 from engine.heartbeat import Heartbeat
@@ -37,11 +38,19 @@ Message = AddRequests | AbortRequests | Shutdown
 class EngineCoreLoop:
     """Runs on one thread; `core` is an engine.core.EngineCore (or a test's proxy of one)."""
 
-    def __init__(self, core: Any, emit: Callable[[EngineCoreOutputs], None], heartbeat: Heartbeat | None = None) -> None:
+    def __init__(
+        self,
+        core: Any,
+        emit: Callable[[EngineCoreOutputs], None],
+        heartbeat: Heartbeat | None = None,
+        release_memory: Callable[[], None] | None = None,
+    ) -> None:
         self.core = core
         self.emit = emit
         self.heartbeat = heartbeat  # what the server's watchdog reads (engine/supervisor.py)
+        self.release_memory = release_memory  # run when the loop idles after work (engine/allocator.py)
         self.num_failures = 0  # consecutive failed steps
+        self._stepped = False  # since the loop last idled
 
     def run(self, inbox: queue.SimpleQueue[Message]) -> None:
         try:
@@ -59,6 +68,9 @@ class EngineCoreLoop:
             idle = not self.core.has_unfinished()
             if idle:  # gauges read zero once drained
                 self.emit(EngineCoreOutputs(stats=self.core.scheduler.stats()))
+                if self._stepped and self.release_memory is not None:
+                    self.release_memory()
+                self._stepped = False
             # Block only when there is nothing to step; else take what has arrived and go on.
             messages = [inbox.get()] if idle else []
             while True:
@@ -90,6 +102,7 @@ class EngineCoreLoop:
             return True
         if beat is not None:
             beat.step_begins(out.requests)
+        self._stepped = True
         try:
             result = self.core.execute(out)
         except Exception as e:
@@ -172,4 +185,5 @@ def run_engine_core_proc(
             except (BrokenPipeError, OSError):
                 pass
 
-    EngineCoreLoop(core, emit, None if heartbeat_slots is None else Heartbeat(heartbeat_slots)).run(inbox)
+    heartbeat = None if heartbeat_slots is None else Heartbeat(heartbeat_slots)
+    EngineCoreLoop(core, emit, heartbeat, memory_releaser()).run(inbox)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from engine.allocator import memory_releaser
 from engine.async_engine import AsyncEngine, EngineRestartingError
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -105,8 +106,9 @@ def tiny_core(qwen3_ckpt: Path) -> EngineCore:
     return EngineCore(EngineConfig(model=str(qwen3_ckpt), dtype="float32", kv_cache_memory="8MiB", max_num_seqs=1))
 
 
-def test_the_engine_loop_beats_once_per_step(tiny_core: EngineCore) -> None:
+def test_the_engine_loop_beats_once_per_step_and_frees_memory_once_idle(tiny_core: EngineCore) -> None:
     beat = Heartbeat()
+    releases: list[int] = []
     steps: list[EngineCoreOutputs] = []
     finished = threading.Event()
 
@@ -117,7 +119,8 @@ def test_the_engine_loop_beats_once_per_step(tiny_core: EngineCore) -> None:
             finished.set()
 
     inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
-    loop = threading.Thread(target=EngineCoreLoop(tiny_core, emit, beat).run, args=(inbox,))
+    loop = threading.Thread(target=EngineCoreLoop(tiny_core, emit, beat, lambda: releases.append(len(steps))).run,
+                            args=(inbox,))
     loop.start()
     request = EngineCoreRequest("r", (5, 6, 7, 8), SamplingParams(max_tokens=6, ignore_eos=True), (), 0.0)
     inbox.put(AddRequests((request,)))
@@ -127,6 +130,13 @@ def test_the_engine_loop_beats_once_per_step(tiny_core: EngineCore) -> None:
     got = beat.read()
     assert not got.in_step and got.num_steps == len(steps) == 6  # a 4-token prefill, then five decodes
     assert got.shape == BatchShape(num_requests=1, num_tokens=1, num_prefills=0, num_prefill_tokens=0)
+    assert releases == [6]  # once, when it went idle after the work; not while it idled before
+
+
+def test_the_engine_process_can_return_freed_memory() -> None:
+    release = memory_releaser()
+    assert release is not None, "glibc's malloc_trim, on Linux"
+    release()
 
 
 def test_scheduler_counters_that_restart_from_zero_keep_counting() -> None:
