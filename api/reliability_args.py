@@ -26,7 +26,8 @@ def add_reliability_arguments(parser: argparse.ArgumentParser) -> None:
                        "a hang: the engine process is killed and restarted (on a GPU the first step of each engine "
                        "gets twice as long: it may compile kernels); raise it if one prefill chunk of your model takes "
                        "longer on your hardware; 0: no watchdog")
-    group.add_argument("--engine-start-timeout", type=float, metavar="SECONDS", default=_DEFAULTS.engine_start_timeout_s,
+    group.add_argument("--engine-start-timeout", type=float, metavar="SECONDS",
+                       default=_DEFAULTS.engine_start_timeout_s,
                        help="most seconds an engine process may take to load the model and say it is ready; "
                        "0: no limit")
     group.add_argument("--engine-max-restarts", type=int, metavar="N", default=_DEFAULTS.engine_max_restarts,

@@ -40,7 +40,8 @@ def make_tool(rng: random.Random, name: str) -> dict[str, Any]:
     for i in range(rng.randint(3, 10)):
         kind = rng.random()
         if kind < 0.15:
-            props[f"p{i}"] = {"type": "string", "enum": [rng.choice(COMMON_WORDS) + str(j) for j in range(rng.randint(2, 6))]}
+            values = [rng.choice(COMMON_WORDS) + str(j) for j in range(rng.randint(2, 6))]
+            props[f"p{i}"] = {"type": "string", "enum": values}
         elif kind < 0.3:
             props[f"p{i}"] = {"type": "array", "items": {"type": rng.choice(TYPES)}}
         elif kind < 0.4:

@@ -105,7 +105,8 @@ class MPClient:
         ctx = multiprocessing.get_context("spawn")
         self.heartbeat = Heartbeat()
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=run_engine_core_proc, args=(config, child_conn, self.heartbeat.slots, fair_share),
+        self._proc = ctx.Process(target=run_engine_core_proc,
+                                 args=(config, child_conn, self.heartbeat.slots, fair_share),
                                  name="fp4serve-engine", daemon=True)
         self._proc.start()
         child_conn.close()

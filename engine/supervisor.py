@@ -76,10 +76,11 @@ class RestartPolicy:
                 return None
             return f"a step made no progress for {stalled:.1f} s (limit {allowance:g} s; batch: {beat.shape})"
         if last_sent > beat.alive and now - last_sent > timeout:
-            return f"the engine took no new requests for {now - last_sent:.1f} s (limit {timeout:g} s; last batch: {beat.shape})"
-        if busy and now - beat.alive > timeout:
-            return (f"the engine loop made no progress for {now - beat.alive:.1f} s with requests in it (limit {timeout:g} s; "
+            return (f"the engine took no new requests for {now - last_sent:.1f} s (limit {timeout:g} s; "
                     f"last batch: {beat.shape})")
+        if busy and now - beat.alive > timeout:
+            return (f"the engine loop made no progress for {now - beat.alive:.1f} s with requests in it "
+                    f"(limit {timeout:g} s; last batch: {beat.shape})")
         return None
 
 
@@ -262,9 +263,9 @@ class EngineSupervisor:
             assert self._last_restart is not None
             self._last_restart = replace(self._last_restart, duration_s=took)
             num_failures = len(self._failures)
-        logger.warning("engine core restarted after a %s (%s) in %.1f s: restart %d of %d within %g s; engine process %s, "
-                       "%d waiting requests sent to it", reason, detail, took, num_failures, self.policy.max_restarts,
-                       self.policy.window_s, client.pid, len(waiting))
+        logger.warning("engine core restarted after a %s (%s) in %.1f s: restart %d of %d within %g s; engine "
+                       "process %s, %d waiting requests sent to it", reason, detail, took, num_failures,
+                       self.policy.max_restarts, self.policy.window_s, client.pid, len(waiting))
 
     def _count_failure(self) -> int:
         """Under the lock: record a failure now; the failures within the window."""

@@ -111,8 +111,8 @@ def test_without_restarts_a_dead_engine_process_fails_in_flight_requests_turns_h
         # (tests/test_robustness_engine.py holds a dead engine's 503 with a slower drain).
         assert health in (503, None)
         assert server.process.wait(30) == 1
-        assert "the engine stopped (the engine process exited (exit code -9); restarts are off (--engine-max-restarts " \
-            "0)): exiting with status 1" in server.log()
+        assert ("the engine stopped (the engine process exited (exit code -9); restarts are off "
+                "(--engine-max-restarts 0)): exiting with status 1") in server.log()
 
 
 @pytest.mark.slow

@@ -76,7 +76,8 @@ def wait_health(server: RunningServer, status: str, deadline_s: float) -> dict[s
             return body
         seen.append(body["status"])
         time.sleep(0.05)
-    raise AssertionError(f"/health never said {status!r} in {deadline_s:g} s (saw {seen[-3:]}):\n{server.log()[-3000:]}")
+    raise AssertionError(f"/health never said {status!r} in {deadline_s:g} s (saw {seen[-3:]}):\n"
+                         f"{server.log()[-3000:]}")
 
 
 def alive(pid: int) -> bool:
@@ -285,3 +286,10 @@ def test_fair_share_counters_cross_into_the_new_engine(qwen3_ckpt: Path) -> None
     before, after = asyncio.run(main())
     assert before["a"] > before["b"] > 0
     assert after["a"] == before["a"] and after["b"] == before["b"] and after["c"] > 0
+
+
+def test_an_engine_that_does_not_load_in_time_is_killed_and_the_server_exits_1() -> None:
+    # Spawning Python and importing torch alone take longer than this.
+    with pytest.raises(RuntimeError, match="server exited with 1") as failed:
+        start_server("--max-model-len", "256", "--kv-cache-memory", "16MiB", "--engine-start-timeout", "0.2")
+    assert "the engine process did not load in 0.2 s (--engine-start-timeout)" in str(failed.value)

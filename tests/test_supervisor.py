@@ -179,7 +179,8 @@ def test_a_lost_engine_ends_streaming_and_waiting_requests_and_the_next_one_is_s
                 refused = None
             except EngineRestartingError as e:
                 refused = e
-            after = [out async for out in engine.generate([5, 6], SamplingParams(max_tokens=3, ignore_eos=True), "after")]
+            short = SamplingParams(max_tokens=3, ignore_eos=True)
+            after = [out async for out in engine.generate([5, 6], short, "after")]
             return [first, *rest], refused, after
         finally:
             await engine.shutdown()
