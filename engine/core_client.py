@@ -22,7 +22,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.core_proc import EngineCoreLoop, Message, run_engine_core_proc
 from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, EngineCoreRequest, EngineInfo, Shutdown
 from engine.heartbeat import Heartbeat
-from scheduler.fair_queue import FairShareState
+from scheduler.scheduler import SchedulerStats
 
 logger = logging.getLogger("fp4serve.engine")
 
@@ -99,14 +99,14 @@ class MPClient:
     hung, or frozen by SIGSTOP) blocks that thread and never the event loop; the watchdog kills
     such an engine (engine/supervisor.py) and the blocked send then fails."""
 
-    def __init__(self, config: EngineConfig, fair_share: FairShareState = ()) -> None:
-        """Spawns the child and returns; `wait_ready` waits for it to load. `fair_share`: the
-        counters its scheduler starts from (a previous engine's, after a restart)."""
+    def __init__(self, config: EngineConfig, carried: SchedulerStats | None = None) -> None:
+        """Spawns the child and returns; `wait_ready` waits for it to load. `carried`: the last
+        stats of the engine it replaces, whose counters its scheduler continues."""
         ctx = multiprocessing.get_context("spawn")
         self.heartbeat = Heartbeat()
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=run_engine_core_proc,
-                                 args=(config, child_conn, self.heartbeat.slots, fair_share),
+                                 args=(config, child_conn, self.heartbeat.slots, carried),
                                  name="fp4serve-engine", daemon=True)
         self._proc.start()
         child_conn.close()

@@ -24,7 +24,7 @@ from engine.allocator import memory_releaser
 from engine.config import ConfigError, EngineConfig
 from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, Shutdown
 from engine.heartbeat import Heartbeat
-from scheduler.fair_queue import FairShareState
+from scheduler.scheduler import SchedulerStats
 
 logger = logging.getLogger("fp4serve.engine")
 
@@ -132,12 +132,13 @@ class EngineCoreLoop:
 
 # ---- the engine process ---------------------------------------------------------------------------
 def run_engine_core_proc(
-    config: EngineConfig, conn: Connection, heartbeat_slots: Any = None, fair_share: FairShareState = ()
+    config: EngineConfig, conn: Connection, heartbeat_slots: Any = None, carried: SchedulerStats | None = None
 ) -> None:
     """The engine process's main: load, say ready (EngineInfo) or why not, then loop until the
     front says shutdown or goes away (its end of the pipe closes). `heartbeat_slots`: the shared
-    array the server's watchdog reads (engine/heartbeat.py); `fair_share`: the fair-share counters
-    a previous engine reported, when this one replaces it (engine/supervisor.py)."""
+    array the server's watchdog reads (engine/heartbeat.py); `carried`: the last stats of the
+    engine this one replaces, whose cumulative and fair-share counters it continues
+    (engine/supervisor.py)."""
     # NOTE: the front handles SIGINT/SIGTERM and drains; it stops this process through the pipe,
     # so a signal to the whole process group must not kill the engine under in-flight requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -157,7 +158,8 @@ def run_engine_core_proc(
         from engine.core import EngineCore
 
         core = EngineCore(config)
-        core.scheduler.fair.restore(fair_share)
+        if carried is not None:
+            core.scheduler.restore(carried)
     except ConfigError as e:
         conn.send(("failed", "config", str(e)))
         return

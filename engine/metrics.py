@@ -116,15 +116,10 @@ class EngineMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
         self.kv_pages_total.set(stats.num_blocks)
-        # The block manager keeps cumulative counts; counters take the increments. A restarted
-        # engine counts from zero again: a count below the last one is all new.
-        self.prefix_queries.inc(_increment(stats.prefix_cache_queried_tokens, self._last_queried))
-        self.prefix_hits.inc(_increment(stats.prefix_cache_hit_tokens, self._last_hits))
-        self.preemptions.inc(_increment(stats.num_preemptions, self._last_preemptions))
+        # The block manager keeps cumulative counts; counters take the increments.
+        self.prefix_queries.inc(stats.prefix_cache_queried_tokens - self._last_queried)
+        self.prefix_hits.inc(stats.prefix_cache_hit_tokens - self._last_hits)
+        self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
         self._last_queried = stats.prefix_cache_queried_tokens
         self._last_hits = stats.prefix_cache_hit_tokens
         self._last_preemptions = stats.num_preemptions
-
-
-def _increment(count: int, last: int) -> int:
-    return count - last if count >= last else count

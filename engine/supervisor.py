@@ -6,8 +6,9 @@ the watchdog kills it), or declared itself dead after failed steps.
 To the front (engine/async_engine.py) it is one CoreClient that never changes. On a loss it sends
 `EngineCoreOutputs(dead=..., restart=reason)`, and the front fails every request the lost core
 held; requests added from then on wait here and go to the new core once it is ready. The new core
-has the same config (weights reloaded, KV pages, state slots and grammar cache fresh) and starts
-from the lost one's fair-share counters. Restarts back off (1 s, 2 s, 4 s, ... up to 30 s); past
+has the same config (weights reloaded, KV pages, state slots and grammar cache fresh) and carries
+on from the lost one's last stats: its fair-share counters and its cumulative counters (which the
+metrics take increments of). Restarts back off (1 s, 2 s, 4 s, ... up to 30 s); past
 --engine-max-restarts failures (losses and failed starts) within --engine-restart-window it gives
 up with a plain `dead` message, and the server exits non-zero as it did before restarts existed.
 
@@ -31,6 +32,7 @@ from engine.core_client import CoreStatus, MPClient, OnOutputs, Restart
 from engine.core_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from engine.heartbeat import HeartbeatReading
 from scheduler.fair_queue import FairShareState
+from scheduler.scheduler import SchedulerStats
 
 logger = logging.getLogger("fp4serve.engine")
 
@@ -94,13 +96,13 @@ class EngineSupervisor:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._loading: MPClient | None = None  # a core being loaded: shutdown kills it
-        self._client: MPClient | None = self._load(())  # None while a restart runs
+        self._client: MPClient | None = self._load(None)  # None while a restart runs
         self.info: EngineInfo = self._client.info  # type: ignore[assignment]
         self.policy = self.policy.for_device(self.info.device)
         self._generation = 0  # bumped at each loss: a lost core's late messages are dropped
         self._waiting: dict[str, EngineCoreRequest] = {}  # added during a restart, in order
         self._on_outputs: OnOutputs | None = None
-        self._fair_share: FairShareState = ()  # from the core's last stats, seeds its successor
+        self._last_stats: SchedulerStats | None = None  # the core's last report: its successor carries on
         self._busy = False  # the core's last stats had requests in it
         self._hung: tuple[int, str] | None = None  # (generation, why) of a core the watchdog killed
         self._failures: deque[float] = deque()  # time.monotonic() of each loss or failed start
@@ -142,7 +144,7 @@ class EngineSupervisor:
     @property
     def fair_share(self) -> FairShareState:
         """The fair-share counters of the core's last report: what its successor starts from."""
-        return self._fair_share
+        return () if self._last_stats is None else self._last_stats.fair_share
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -156,8 +158,8 @@ class EngineSupervisor:
             thread.join(5)
 
     # ---- one core ---------------------------------------------------------------------------------
-    def _load(self, fair_share: FairShareState) -> MPClient:
-        client = MPClient(self.config, fair_share)
+    def _load(self, carried: SchedulerStats | None) -> MPClient:
+        client = MPClient(self.config, carried)
         with self._lock:
             self._loading = client
         try:
@@ -179,7 +181,7 @@ class EngineSupervisor:
             self._lost(generation, "error", outputs.dead)
             return
         if outputs.stats is not None:
-            self._fair_share = outputs.stats.fair_share
+            self._last_stats = outputs.stats
             self._busy = outputs.stats.num_running + outputs.stats.num_waiting > 0
         assert self._on_outputs is not None
         self._on_outputs(outputs)
@@ -237,7 +239,7 @@ class EngineSupervisor:
             if self._stopping.wait(delay):
                 return
             try:
-                client = self._load(self._fair_share)
+                client = self._load(self._last_stats)
                 break
             except Exception as e:
                 if self._stopping.is_set():

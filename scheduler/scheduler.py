@@ -53,7 +53,7 @@ class SchedulerStats:
     prefix_cache_queried_tokens: int  # cumulative
     prefix_cache_hit_tokens: int  # cumulative
     num_preemptions: int  # cumulative
-    fair_share: FairShareState = ()  # each key's virtual tokens (scheduler/fair_queue.py), for a restart
+    fair_share: FairShareState = ()  # each key's virtual tokens (scheduler/fair_queue.py)
 
     @property
     def kv_usage(self) -> float:
@@ -305,6 +305,16 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         self._finish(request)
+
+    def restore(self, last: SchedulerStats) -> None:
+        """Carry on from a lost engine's last stats (engine/supervisor.py), before any request: its
+        cumulative counters, so they never go back, and its fair-share counters, so a restart
+        hands no key fresh credit."""
+        assert not self.requests, "restored before the first request"
+        self.num_preemptions = last.num_preemptions
+        self.num_prefix_queried_tokens = last.prefix_cache_queried_tokens
+        self.num_prefix_hit_tokens = last.prefix_cache_hit_tokens
+        self.fair.restore(last.fair_share)
 
     def stats(self) -> SchedulerStats:
         bm = self.block_manager

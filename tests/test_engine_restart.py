@@ -4,7 +4,8 @@ freeze it with SIGSTOP (the watchdog, with a short --engine-step-timeout): every
 once with an error event, /health says `restarting` (503) and then ok with a new engine pid,
 requests sent meanwhile wait and are served, the HTTP process stays up, and per-key usage and
 rate limits carry on. Killed over and over, the server backs off and then exits 1 saying why. The
-fair-share counters cross into the new engine (engine level: they live in the engine process)."""
+fair-share and cumulative counters cross into the new engine (engine level: they live in the
+engine process)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineStats
 from engine.config import EngineConfig
 from engine.core_types import Owner
 from engine.supervisor import EngineSupervisor
@@ -258,7 +259,7 @@ def test_an_engine_that_keeps_dying_makes_the_server_back_off_then_exit_1() -> N
 def test_fair_share_counters_cross_into_the_new_engine(qwen3_ckpt: Path) -> None:
     config = EngineConfig(model=str(qwen3_ckpt), dtype="float32", kv_cache_memory="8MiB", engine_process=True)
 
-    async def main() -> tuple[dict[str, float], dict[str, float]]:
+    async def main() -> tuple[dict[str, float], dict[str, float], list[EngineStats]]:
         engine = AsyncEngine.from_config(config)
         supervisor = engine.client
         assert isinstance(supervisor, EngineSupervisor)
@@ -266,11 +267,14 @@ def test_fair_share_counters_cross_into_the_new_engine(qwen3_ckpt: Path) -> None
         try:
             async def run(key: str, max_tokens: int) -> None:
                 params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-                async for _ in engine.generate([5, 6, 7, 8], params, f"{key}-{max_tokens}", owner=Owner(key=key)):
+                outputs = engine.generate(list(range(5, 45)), params, f"{key}-{max_tokens}", owner=Owner(key=key))
+                async for _ in outputs:
                     pass
 
             await asyncio.gather(run("a", 40), run("b", 5))
+            await run("b", 6)  # the same prompt again: a prefix-cache hit
             before = dict(supervisor.fair_share)
+            counted = engine.stats()
             pid = engine.core_status().pid
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
@@ -279,13 +283,17 @@ def test_fair_share_counters_cross_into_the_new_engine(qwen3_ckpt: Path) -> None
                 assert time.monotonic() < deadline, status
                 await asyncio.sleep(0.05)
             await run("c", 3)  # the new engine's report, after its first request
-            return before, dict(supervisor.fair_share)
+            return before, dict(supervisor.fair_share), [counted, engine.stats()]
         finally:
             await engine.shutdown()
 
-    before, after = asyncio.run(main())
+    before, after, (counted, recounted) = asyncio.run(main())
     assert before["a"] > before["b"] > 0
     assert after["a"] == before["a"] and after["b"] == before["b"] and after["c"] > 0
+    # The cumulative counters go on from the lost engine's (the metrics take their increments).
+    assert counted.prefix_cache_hit_tokens > 0
+    assert recounted.prefix_cache_hit_tokens == counted.prefix_cache_hit_tokens  # the prefix cache did not survive
+    assert recounted.prefix_cache_queried_tokens == counted.prefix_cache_queried_tokens + 40
 
 
 def test_an_engine_that_does_not_load_in_time_is_killed_and_the_server_exits_1() -> None:

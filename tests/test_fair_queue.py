@@ -167,7 +167,7 @@ def test_counters_carried_to_a_new_scheduler_keep_a_heavy_key_behind() -> None:
     def first_ten(restored: bool) -> list[str]:
         new = scheduler("fair", max_num_seqs=1)
         if restored:
-            new.fair.restore(carried)
+            new.restore(old.stats())
         for i in range(15):
             new.add_request(request(f"b{i}", "b", 4, 1, arrival=100 + i))
         for i in range(15):
@@ -177,3 +177,19 @@ def test_counters_carried_to_a_new_scheduler_keep_a_heavy_key_behind() -> None:
     assert all(rid.startswith("b") for rid in first_ten(restored=True))
     fresh = first_ten(restored=False)  # without the counters a returns level with b
     assert 4 <= sum(rid.startswith("a") for rid in fresh) <= 6, fresh
+
+
+def test_a_restored_scheduler_continues_the_cumulative_counters() -> None:
+    def cached() -> Scheduler:
+        return Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=512, block_size=4,
+                                         num_blocks=64, enable_prefix_caching=True))
+
+    old = cached()
+    old.num_preemptions, old.num_prefix_queried_tokens, old.num_prefix_hit_tokens = 3, 500, 120
+    new = cached()
+    new.restore(old.stats())
+    got = new.stats()
+    assert (got.num_preemptions, got.prefix_cache_queried_tokens, got.prefix_cache_hit_tokens) == (3, 500, 120)
+    new.add_request(request("x", "a", 8, 1, arrival=0))
+    admission_order(new)
+    assert new.stats().prefix_cache_queried_tokens == 508  # counted on from there

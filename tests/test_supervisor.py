@@ -23,11 +23,9 @@ from engine.core import EngineCore
 from engine.core_proc import EngineCoreLoop, Message
 from engine.core_types import AddRequests, EngineCoreOutputs, EngineCoreRequest, Shutdown
 from engine.heartbeat import BatchShape, Heartbeat, HeartbeatReading
-from engine.metrics import EngineMetrics
 from engine.supervisor import FIRST_STEP_FACTOR, MAX_BACKOFF_S, RestartPolicy
 from scheduler.output import ScheduledRequest
 from scheduler.request import SamplingParams
-from scheduler.scheduler import SchedulerStats
 
 POLICY = RestartPolicy(step_timeout_s=10.0)
 SHAPE = BatchShape(num_requests=3, num_tokens=530, num_prefills=1, num_prefill_tokens=528)
@@ -137,20 +135,6 @@ def test_the_engine_process_can_return_freed_memory() -> None:
     release = memory_releaser()
     assert release is not None, "glibc's malloc_trim, on Linux"
     release()
-
-
-def test_scheduler_counters_that_restart_from_zero_keep_counting() -> None:
-    metrics = EngineMetrics("m")
-    metrics.observe_scheduler(SchedulerStats(0, 0, 0, 8, prefix_cache_queried_tokens=100, prefix_cache_hit_tokens=40,
-                                             num_preemptions=3))
-    # A new engine process reports its own totals, from zero.
-    metrics.observe_scheduler(SchedulerStats(0, 0, 0, 8, prefix_cache_queried_tokens=10, prefix_cache_hit_tokens=0,
-                                             num_preemptions=1))
-    metrics.observe_scheduler(SchedulerStats(0, 0, 0, 8, prefix_cache_queried_tokens=30, prefix_cache_hit_tokens=5,
-                                             num_preemptions=1))
-    assert metrics.prefix_queries._value.get() == 130
-    assert metrics.prefix_hits._value.get() == 45
-    assert metrics.preemptions._value.get() == 4
 
 
 @pytest.fixture
