@@ -21,6 +21,7 @@ from api.errors import (
     handle_client_disconnected,
     handle_engine_dead,
     handle_engine_overloaded,
+    handle_engine_restarting,
     handle_http_exception,
     handle_param_error,
     handle_unexpected,
@@ -39,7 +40,7 @@ from api.state import (
     ServerState,
     load_engine,
 )
-from engine.async_engine import EngineDeadError, EngineOverloadedError
+from engine.async_engine import EngineDeadError, EngineOverloadedError, EngineRestartingError
 from engine.config import EngineConfig
 from scheduler.request import ParamError
 
@@ -85,6 +86,7 @@ def build_app(
             ParamError: handle_param_error,
             EngineOverloadedError: handle_engine_overloaded,
             EngineDeadError: handle_engine_dead,
+            EngineRestartingError: handle_engine_restarting,
             ClientDisconnected: handle_client_disconnected,
             HTTPException: handle_http_exception,
             Exception: handle_unexpected,

@@ -19,6 +19,7 @@ from typing import Any
 from api.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig
 from api.errors import OVERLOADED_RETRY_AFTER_S
 from api.limits import HARD_MAX_LOGPROBS, RequestLimits
+from api.reliability_args import add_reliability_arguments, reliability_engine_settings
 from api.team_args import add_team_arguments, team_engine_settings, team_server_settings
 from engine.async_engine import MAX_CONSECUTIVE_FAILURES, QueueLimits
 from engine.config import ConfigError, EngineConfig, KVEventsConfig
@@ -181,6 +182,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log verbosity")
     _add_robustness_arguments(parser)
     add_team_arguments(parser)
+    add_reliability_arguments(parser)
 
 
 def _add_robustness_arguments(parser: argparse.ArgumentParser) -> None:
@@ -265,6 +267,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         seed=args.seed,
         **team_engine_settings(args),
         kv_events_config=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
+        **reliability_engine_settings(args),
         **_speculative_settings(args),
     )
     _check_parser_names(args.tool_parser, args.reasoning_parser)

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.anthropic_errors import is_messages_path, to_anthropic
-from engine.async_engine import EngineDeadError, EngineOverloadedError
+from engine.async_engine import EngineDeadError, EngineOverloadedError, EngineRestartingError
 from scheduler.request import ParamError
 
 logger = logging.getLogger("fp4serve.api")
@@ -38,6 +38,7 @@ _TYPES = {
 OVERLOADED_TYPE = "overloaded_error"
 OVERLOADED_CODE = "server_overloaded"
 OVERLOADED_RETRY_AFTER_S = 1
+RESTARTING_RETRY_AFTER_S = 2  # the retry waits in the queue for the new engine, so any small value does
 
 
 class APIError(Exception):
@@ -129,6 +130,14 @@ async def handle_engine_dead(request: Request, exc: Exception) -> Response:
     # The process is on its way out (api/app.py); a retry lands on its restarted successor.
     return for_path(request, error_response(503, f"{exc}; see the server log", code="engine_dead",
                                             headers={"Retry-After": "5"}))
+
+
+async def handle_engine_restarting(request: Request, exc: Exception) -> Response:
+    """The engine process was lost before this request's first output; the retry waits for the
+    new engine (engine/supervisor.py), which the OpenAI and Anthropic SDKs do by themselves."""
+    assert isinstance(exc, EngineRestartingError), f"registered for EngineRestartingError, got {type(exc).__name__}"
+    return for_path(request, error_response(503, str(exc), code="engine_restarting",
+                                            headers={"Retry-After": str(RESTARTING_RETRY_AFTER_S)}))
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> Response:

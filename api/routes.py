@@ -286,24 +286,8 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    state = server_state(request)
-    if state.phase != "ready" or state.engine is None:
-        return json_response(
-            {"status": state.phase, "error": {"message": state.unavailable_reason(), "type": "unavailable_error"}},
-            status=503,
-        )
-    info = state.engine.info
-    return json_response(
-        {
-            "status": "ok",
-            "model": info.model_name,
-            "device": info.device,
-            "attention_backend": info.attention_backend,
-            "dtype": info.dtype,
-            "max_model_len": info.max_model_len,
-            "kv_capacity_tokens": info.kv_capacity_tokens,
-        }
-    )
+    status, body = server_state(request).health()
+    return json_response(body, status=status)
 
 
 async def version(request: Request) -> Response:

@@ -6,7 +6,9 @@ back into each request's stream of `RequestOutput`s on the event loop
 
 It also guards the engine: a bounded waiting queue (`QueueLimits`, checked where a request enters
 the engine) and failures: a failed step ends its in-flight requests with an error and the engine
-goes on; repeated failures, a crashed loop or a dead engine process mark it dead.
+goes on. A lost engine process (crashed, hung, or dead after failed steps) ends every request it
+held, and engine/supervisor.py starts a new one, which the requests arriving meanwhile wait for;
+when the supervisor gives up, or an in-process engine dies, the engine is dead.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from engine.config import EngineConfig
 from engine.core_proc import MAX_CONSECUTIVE_FAILURES
 from engine.core_types import EngineCoreOutputs, EngineCoreRequest, Owner, current_owner
+from engine.input_processor import child_request_id
 from engine.outputs import RequestOutput
 from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerStats
@@ -27,10 +30,10 @@ from scheduler.scheduler import SchedulerStats
 # NOTE: no torch here (EngineCore loads it): api/ imports this module's types and errors at
 # start-up, before the model loads, and a test keeps it that way.
 if TYPE_CHECKING:
-    from engine.core_client import CoreClient
+    from engine.core_client import CoreClient, CoreStatus
 
-__all__ = ["MAX_CONSECUTIVE_FAILURES", "AsyncEngine", "EngineDeadError", "EngineOverloadedError", "EngineStats",
-           "QueueLimits"]
+__all__ = ["MAX_CONSECUTIVE_FAILURES", "AsyncEngine", "EngineDeadError", "EngineOverloadedError",
+           "EngineRestartingError", "EngineStats", "QueueLimits"]
 
 logger = logging.getLogger("fp4serve.engine")
 
@@ -71,6 +74,11 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is at a `QueueLimits` bound; the request was not admitted."""
 
 
+class EngineRestartingError(RuntimeError):
+    """The engine process was lost before the request's first output; a new one is starting, and
+    the request may be sent again (it will wait for the new engine)."""
+
+
 class AsyncEngine:
     def __init__(self, core: Any = None, client: CoreClient | None = None) -> None:
         """`core`: an EngineCore (or a test's proxy of one) to run on a thread of this process;
@@ -94,7 +102,8 @@ class AsyncEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics, info.max_num_seqs)
         self.limits = QueueLimits()
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # Each request's outputs; an EngineRestartingError when the engine process holding it was lost.
+        self._queues: dict[str, asyncio.Queue[RequestOutput | EngineRestartingError]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_dead: Callable[[str], None] | None = None
         self._stats = SchedulerStats(0, 0, 0, max(info.num_kv_pages, 1), 0, 0, 0)
@@ -109,9 +118,9 @@ class AsyncEngine:
         """Load the model (blocking: call it from a thread while /health answers 503): in an engine
         process of its own unless `config.engine_process` is off."""
         if config.engine_process:
-            from engine.core_client import MPClient
+            from engine.supervisor import EngineSupervisor
 
-            return cls(client=MPClient(config))
+            return cls(client=EngineSupervisor(config))
         from engine.core import EngineCore
 
         return cls(EngineCore(config))
@@ -124,6 +133,10 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         return self._started and not self._stopping and not self.dead
+
+    def core_status(self) -> CoreStatus:
+        """The engine core's process, restarts and state (running, restarting, stopped)."""
+        return self.client.status()
 
     async def start(self, limits: QueueLimits | None = None, on_dead: Callable[[str], None] | None = None) -> None:
         """Start the engine loop. `on_dead(reason)` is called (on the loop) if the engine dies."""
@@ -190,14 +203,20 @@ class AsyncEngine:
         # NOTE: the check and add_request below run with no await between them, so concurrent
         # arrivals cannot all see the same free room.
         self._admit(len(children[0].prompt_token_ids), len(children))
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | EngineRestartingError] = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(request_id, children)
         self.client.add_requests(children)
         remaining = len(children)
+        started = False
         try:
             while remaining:
                 out = await queue.get()
+                if isinstance(out, EngineRestartingError):
+                    if not started:
+                        raise out  # nothing sent yet: the API answers 503 + Retry-After
+                    out = RequestOutput(request_id, 0, (), "", "abort", 0, 0, error=str(out))
+                started = True
                 if out.finish_reason is not None:
                     remaining -= 1
                 yield out
@@ -254,7 +273,11 @@ class AsyncEngine:
         if self.dead:
             return
         if step.dead is not None:
-            if not self._stopping:
+            if self._stopping:
+                pass
+            elif step.restart is not None:
+                self._core_lost(step.restart, step.dead)
+            else:
                 self._die(step.dead)
             return
         if step.stats is not None:
@@ -272,6 +295,23 @@ class AsyncEngine:
         if finished_by_stop:
             self.client.abort_requests(finished_by_stop)
         self._deliver(outputs)
+
+    def _core_lost(self, reason: str, detail: str) -> None:
+        """The engine process was lost and a new one is starting (engine/supervisor.py): every
+        request it held ends now; those not yet streaming raise EngineRestartingError."""
+        self.metrics.engine_restarts.labels(reason=reason).inc()
+        error = EngineRestartingError(f"the engine was lost ({detail}) and is restarting; retry the request")
+        try:
+            outputs = self.output_processor.fail_all(str(error))
+        except Exception:
+            logger.exception("could not fail the in-flight requests cleanly")
+            outputs = []
+        logger.error("engine lost (%s: %s): %d in-flight requests failed; a new engine is starting", reason, detail,
+                     len(outputs))
+        # Some may have gone to the supervisor after the loss, to wait for the new engine: not any more.
+        self.client.abort_requests([child_request_id(out.request_id, out.index) for out in outputs])
+        for queue in self._queues.values():
+            queue.put_nowait(error)
 
     def _die(self, reason: str) -> None:
         """No request can be served any more: every live stream gets an error, now."""

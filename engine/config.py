@@ -260,6 +260,11 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | None = None  # None: no KV-cache events (engine/kv_events.py)
     # mtp: take the MTP head (mtp.*) from this second checkpoint folder (FP8 or float) of the same model
     speculative_model: str | None = None
+    # The engine process's supervisor, in the server's process (engine/supervisor.py).
+    engine_step_timeout_s: float = 60.0  # a step making no progress this long is a hang; 0: no watchdog
+    engine_start_timeout_s: float = 600.0  # most seconds an engine process may take to load; 0: no limit
+    engine_max_restarts: int = 5  # lost engines replaced within the window; 0: a lost engine stops the server
+    engine_restart_window_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -287,6 +292,13 @@ class EngineConfig:
                               f"--speculative-method mtp, not {self.speculative_method}")
         if self.linear_attention_backend not in ("auto", "torch", "fla"):
             raise ConfigError(f"--linear-attention-backend: '{self.linear_attention_backend}' is not one of auto, torch, fla")
+        for flag, value in (("--engine-step-timeout", self.engine_step_timeout_s),
+                            ("--engine-start-timeout", self.engine_start_timeout_s),
+                            ("--engine-max-restarts", self.engine_max_restarts)):
+            if value < 0:
+                raise ConfigError(f"{flag}: must not be negative, got {value:g}")
+        if self.engine_restart_window_s <= 0:
+            raise ConfigError(f"--engine-restart-window: must be positive, got {self.engine_restart_window_s:g}")
 
 
 @dataclass(frozen=True)

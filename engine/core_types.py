@@ -119,6 +119,9 @@ class EngineCoreOutputs:
     failed_request_ids: tuple[str, ...] = ()  # ended by a failed step, with `error`
     error: str | None = None
     dead: str | None = None  # the core stopped for this reason: nothing more will come
+    # With `dead`: the supervisor is starting a new core in its place, after a "crash", a "hang" or
+    # an "error" (engine/supervisor.py); None: no core will follow.
+    restart: str | None = None
 
 
 @dataclass(frozen=True)

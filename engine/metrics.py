@@ -95,6 +95,10 @@ class EngineMetrics:
             "fp4serve_spec_decode_accepted_tokens_per_position", "Draft tokens accepted, by draft position (0 = first).",
             ["position"], registry=r,
         )
+        self.engine_restarts = Counter(
+            "fp4serve_engine_restarts", "Engine processes lost and restarted, by why: crash, hang or error "
+            "(engine/supervisor.py).", ["reason"], registry=r,
+        )
         info = Gauge("fp4serve_model_info", "The model being served.", ["model_name"], registry=r)
         info.labels(model_name=model_name).set(1)
         self._last_queried = 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from scheduler.block_manager import BlockManager
 from scheduler.checkpoint_manager import CheckpointManager
-from scheduler.fair_queue import FairQueue, Policy
+from scheduler.fair_queue import FairQueue, FairShareState, Policy
 from scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.slot_manager import SlotManager
@@ -62,6 +62,7 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     num_state_checkpoints: int = 0  # hybrid prefix caching: the pool's size
     num_used_state_checkpoints: int = 0
+    fair_share: FairShareState = ()  # each key's virtual tokens (scheduler/fair_queue.py)
 
     @property
     def kv_usage(self) -> float:
@@ -365,6 +366,15 @@ class Scheduler:
         if self.checkpoints is not None:
             self.checkpoints.reset()
         self.block_manager.reset_prefix_cache()
+    def restore(self, last: SchedulerStats) -> None:
+        """Carry on from a lost engine's last stats (engine/supervisor.py), before any request: its
+        cumulative counters, so they never go back, and its fair-share counters, so a restart
+        hands no key fresh credit."""
+        assert not self.requests, "restored before the first request"
+        self.num_preemptions = last.num_preemptions
+        self.num_prefix_queried_tokens = last.prefix_cache_queried_tokens
+        self.num_prefix_hit_tokens = last.prefix_cache_hit_tokens
+        self.fair.restore(last.fair_share)
 
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
@@ -379,4 +389,5 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_state_checkpoints=ck.num_checkpoints if ck is not None else 0,
             num_used_state_checkpoints=ck.num_used if ck is not None else 0,
+            fair_share=self.fair.snapshot(),
         )
