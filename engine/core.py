@@ -19,10 +19,10 @@ from engine.core_types import (
     EngineCoreRequest,
     EngineInfo,
     PromptLogprobsChunk,
+    SampledToken,
 )
 from engine.model_path import default_model_name, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
-from engine.outputs import SampledToken
 from engine.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
 from engine.structured import StructuredOutputs

@@ -11,7 +11,6 @@ from __future__ import annotations
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from engine.outputs import SampledToken
 from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerStats
 
@@ -68,6 +67,16 @@ class EngineCoreRequest:
     weight: float = 1.0
     key_priority: int = 0
     priority: int = 0
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token of one request in a step, as the runner returns it."""
+
+    token_id: int
+    logprob: float | None = None  # log-softmax of the raw logits at the sampled id
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,9 @@ class SchedulerStats:
         return self.num_used_blocks / self.num_blocks
 
 
-# (a request's tokens so far, most drafts wanted) -> draft tokens, e.g. engine/spec_decode/ngram.py
-Drafter = Callable[[Sequence[int], int], list[int]]
+# (the request's id, its tokens so far, most drafts wanted) -> draft tokens: engine/spec_decode/ngram.py
+# reads the tokens, engine/spec_decode/mtp.py the drafts it made for that request after the last step.
+Drafter = Callable[[str, Sequence[int], int], list[int]]
 
 
 class Scheduler:
@@ -213,7 +214,7 @@ class Scheduler:
             return []
         assert self.drafter is not None
         context = request.prompt_token_ids + request.output_token_ids
-        return self.drafter(context, k)[:k]
+        return self.drafter(request.request_id, context, k)[:k]
 
     def _pick_victim(self, exclude: Sequence[Request]) -> Request:
         """The youngest running request not already scheduled this step."""

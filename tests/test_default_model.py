@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError
-from fp4serve_tools.demo import DEMO_MODEL_NAME
+from engine.demo_model import DEMO_MODEL_NAME
 from engine.model_source import (
     DEFAULT_MODEL_ENV,
     DEFAULT_MODEL_NAME,

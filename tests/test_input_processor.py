@@ -59,7 +59,7 @@ def test_openai_ranges_are_enforced(field: str, value: float) -> None:
 def test_chat_messages_become_ids_through_the_checkpoints_template_and_its_tail_tells_the_think_block() -> None:
     from api.chat import prompt_closes_reasoning
     from engine.tokenizer import Tokenizer
-    from fp4serve_tools.demo import ensure_demo_model
+    from engine.demo_model import ensure_demo_model
 
     tokenizer = Tokenizer(ensure_demo_model())
     inputs = InputProcessor(151_936, 4096, (), tokenizer)
@@ -85,7 +85,7 @@ def test_more_top_logprobs_than_the_vocabulary_has_are_refused(field: str) -> No
 
 def test_echo_shows_a_text_prompt_as_sent_and_decodes_one_sent_as_ids() -> None:
     from engine.tokenizer import Tokenizer
-    from fp4serve_tools.demo import ensure_demo_model
+    from engine.demo_model import ensure_demo_model
 
     tokenizer = Tokenizer(ensure_demo_model())
     inputs = InputProcessor(151_936, 4096, (), tokenizer)

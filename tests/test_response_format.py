@@ -27,7 +27,7 @@ from api.protocol import parse_chat_request, parse_completion_request
 from api.response_format import ResponseFormat, parse_response_format, response_format_grammar
 from api.schema_grammar import MAX_STRING_LENGTH_BOUND
 from engine.config import EngineConfig
-from fp4serve_tools.demo import DEMO_MODEL_NAME
+from engine.demo_model import DEMO_MODEL_NAME
 from tests.server_utils import InProcessServer, in_process_server
 
 ENGINE = EngineConfig(kv_cache_memory="32MiB", max_model_len=1024)
