@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api.routes import json_response, server_state
+from api.http import json_response, server_state
 
 LATENCY_WINDOW_S = 60.0  # percentiles cover about the last minute
 RATE_WINDOW_S = 5.0  # tokens/s cover about the last five seconds

@@ -147,10 +147,10 @@ class EngineCore:
                 request.eos_token_ids,
                 arrival_time=request.arrival_time,
                 grammar_ready=grammar_ready,
-                key=request.key,
-                weight=request.weight,
-                key_priority=request.key_priority,
-                priority=request.priority,
+                key=request.owner.key,
+                weight=request.owner.weight,
+                key_priority=request.owner.key_priority,
+                priority=request.owner.priority,
             )
         )
 

@@ -6,6 +6,7 @@ prefix-cache hits, resumption after preemption, and decode.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,11 @@ class SchedulerStats:
     prefix_cache_queried_tokens: int  # cumulative
     prefix_cache_hit_tokens: int  # cumulative
     num_preemptions: int  # cumulative
+    # For the front's admission (engine/admission.py): every request ever added (cumulative, so the
+    # front can tell which of the requests it sent are counted here), and the tokens still to
+    # compute of the waiting requests beyond the free batch slots (those the next step cannot start).
+    num_added: int = 0
+    num_queued_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -77,6 +83,7 @@ class Scheduler:
         self._sent_to_runner: set[str] = set()
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_added = 0  # requests ever added (the front's admission counts what it sent beyond this)
         self.num_prefix_queried_tokens = 0  # counted once per admission, not per lookup
         self.num_prefix_hit_tokens = 0
         self.fair = FairQueue(config.scheduling_policy)
@@ -89,6 +96,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.fair.on_add(request)
+        self.num_added += 1
 
     def abort_request(self, request_id: str) -> Request | None:
         """End a request now and free its pages. Unknown or finished ids are ignored."""
@@ -316,4 +324,13 @@ class Scheduler:
             prefix_cache_queried_tokens=self.num_prefix_queried_tokens,
             prefix_cache_hit_tokens=self.num_prefix_hit_tokens,
             num_preemptions=self.num_preemptions,
+            num_added=self.num_added,
+            num_queued_tokens=self._num_queued_tokens(),
         )
+
+    def _num_queued_tokens(self) -> int:
+        """Tokens still to compute of the waiting requests past the free batch slots, in queue order."""
+        free = max(0, self.config.max_num_seqs - len(self.running))
+        if len(self.waiting) <= free:
+            return 0
+        return sum(r.num_tokens - r.num_computed_tokens for r in itertools.islice(self.waiting, free, None))
