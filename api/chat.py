@@ -9,7 +9,8 @@ from typing import Any
 from api.errors import APIError
 from api.models import ChatCompletionRequest
 from api.parsers import ParsedDelta, assemble
-from api.pipeline import ChoiceDelta, EngineFailed, Started
+from api.engine_stream import EngineFailed
+from api.pipeline import ChoiceDelta, Started
 from api.responses import UsageCounter, chat_logprobs
 from api.sse import DONE, encode_error_event, encode_event
 

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from api.errors import APIError
 from api.models import CompletionRequestModel
-from api.pipeline import ChoiceDelta, EngineFailed, Started
+from api.engine_stream import EngineFailed
+from api.pipeline import ChoiceDelta, Started
 from api.responses import CompletionLogprobs, UsageCounter, merge_completion_logprobs
 from api.sse import DONE, encode_error_event, encode_event
 from engine.outputs import RequestOutput, TokenLogprob

@@ -1,10 +1,10 @@
-"""The OpenAI protocol's request models (pydantic v2), and vLLM's /tokenize and /detokenize: each
+"""The OpenAI protocol's request models (pydantic v2) for chat and completions: each
 field's JSON type and OpenAI's documented range is declared once here, and the nested shapes with
 their own parameter paths (messages, tools, tool_choice, response_format, prompt) are normalised by
 the models' own validators (api/messages.py, api/response_format.py). So a validated model is the
 request the pipeline runs (api/pipeline.py), and `to_sampling_params()` gives its sampling
 parameters; no second copy of it exists. /v1/responses and /v1/messages map their own models onto
-`ChatCompletionRequest` (`ChatCompletionRequest.mapped`)."""
+`ChatCompletionRequest` (`ChatCompletionRequest.mapped`); /tokenize's are in api/tokenize.py."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from api.validation import (
     Bool,
     Int,
     Number,
-    Request,
+    RequestModel,
     Str,
     ToolsRequest,
     at_most,
@@ -64,7 +64,7 @@ def _logit_bias(value: Any) -> Any:
     return out
 
 
-def _token_id_list(value: Any) -> Any:
+def token_id_list(value: Any) -> Any:
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
@@ -83,11 +83,11 @@ def template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None)
     return merged
 
 
-class StreamOptionsModel(Request):
+class StreamOptionsModel(RequestModel):
     include_usage: Bool | None = None
 
 
-class SamplingRequest(Request):
+class SamplingRequest(RequestModel):
     """The fields chat and completions share: how to sample and when to stop (OpenAI's ranges;
     top_k, min_p, repetition_penalty and the rest as vLLM accepts them)."""
 
@@ -104,7 +104,7 @@ class SamplingRequest(Request):
     logit_bias: Annotated[Any, AfterValidator(_logit_bias)] = None
     seed: Int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: Annotated[Any, AfterValidator(_stop)] = None
-    stop_token_ids: Annotated[Any, AfterValidator(_token_id_list)] = None
+    stop_token_ids: Annotated[Any, AfterValidator(token_id_list)] = None
     ignore_eos: Bool | None = None
     skip_special_tokens: Bool | None = None
     include_stop_str_in_output: Bool | None = None
@@ -292,45 +292,6 @@ class CompletionRequestModel(SamplingRequest):
         # The engine scores the prompt for `prompt_logprobs`, and for echo with logprobs.
         scored = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
         return replace(params, prompt_logprobs=max(scored)) if scored else params
-
-
-class TokenizeRequestModel(ToolsRequest):
-    """A prompt as it is, or chat messages through the chat template as /v1/chat/completions
-    renders them (exactly one of the two)."""
-
-    prompt: Str | None = None
-    messages: Any = None
-    add_generation_prompt: Bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    enable_thinking: Bool | None = None
-    add_special_tokens: Bool | None = None
-    return_token_strs: Bool | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_of_prompt_and_messages(cls, body: Any) -> Any:
-        if isinstance(body, dict):
-            if body.get("prompt") is None and body.get("messages") is None:
-                raise bad_request("send a prompt (a string) or messages (a chat) to tokenize", "messages")
-            if body.get("prompt") is not None and body.get("messages") is not None:
-                raise bad_request("send a prompt or messages, not both", "prompt")
-        return body
-
-    @model_validator(mode="after")
-    def _normalised(self) -> TokenizeRequestModel:
-        template_kwargs(self.chat_template_kwargs, self.enable_thinking)
-        if self.messages is None:
-            return self
-        return self.model_copy(update={"messages": parse_messages(self.messages), "tools": parse_tools(self.tools)})
-
-    @property
-    def with_special_tokens(self) -> bool:
-        """vLLM's defaults: a prompt gets the tokenizer's special tokens, a rendered chat does not."""
-        return _default(self.add_special_tokens, self.messages is None)
-
-
-class DetokenizeRequestModel(Request):
-    tokens: Annotated[Any, AfterValidator(_token_id_list)] = None
 
 
 def parse_prompts(raw: Any) -> list[str | list[int]]:

@@ -8,8 +8,9 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from api.anthropic_request import MessagesRequestModel
-from api.models import ChatCompletionRequest, CompletionRequestModel, DetokenizeRequestModel, TokenizeRequestModel
+from api.models import ChatCompletionRequest, CompletionRequestModel
 from api.responses_request import ResponsesRequestModel
+from api.tokenize import DetokenizeRequestModel, TokenizeRequestModel
 
 REQUEST_BODIES = {
     "/v1/chat/completions": ChatCompletionRequest,

@@ -1,7 +1,7 @@
 """Thin HTTP handlers: /v1/chat/completions and /v1/completions (read, validate, and through the
-pipeline, api/pipeline.py, with their shapes from api/chat.py and api/completions.py); /tokenize,
-/detokenize with the server's own tokenizer; models, usage, health, version, metrics and the
-OpenAPI document. Lifecycle lives in api/app.py."""
+pipeline, api/pipeline.py, with their shapes from api/chat.py and api/completions.py); models,
+usage, health, version, metrics and the OpenAPI document; and the one `ROUTES` list of these and
+/tokenize, /detokenize (api/tokenize.py). Lifecycle lives in api/app.py."""
 
 from __future__ import annotations
 
@@ -16,18 +16,12 @@ from starlette.routing import Route
 
 from api.chat import ChatEncoder
 from api.completions import CompletionEncoder, echoed_prompt
-from api.errors import APIError, bad_request
 from api.http import json_response, read_json, server_state
-from api.keys import KEY_STATE, OPEN, KeyRecord, token_from_headers, unauthorized_message
+from api.keys import KEY_STATE, OPEN, KeyRecord
 from api.openapi import openapi_schema
-from api.models import (
-    ChatCompletionRequest,
-    CompletionRequestModel,
-    DetokenizeRequestModel,
-    TokenizeRequestModel,
-    template_kwargs,
-)
-from api.pipeline import check_model, respond, start_chat, start_completion
+from api.models import ChatCompletionRequest, CompletionRequestModel
+from api.pipeline import respond, start_chat, start_completion
+from api.tokenize import TOKENIZE_ROUTES
 from api.validation import validate
 
 logger = logging.getLogger("fp4serve")
@@ -51,61 +45,6 @@ async def completions(request: Request) -> Response:
         echoed = [await state.run_blocking(echoed_prompt, inputs, sent, ids)
                   for sent, ids in zip(req.prompt, started.prompts)]
     return await respond(request, started, CompletionEncoder(started, req, echoed))
-
-
-async def tokenize(request: Request) -> Response:
-    """vLLM's POST /tokenize: `tokens`, `count` and `max_model_len` (and `token_strs` on request)."""
-    state = server_state(request)
-    _check_api_key(request, state)
-    engine = state.ready_engine()
-    req = validate(TokenizeRequestModel, await read_json(request), state.config.limits)
-    check_model(req.model, engine)
-    token_ids = await state.run_blocking(_tokenize, engine.tokenizer, req)
-    body: dict[str, Any] = {"tokens": token_ids, "count": len(token_ids), "max_model_len": engine.info.max_model_len}
-    if req.return_token_strs:
-        body["token_strs"] = [engine.tokenizer.backend.id_to_token(t) for t in token_ids]
-    return json_response(body)
-
-
-def _tokenize(tokenizer: Any, req: TokenizeRequestModel) -> list[int]:
-    """Blocking (run it off the loop). NOTE: messages go through the same calls as
-    InputProcessor.render_chat, so the count equals a chat request's usage.prompt_tokens."""
-    if req.messages is None:
-        assert req.prompt is not None, "a tokenize request holds a prompt or messages"
-        return tokenizer.encode(req.prompt, add_special_tokens=req.with_special_tokens)
-    text = tokenizer.render_chat(req.messages, req.tools, req.add_generation_prompt is not False,
-                                 **template_kwargs(req.chat_template_kwargs, req.enable_thinking))
-    return tokenizer.encode(text, add_special_tokens=req.with_special_tokens)
-
-
-async def detokenize(request: Request) -> Response:
-    """vLLM's POST /detokenize: token ids back to text, special tokens included."""
-    state = server_state(request)
-    _check_api_key(request, state)
-    engine = state.ready_engine()
-    req = validate(DetokenizeRequestModel, await read_json(request))
-    token_ids = _token_ids(req.tokens, engine.tokenizer.vocab_size)
-    check_model(req.model, engine)
-    text = await state.run_blocking(engine.tokenizer.decode, token_ids, False)
-    return json_response({"prompt": text})
-
-
-def _token_ids(tokens: list[int] | None, vocab_size: int) -> list[int]:
-    """NOTE: /detokenize never reaches the engine, so its ids are checked against the vocabulary here."""
-    if tokens is None:
-        raise bad_request("tokens must be a list of token ids", "tokens")
-    bad = next((x for x in tokens if not 0 <= x < vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"tokens has token id {bad}, outside the vocabulary [0, {vocab_size})", "tokens")
-    return list(tokens)
-
-
-def _check_api_key(request: Request, state: ServerState) -> None:
-    """NOTE: api/keys.py's middleware guards /v1/* only, and these routes live at the root as in
-    vLLM: they check the same keys, the same way, themselves."""
-    token, sent = token_from_headers(request.scope["headers"])
-    if state.keys.lookup(token) is None:
-        raise APIError(401, unauthorized_message(sent), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 async def usage(request: Request) -> Response:
@@ -190,8 +129,7 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
     Route("/v1/usage", usage, methods=["GET"]),
-    Route("/tokenize", tokenize, methods=["POST"]),
-    Route("/detokenize", detokenize, methods=["POST"]),
+    *TOKENIZE_ROUTES,
     Route("/health", health, methods=["GET"]),
     Route("/version", version, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),

@@ -1,5 +1,5 @@
 """What every protocol's request models (pydantic v2) share: the strict JSON types, the base
-`Request` (unknown fields ignored, JSON null counted as absent, integral floats taken as integers),
+`RequestModel` (unknown fields ignored, JSON null counted as absent, integral floats taken as integers),
 the server's `RequestLimits` as validators (handed in as the validation context), and `validate`:
 a body into a model, a `ValidationError` into OpenAI's 400 with `param` from the error's location.
 A validator may raise `APIError` itself (api/messages.py does, naming a nested parameter): pydantic
@@ -61,13 +61,13 @@ def integral(value: Any) -> Any:
     return value
 
 
-Int = Annotated[int, Strict()]  # integral floats are taken too (Request._integral_floats)
+Int = Annotated[int, Strict()]  # integral floats are taken too (RequestModel._integral_floats)
 Number = Annotated[float, Strict(), AllowInfNan(False)]
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict()]
 
 
-class Request(BaseModel):
+class RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     model: Str | None = None
@@ -81,7 +81,7 @@ class Request(BaseModel):
         return integral(value)
 
 
-class ToolsRequest(Request):
+class ToolsRequest(RequestModel):
     """`tools` (each protocol reads its own shapes), at most --max-tools of them."""
 
     tools: Any = None
@@ -95,7 +95,7 @@ class ToolsRequest(Request):
         return value
 
 
-def validate(model: type[Request], body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> Any:
+def validate(model: type[RequestModel], body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> Any:
     """The body as `model` within the server's `limits`; APIError (400 naming the parameter)
     when a field is wrong."""
     try:

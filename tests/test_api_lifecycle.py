@@ -18,7 +18,8 @@ from starlette.testclient import TestClient
 from api.app import ServerConfig, build_app
 from api.auth import bearer_token
 from api.http import ClientDisconnected, unless_disconnected
-from api.pipeline import EngineStream, start_stream
+from api.engine_stream import EngineStream
+from api.pipeline import start_stream
 from api.sse import DONE, SSEResponse, encode_error_event, encode_event
 from engine.config import ConfigError, EngineConfig
 from engine.core_types import Owner

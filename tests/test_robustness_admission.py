@@ -19,7 +19,7 @@ from api.deadline import Deadline, server_stopping_error
 from api.errors import APIError
 from api.inflight import InFlight
 from api.metrics import ServerMetrics
-from api.pipeline import EngineStream
+from api.engine_stream import EngineStream
 from engine.admission import Admission, EngineOverloadedError, QueueLimits
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
