@@ -45,3 +45,15 @@ def missing_test_dependencies(pyproject: Path) -> list[str]:
         except importlib.metadata.PackageNotFoundError:
             missing.append(name)
     return missing
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama", tie=False,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})

@@ -134,26 +134,27 @@ def test_sse_events_are_single_data_lines() -> None:
 
 
 def test_sse_response_closes_its_generator_when_the_client_leaves_during_a_send() -> None:
-    closed = asyncio.Event()
-
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            while True:
-                yield b"data: {}\n\n"
-        finally:
-            closed.set()
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.body":
-            await asyncio.sleep(10)  # a stalled socket: the generator stays parked at `yield`
-
-    async def receive() -> dict[str, Any]:
-        await asyncio.sleep(0.05)
-        return {"type": "http.disconnect"}
-
     async def run() -> bool:
+        closed, stalled = asyncio.Event(), asyncio.Event()
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    yield b"data: {}\n\n"
+            finally:
+                closed.set()
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                stalled.set()
+                await asyncio.Event().wait()  # a stalled socket: the generator stays parked at `yield`
+
+        async def receive() -> dict[str, Any]:
+            await stalled.wait()  # the client leaves while the body is being sent
+            return {"type": "http.disconnect"}
+
         scope = {"type": "http", "asgi": {"spec_version": "2.1"}, "method": "GET", "headers": []}
-        await asyncio.wait_for(SSEResponse(events())(scope, receive, send), 5)
+        await asyncio.wait_for(SSEResponse(events())(scope, receive, send), 30)
         return closed.is_set()
 
     assert asyncio.run(run()), "the generator's finally must run when the response ends"
