@@ -70,7 +70,10 @@ def plan() -> tuple[dict[str, str], list[str]]:
 
 
 def rewrite(path: Path, moves: dict[str, str], moved_here: bool) -> None:
-    text = original = path.read_text()
+    try:
+        text = original = path.read_text()
+    except UnicodeDecodeError:  # an image or other binary file beside the docs
+        return
     # `from tests.test_x import ...`, `import tests.test_x`
     text = re.sub(r"\btests\.(test_\w+)\b",
                   lambda m: f"tests.{moves[m.group(1)]}.{m.group(1)}" if m.group(1) in moves else m.group(0), text)
