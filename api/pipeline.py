@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -42,7 +44,6 @@ from api.models import ChatCompletionRequest, CompletionRequestModel
 from api.parsers import OutputParser, ParsedDelta, ParserSettings
 from api.parsers.base import coalesce_tool_deltas
 from api.response_format import response_format_grammar
-from api.responses import ResponseHeader
 from api.sse import SSEResponse
 from api.tool_grammar import tool_call_grammar
 from engine.core_types import Owner
@@ -54,6 +55,22 @@ if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("fp4serve.api")
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """What every chunk and body of one response repeats: the same id and created time."""
+
+    id: str
+    created: int
+    model: str
+
+    @staticmethod
+    def new(prefix: str, model: str) -> ResponseHeader:
+        return ResponseHeader(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model)
+
+    def fields(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
 
 @dataclass(frozen=True)
 class ChoiceDelta:

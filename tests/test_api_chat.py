@@ -17,8 +17,7 @@ from api.chat import ChatEncoder
 from api.models import ChatCompletionRequest
 from api.parsers import ParserSettings
 from api.engine_stream import EngineStream
-from api.pipeline import Choices, Started, collect_body, stream_events as pipeline_events
-from api.responses import ResponseHeader
+from api.pipeline import Choices, ResponseHeader, Started, collect_body, stream_events as pipeline_events
 from api.validation import validate
 from engine.outputs import RequestOutput
 
