@@ -20,7 +20,8 @@ from api.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFA
 from api.errors import OVERLOADED_RETRY_AFTER_S
 from api.limits import HARD_MAX_LOGPROBS, RequestLimits
 from api.team_args import add_team_arguments, team_engine_settings, team_server_settings
-from engine.async_engine import MAX_CONSECUTIVE_FAILURES, QueueLimits
+from engine.admission import QueueLimits
+from engine.async_engine import MAX_CONSECUTIVE_FAILURES
 from engine.config import ConfigError, EngineConfig
 
 API_KEY_ENV = "FP4SERVE_API_KEY"

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("fp4serve.api")
 
+
 @dataclass(frozen=True)
 class ResponseHeader:
     """What every chunk and body of one response repeats: the same id and created time."""

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.admission import Admission, EngineOverloadedError, QueueLimits
+from engine.admission import Admission, QueueLimits
 from engine.config import EngineConfig
 from engine.core_proc import MAX_CONSECUTIVE_FAILURES
 from engine.core_types import EngineCoreOutputs, EngineCoreProtocol, EngineCoreRequest, Owner
@@ -31,8 +31,7 @@ from scheduler.scheduler import SchedulerStats
 if TYPE_CHECKING:
     from engine.core_client import CoreClient
 
-__all__ = ["MAX_CONSECUTIVE_FAILURES", "AsyncEngine", "EngineDeadError", "EngineOverloadedError", "EngineStats",
-           "QueueLimits"]
+__all__ = ["MAX_CONSECUTIVE_FAILURES", "AsyncEngine", "EngineDeadError", "EngineStats"]
 
 logger = logging.getLogger("fp4serve.engine")
 
