@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 DONE = "[DONE]"
-# A wait for /health, not a bound: first use builds the demo model (~15 s), and a loaded machine took
-# 213 s to quantize SmolLM2 to NVFP4 at load.
+# A wait for /health, not a bound: first use builds the demo model, and on a loaded machine quantizing
+# SmolLM2 to NVFP4 at load takes minutes.
 START_TIMEOUT_S = 600.0
 EXIT_USAGE = 2  # what `fp4serve serve` returns for a bad flag or a busy port
 
