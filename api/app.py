@@ -26,9 +26,10 @@ from api.errors import (
     handle_param_error,
     handle_unexpected,
 )
-from api.generation import ClientDisconnected
+from api.http import ClientDisconnected
 from api.inflight import InFlightMiddleware
-from api.agent_routes import AGENT_ROUTES
+from api.anthropic_routes import MESSAGES_ROUTES
+from api.responses_routes import RESPONSES_ROUTES
 from api.routes import ROUTES
 from api.stats import stats_routes
 from api.ui import ui_routes
@@ -40,7 +41,8 @@ from api.state import (
     ServerState,
     load_engine,
 )
-from engine.async_engine import EngineDeadError, EngineOverloadedError, EngineRestartingError
+from engine.admission import EngineOverloadedError
+from engine.async_engine import EngineDeadError, EngineRestartingError
 from engine.config import EngineConfig
 from scheduler.request import ParamError
 
@@ -78,7 +80,7 @@ def build_app(
         )
     middleware.append(Middleware(KeyMiddleware, ring=state.keys, limiter=state.limiter))
     app = Starlette(
-        routes=[*ROUTES, *AGENT_ROUTES, *stats_routes(), *(ui_routes(config.url) if config.ui else [])],
+        routes=[*ROUTES, *RESPONSES_ROUTES, *MESSAGES_ROUTES, *stats_routes(), *(ui_routes(config.url) if config.ui else [])],
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={

@@ -21,7 +21,8 @@ from api.errors import OVERLOADED_RETRY_AFTER_S
 from api.limits import HARD_MAX_LOGPROBS, RequestLimits
 from api.reliability_args import add_reliability_arguments, reliability_engine_settings
 from api.team_args import add_team_arguments, team_engine_settings, team_server_settings
-from engine.async_engine import MAX_CONSECUTIVE_FAILURES, QueueLimits
+from engine.admission import QueueLimits
+from engine.async_engine import MAX_CONSECUTIVE_FAILURES
 from engine.config import ConfigError, EngineConfig, KVEventsConfig
 
 API_KEY_ENV = "FP4SERVE_API_KEY"

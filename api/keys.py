@@ -7,8 +7,9 @@ SIGHUP) swaps the records in one assignment: requests in flight keep the record 
 
 `resolve_key(headers, ring)` is the one function that maps a request's headers to its record,
 for any route or middleware (an `x-api-key` header, Anthropic's, can be added to `token_from_headers`).
-`KeyMiddleware` guards /v1/*, applies the key's limits (api/rate_limit.py) and binds the request's
-`Owner` (engine/core_types.py) for the scheduler's fair share.
+`KeyMiddleware` guards /v1/*, applies the key's limits (api/rate_limit.py) and leaves the key's record
+in scope["state"]; `request_owner` makes the request's `Owner` (engine/core_types.py) from it, which
+the handler passes to the engine for the scheduler's fair share.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from api.anthropic_errors import anthropic_error_response, is_messages_path, to_
 from api.auth import _is_protected, bearer_token
 from api.errors import error_response
 from engine.config import ConfigError
-from engine.core_types import Owner, current_owner
+from engine.core_types import Owner
 
 logger = logging.getLogger("fp4serve")
 DEFAULT_NAME = "default"
@@ -205,15 +206,16 @@ def unauthorized(sent: bool, path: str = "") -> Any:
     return error_response(401, unauthorized_message(sent), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def bind_request_priority(priority: int | None) -> None:
-    """The body's vLLM `priority` joins the request's owner (call it in the route's task)."""
-    if priority:
-        current_owner.set(replace(current_owner.get(), priority=priority))
+def request_owner(scope: Scope, priority: int | None) -> Owner:
+    """Who a request is for: its key's record (left by KeyMiddleware; OPEN where none is set) and
+    the body's vLLM `priority`."""
+    record: KeyRecord = scope.get("state", {}).get(KEY_STATE, OPEN)
+    return replace(record.owner, priority=priority or 0)
 
 
 class KeyMiddleware:
     """Pure ASGI: authenticates /v1/*, checks the key's limits (a refused request holds nothing),
-    and runs the app with the key's record in scope["state"] and its Owner bound."""
+    and runs the app with the key's record in scope["state"]."""
 
     def __init__(self, app: ASGIApp, ring: KeyRing, limiter: Any) -> None:
         self.app = app
@@ -240,7 +242,6 @@ class KeyMiddleware:
                 refusal = to_anthropic(refusal)
             await refusal(scope, receive, send)
             return
-        token_var = current_owner.set(record.owner)
         headers = self.limiter.headers(record)
 
         async def send_with_headers(message: Any) -> None:
@@ -252,5 +253,4 @@ class KeyMiddleware:
         try:
             await self.app(scope, receive, send_with_headers)
         finally:
-            current_owner.reset(token_var)
             self.limiter.release(record)

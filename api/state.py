@@ -16,15 +16,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from api.admission import Admission
-from api.chat import ParserSettings
 from api.errors import APIError
 from api.inflight import InFlight
 from api.keys import KeyRing
 from api.limits import RequestLimits
 from api.metrics import ServerMetrics
+from api.parsers import ParserSettings
 from api.rate_limit import RateLimiter
-from engine.async_engine import QueueLimits
+from engine.admission import QueueLimits
 from engine.config import ConfigError, EngineConfig
 
 if TYPE_CHECKING:
@@ -104,7 +103,6 @@ class ServerState:
         self.load_error: str | None = None  # why the phase is "failed"
         self.parsers = ParserSettings()
         self.metrics = ServerMetrics()
-        self.admission = Admission(config.queue, self.metrics)
         self.in_flight = InFlight(config.request_timeout_s, self.metrics)
         self.keys = KeyRing(config.api_key, config.api_keys_file)
         self.limiter = RateLimiter(self.tokens_used, self.metrics)
@@ -145,7 +143,8 @@ class ServerState:
         try:
             engine = await asyncio.to_thread(self._loader, self.config.engine)
             self.parsers = _resolve_parsers(self.config, engine.tokenizer.chat_template)
-            await engine.start(self.config.queue, on_dead=self._engine_died)
+            await engine.start(self.config.queue, on_dead=self._engine_died,
+                               max_output_tokens=self.config.limits.max_output_tokens)
         except Exception as e:
             self._fail(e)
             return

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.errors import ConfigError
 from engine.hybrid_config import (
     HYBRID_ARCHITECTURES,
     HYBRID_MOE_ARCHITECTURES,
@@ -29,10 +30,6 @@ SUPPORTED_ARCHITECTURES = {
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 # our model_type -> the MoE config's model_type (Qwen3.5-MoE's text config: qwen3_5_moe_text)
 _MOE_CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text"}
-
-
-class ConfigError(ValueError):
-    """A checkpoint or flag the server cannot run; the message is one line naming the field."""
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from engine.core_types import (
     EngineCoreRequest,
     EngineInfo,
     PromptLogprobsChunk,
+    SampledToken,
 )
 from engine.model_path import default_model_name, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
-from engine.outputs import SampledToken
 from engine.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
 from engine.structured import StructuredOutputs
@@ -174,10 +174,10 @@ class EngineCore:
                 request.eos_token_ids,
                 arrival_time=request.arrival_time,
                 grammar_ready=grammar_ready,
-                key=request.key,
-                weight=request.weight,
-                key_priority=request.key_priority,
-                priority=request.priority,
+                key=request.owner.key,
+                weight=request.owner.weight,
+                key_priority=request.owner.key_priority,
+                priority=request.owner.priority,
             )
         )
 

@@ -22,16 +22,9 @@ import torch
 from torch import Tensor
 
 from engine.config import ConfigError
-from engine.quantization import check_shape, copy_bias_shard
-from kernels.fp8_block import (
-    FP8_DTYPE,
-    Fp8BlockWeight,
-    Fp8Linear,
-    check_block_scale,
-    dequantize_block_fp8,
-    fp8_device_supported,
-    fuse_fp8,
-)
+from engine.shard_checks import check_shape, copy_bias_shard
+from kernels.fp8_block import FP8_DTYPE, Fp8BlockWeight, check_block_scale, dequantize_block_fp8, fp8_device_supported, fuse_fp8
+from kernels.fp8_dispatch import Fp8Linear
 from kernels.fused_moe_fp8 import Fp8ExpertWeights
 
 FP8_METHOD = "fp8"

@@ -29,8 +29,7 @@ from engine.models.qwen3_5_weights import LINEAR_ATTN_RULES, canonical_name, ski
 from engine.moe_loader import ExpertLoader, map_moe_name
 from engine.mtp_source import MtpSource
 from engine.quantization import INT8, LINEAR_SUFFIXES, QuantizationMethod, tensor_roles
-from kernels.fp8_block import Fp8Linear
-from kernels.fused_moe_fp8 import Fp8Experts
+from kernels.fp8_dispatch import Fp8Experts, Fp8Linear
 from kernels.nvfp4_matmul import NVFP4Linear
 
 logger = logging.getLogger("fp4serve.loader")

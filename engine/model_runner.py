@@ -15,12 +15,12 @@ from engine.attention.select import choose_backend, flashinfer_import_error, mak
 from engine.batch import ForwardBatch, build_forward_batch
 from engine.checkpoint_pool import CheckpointPool
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
+from engine.core_types import SampledToken
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason
 from engine.dtype_policy import int8_dense_from_rows, resolve_dtype, resolve_quantization
 from engine.hybrid_backend import HybridBackend
 from engine.hybrid_runner import make_checkpoint_pool, make_hybrid_backend, make_state_pool
 from engine.loader import load_model, weight_bytes
-from engine.outputs import SampledToken
 from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
 from engine.quantization import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler

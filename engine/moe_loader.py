@@ -26,7 +26,7 @@ from engine.quantization import (
     weight_from_tensors,
 )
 from kernels.fused_moe import NVFP4ExpertWeights
-from kernels.fused_moe_fp8 import Fp8Experts
+from kernels.fp8_dispatch import Fp8Experts
 from kernels.nvfp4 import BLOCK_SIZE, NVFP4Weight
 
 logger = logging.getLogger("fp4serve.loader")

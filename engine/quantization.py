@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from engine.config import ConfigError, ModelConfig
+from engine.shard_checks import check_shape, copy_bias_shard
 from kernels.nvfp4 import (
     BLOCK_SIZE,
     NVFP4FormatError,
@@ -253,17 +254,6 @@ def quantize_weight(weight: Tensor, hf_name: str) -> NVFP4Weight:
         raise ConfigError(f"{hf_name}: {e}") from None
 
 
-def copy_bias_shard(bias: Tensor | None, hf_module: str, shard_sizes: list[int], shard: int, tensor: Tensor) -> None:
-    """A fused linear's bias rows for shard `shard` (checkpoint linear `hf_module`), checked and
-    copied into `bias` ([sum(shard_sizes)], None when config.json declares no bias)."""
-    rows = shard_sizes[shard]
-    if bias is None:
-        raise ConfigError(f"tensor '{hf_module}.bias' exists, but config.json declares no bias")
-    check_shape(f"{hf_module}.bias", tensor.shape, (rows,))
-    start = sum(shard_sizes[:shard])
-    bias[start:start + rows].copy_(tensor.to(bias.dtype))
-
-
 class NVFP4LinearBuilder:
     """Assembles one NVFP4 linear (its shards fused: q/k/v, gate/up) from checkpoint tensors that
     stream in any order, across files; `build` once all have arrived."""
@@ -314,11 +304,6 @@ class NVFP4LinearBuilder:
         # Fused shards keep a global scale each: exact, where one shared scale would re-round them.
         fused = shards[0] if len(shards) == 1 else fuse_nvfp4(shards)
         return NVFP4Linear(fused.to(self.device), self.bias)
-
-
-def check_shape(name: str, shape: torch.Size, expected: tuple[int, ...]) -> None:
-    if tuple(shape) != expected:
-        raise ConfigError(f"tensor '{name}' has shape {list(shape)}, expected {list(expected)}")
 
 
 def checkpoint_quantization_config(checkpoint_format: str, exclude: list[str]) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """Block-wise FP8 weights (the layout of Qwen's and DeepSeek's FP8 releases): float8_e4m3fn codes
 with one float32 scale per [block_n x block_k] block (`weight_scale_inv`: the factor the codes are
 multiplied by, despite its name), their exact dequantization, the W8A8 matmul reference (activations
-quantized per token and group of block_k, dynamically), the dispatch (CPU: the reference; CUDA SM89+:
-kernels.fp8_triton) and `Fp8Linear`, the module layers hold.
+quantized per token and group of block_k, dynamically). The dispatch and `Fp8Linear`, the module
+layers hold, are in kernels/fp8_dispatch.py.
 
 The checkpoint's scale grid is [ceil(N / block_n), ceil(K / block_k)]. Fusing shards whose row
 counts are not whole blocks (q/k/v of a tiny model) expands the grid to one scale row per output
@@ -135,40 +135,3 @@ def fuse_fp8(shards: list[Fp8BlockWeight]) -> Fp8BlockWeight:
 def fp8_device_supported(device: torch.device) -> bool:
     """FP8 tensor-core dots: CUDA SM89+ (Ada, Hopper, Blackwell)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def fp8_block_linear(x: Tensor, w: Fp8BlockWeight, bias: Tensor | None = None) -> Tensor:
-    """x [M, K] -> [M, N] in x.dtype on x's device: the Triton kernel on CUDA SM89+, else the reference."""
-    if fp8_device_supported(x.device):
-        from kernels.fp8_triton import w8a8_block_matmul
-
-        return w8a8_block_matmul(x.contiguous(), w, bias)
-    return w8a8_block_matmul_ref(x, w, bias)
-
-
-class Fp8Linear(torch.nn.Module):
-    """A linear layer with block-FP8 weights, W8A8: y = x @ W^T + b for x [..., K].
-
-    NOTE: like NVFP4Linear, the weight is no registered buffer, so `.to(dtype)` cannot cast the
-    fp8 codes; build it on its final device."""
-
-    def __init__(self, weight: Fp8BlockWeight, bias: Tensor | None = None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight_fp8 = weight
-        self.bias: Tensor | None
-        self.register_buffer("bias", bias)  # [N] or None, in the model's dtype
-
-    @property
-    def weight_nbytes(self) -> int:
-        return self.weight_fp8.nbytes
-
-    def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        y = fp8_block_linear(x.reshape(-1, self.in_features), self.weight_fp8, self.bias)
-        return y.reshape(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        w = self.weight_fp8
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"fp8 e4m3 {w.block_n}x{w.block_k} blocks, W8A8")

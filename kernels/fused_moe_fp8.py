@@ -1,11 +1,8 @@
 """Fused mixture-of-experts with block-FP8 experts (W8A8): every expert's weights stacked as
-float8_e4m3fn codes with their block-scale grids, the grouped torch reference (tokens sorted by
-expert, `w8a8_block_matmul_ref` per expert that got tokens), the Triton grouped GEMM over the
-block-aligned sorted slots (kernels.fused_moe's `moe_align_block_size`, the float kernel's walk,
-activations quantized per (slot, group) in registers) and `Fp8Experts`, the module a
-`SparseMoeBlock` holds. Dispatch: CUDA SM89+ runs the kernel, anything else the reference.
-
-UNTESTED ON A DEVICE: the kernel is checked only under TRITON_INTERPRET=1."""
+float8_e4m3fn codes with their block-scale grids, and the grouped torch reference (tokens sorted by
+expert, `w8a8_block_matmul_ref` per expert that got tokens). The Triton grouped GEMM is
+kernels/fused_moe_fp8_triton.py; the dispatch and `Fp8Experts`, the module a `SparseMoeBlock`
+holds, are in kernels/fp8_dispatch.py."""
 
 from __future__ import annotations
 
@@ -13,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from kernels.fp8_block import FP8_DTYPE, Fp8BlockWeight, fp8_device_supported, fuse_fp8, w8a8_block_matmul_ref
+from kernels.fp8_block import FP8_DTYPE, Fp8BlockWeight, fuse_fp8, w8a8_block_matmul_ref
 
 
 @dataclass(frozen=True)
@@ -82,37 +79,3 @@ def fused_experts_fp8_ref(x: Tensor, w13: Fp8ExpertWeights, w2: Fp8ExpertWeights
     weights = topk_weights.reshape(-1)[order].to(x.dtype)
     out = torch.zeros_like(x)
     return out.index_add_(0, token_of, out_sorted * weights[:, None])
-
-
-def fused_experts_fp8(x: Tensor, w13: Fp8ExpertWeights, w2: Fp8ExpertWeights, topk_weights: Tensor,
-                      topk_ids: Tensor) -> Tensor:
-    """The FP8 fused MoE on x's device: the Triton kernel on CUDA SM89+, else the reference."""
-    if fp8_device_supported(x.device):
-        from kernels.fused_moe_fp8_triton import fused_experts_fp8_triton
-
-        return fused_experts_fp8_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_experts_fp8_ref(x, w13, w2, topk_weights, topk_ids)
-
-
-class Fp8Experts(nn.Module):
-    """Every expert's weights in block FP8, W8A8. NOTE: the weights are no registered buffers (so
-    `.to(dtype)` cannot cast the codes): build it on its final device."""
-
-    def __init__(self, w13: Fp8ExpertWeights, w2: Fp8ExpertWeights) -> None:
-        super().__init__()
-        self.num_experts = w13.num_experts
-        self.intermediate_size = w2.shape[1]
-        self.w13 = w13
-        self.w2 = w2
-
-    @property
-    def weight_nbytes(self) -> int:
-        return self.w13.nbytes + self.w2.nbytes
-
-    def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-        return fused_experts_fp8(x, self.w13, self.w2, topk_weights, topk_ids)
-
-    def extra_repr(self) -> str:
-        return (f"num_experts={self.num_experts}, intermediate_size={self.intermediate_size}, fp8 e4m3 "
-                f"{self.w13.block_n}x{self.w13.block_k} blocks, W8A8")
-

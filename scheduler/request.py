@@ -14,12 +14,13 @@ from dataclasses import dataclass, field, replace
 
 
 class ParamError(ValueError):
-    """A user mistake in request parameters; api/ turns it into a 400 naming `param`."""
+    """A user mistake in request parameters; api/ turns it into a 400 naming `param` (and `code`)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 class FinishReason(str, enum.Enum):

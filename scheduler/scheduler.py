@@ -7,6 +7,7 @@ restore a DeltaNet state checkpoint (scheduler/checkpoint_manager.py).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,14 +64,20 @@ class SchedulerStats:
     num_state_checkpoints: int = 0  # hybrid prefix caching: the pool's size
     num_used_state_checkpoints: int = 0
     fair_share: FairShareState = ()  # each key's virtual tokens (scheduler/fair_queue.py)
+    # For the front's admission (engine/admission.py): every request ever added (cumulative, so the
+    # front can tell which of the requests it sent are counted here), and the tokens still to
+    # compute of the waiting requests beyond the free batch slots (those the next step cannot start).
+    num_added: int = 0
+    num_queued_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
 
-# (a request's tokens so far, most drafts wanted) -> draft tokens, e.g. engine/spec_decode/ngram.py
-Drafter = Callable[[Sequence[int], int], list[int]]
+# (the request's id, its tokens so far, most drafts wanted) -> draft tokens: engine/spec_decode/ngram.py
+# reads the tokens, engine/spec_decode/mtp.py the drafts it made for that request after the last step.
+Drafter = Callable[[str, Sequence[int], int], list[int]]
 
 
 class Scheduler:
@@ -91,6 +98,7 @@ class Scheduler:
         self._sent_to_runner: set[str] = set()
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_added = 0  # requests ever added (the front's admission counts what it sent beyond this)
         self.num_prefix_queried_tokens = 0  # counted once per admission, not per lookup
         self.num_prefix_hit_tokens = 0
         self.fair = FairQueue(config.scheduling_policy)
@@ -103,6 +111,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.fair.on_add(request)
+        self.num_added += 1
 
     def abort_request(self, request_id: str, keep_state: bool = True) -> Request | None:
         """End a request now and free its pages. Unknown or finished ids are ignored. keep_state:
@@ -253,7 +262,7 @@ class Scheduler:
             return []
         assert self.drafter is not None
         context = request.prompt_token_ids + request.output_token_ids
-        return self.drafter(context, k)[:k]
+        return self.drafter(request.request_id, context, k)[:k]
 
     def _pick_victim(self, exclude: Sequence[Request]) -> Request:
         """The youngest running request not already scheduled this step."""
@@ -390,4 +399,13 @@ class Scheduler:
             num_state_checkpoints=ck.num_checkpoints if ck is not None else 0,
             num_used_state_checkpoints=ck.num_used if ck is not None else 0,
             fair_share=self.fair.snapshot(),
+            num_added=self.num_added,
+            num_queued_tokens=self._num_queued_tokens(),
         )
+
+    def _num_queued_tokens(self) -> int:
+        """Tokens still to compute of the waiting requests past the free batch slots, in queue order."""
+        free = max(0, self.config.max_num_seqs - len(self.running))
+        if len(self.waiting) <= free:
+            return 0
+        return sum(r.num_tokens - r.num_computed_tokens for r in itertools.islice(self.waiting, free, None))

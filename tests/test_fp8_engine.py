@@ -230,8 +230,8 @@ def test_the_kept_fp8_path_builds_the_checkpoints_weights(kind: str, tmp_path: P
 
     import engine.loader
     from engine.models.layers import Linear
-    from kernels.fp8_block import Fp8Linear, quantize_activation_groups
-    from kernels.fused_moe_fp8 import Fp8Experts
+    from kernels.fp8_block import quantize_activation_groups
+    from kernels.fp8_dispatch import Fp8Experts, Fp8Linear
 
     fp8 = to_fp8_checkpoint(MAKERS[kind](tmp_path / "f"), tmp_path / "fp8", fused_experts=kind.endswith("fused"))
     cfg = ModelConfig.from_checkpoint(fp8)

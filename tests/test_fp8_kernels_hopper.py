@@ -9,8 +9,7 @@ import re
 from typing import Any
 
 import pytest
-
-triton = pytest.importorskip("triton")
+import triton
 
 
 

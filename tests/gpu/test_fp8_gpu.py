@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from scheduler.request import SamplingParams
-from kernels.fp8_block import Fp8BlockWeight, Fp8Linear, fp8_device_supported, quantize_block_fp8, w8a8_block_matmul_ref
+from kernels.fp8_block import Fp8BlockWeight, fp8_device_supported, quantize_block_fp8, w8a8_block_matmul_ref
+from kernels.fp8_dispatch import Fp8Experts, Fp8Linear
 from kernels.fused_moe import route
-from kernels.fused_moe_fp8 import Fp8ExpertWeights, Fp8Experts, fused_experts_fp8_ref
+from kernels.fused_moe_fp8 import Fp8ExpertWeights, fused_experts_fp8_ref
 from tests.factories import make_moe_checkpoint
 from tests.fp8_factory import to_fp8_checkpoint
 from tests.test_engine_correctness import capture_logits, make_engine
