@@ -175,23 +175,27 @@ class ServerState:
             self._on_fatal()
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        """/health's status code and body: 200 `ok` only while an engine is serving."""
+        """/health's status code and body: 200 `ok` only while an engine is serving (with data
+        parallel, while one of its cores is; `engines` lists every core)."""
         engine = self.engine
         if self.phase != "ready" or engine is None:
             return 503, {"status": self.phase,
                          "error": {"message": self.unavailable_reason(), "type": "unavailable_error"}}
-        core = engine.core_status()
-        last = core.last_restart
+        cores = engine.core_statuses()
+        restarts = [core.last_restart for core in cores if core.last_restart is not None]
+        last = max(restarts, key=lambda r: r.at, default=None)
         body: dict[str, Any] = {
             "status": "ok",
-            "engine_pid": core.pid,
-            "engine_restarts": core.num_restarts,
+            "engine_pid": cores[0].pid,
+            "engine_restarts": sum(core.num_restarts for core in cores),
             "last_restart": None if last is None else {
                 "reason": last.reason, "detail": last.detail, "at": int(last.at),
                 "duration_s": None if last.duration_s is None else round(last.duration_s, 1),
             },
+            "engines": [{"index": i, "pid": core.pid, "state": core.state, "restarts": core.num_restarts}
+                        for i, core in enumerate(cores)],
         }
-        if core.state == "restarting":
+        if all(core.state == "restarting" for core in cores):
             assert last is not None, "a restart has a cause"
             message = f"the engine was lost ({last.detail}) and is restarting; requests wait for it"
             return 503, {**body, "status": "restarting", "error": {"message": message, "type": "unavailable_error"}}

@@ -1,5 +1,7 @@
 """Prometheus metrics of one engine, in its own registry (served by api/ at /metrics): our own
-`fp4serve_*` series, and vLLM's names beside them (engine/vllm_metrics.py)."""
+`fp4serve_*` series, and vLLM's names beside them (engine/vllm_metrics.py). With data parallel
+the vLLM names have one series per engine core (label `engine`), and ours are the sums over the
+cores (the KV usage: pages used over pages, of all the cores)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.core_types import EngineInfo
-from engine.vllm_metrics import VllmMetrics
+from engine.vllm_metrics import VllmMetrics, vllm_metrics
 from scheduler.scheduler import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -34,12 +36,14 @@ class KeyUsage:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, info: EngineInfo | None = None) -> None:
-        """`info`: the engine's (the vLLM-named series describe its KV cache); the page's tests pass none."""
+    def __init__(self, model_name: str, info: EngineInfo | None = None, num_engines: int = 1) -> None:
+        """`info`: the engine's (the vLLM-named series describe its KV cache); the page's tests pass none.
+        `num_engines`: engine cores (--data-parallel-size)."""
         self.registry = CollectorRegistry()
         r = self.registry
-        # The same measurements under vLLM's names, for the routers that read those (engine/vllm_metrics.py).
-        self.vllm = VllmMetrics(r, model_name, info)
+        # The same measurements under vLLM's names, for the routers that read those
+        # (engine/vllm_metrics.py): one per engine core, indexed by its rank.
+        self.vllm: list[VllmMetrics] = vllm_metrics(r, model_name, info, num_engines)
         self.running = Gauge("fp4serve_num_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("fp4serve_num_requests_waiting", "Requests waiting (new or preempted).", registry=r)
         self.kv_usage = Gauge(
@@ -99,11 +103,10 @@ class EngineMetrics:
             "fp4serve_engine_restarts", "Engine processes lost and restarted, by why: crash, hang or error "
             "(engine/supervisor.py).", ["reason"], registry=r,
         )
-        info = Gauge("fp4serve_model_info", "The model being served.", ["model_name"], registry=r)
-        info.labels(model_name=model_name).set(1)
-        self._last_queried = 0
-        self._last_hits = 0
-        self._last_preemptions = 0
+        model_info = Gauge("fp4serve_model_info", "The model being served.", ["model_name"], registry=r)
+        model_info.labels(model_name=model_name).set(1)
+        pages = max(info.num_kv_pages, 1) if info is not None else 1
+        self._stats = [SchedulerStats(0, 0, 0, pages, 0, 0, 0)] * num_engines  # each core's last report
 
     def key_usage(self, key: str) -> KeyUsage:
         return self.usage.setdefault(key, KeyUsage())
@@ -117,16 +120,16 @@ class EngineMetrics:
             self.spec_draft_by_position.labels(position=str(pos)).inc(d)
             self.spec_accepted_by_position.labels(position=str(pos)).inc(a)
 
-    def observe_scheduler(self, stats: SchedulerStats) -> None:
-        self.vllm.observe_scheduler(stats)
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_usage)
-        self.kv_pages_total.set(stats.num_blocks)
+    def observe_scheduler(self, stats: SchedulerStats, engine_index: int = 0) -> None:
+        self.vllm[engine_index].observe_scheduler(stats)
+        last, self._stats[engine_index] = self._stats[engine_index], stats
         # The block manager keeps cumulative counts; counters take the increments.
-        self.prefix_queries.inc(stats.prefix_cache_queried_tokens - self._last_queried)
-        self.prefix_hits.inc(stats.prefix_cache_hit_tokens - self._last_hits)
-        self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
-        self._last_queried = stats.prefix_cache_queried_tokens
-        self._last_hits = stats.prefix_cache_hit_tokens
-        self._last_preemptions = stats.num_preemptions
+        self.prefix_queries.inc(stats.prefix_cache_queried_tokens - last.prefix_cache_queried_tokens)
+        self.prefix_hits.inc(stats.prefix_cache_hit_tokens - last.prefix_cache_hit_tokens)
+        self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        every = self._stats
+        self.running.set(sum(s.num_running for s in every))
+        self.waiting.set(sum(s.num_waiting for s in every))
+        num_blocks = sum(s.num_blocks for s in every)
+        self.kv_usage.set(sum(s.num_used_blocks for s in every) / num_blocks)
+        self.kv_pages_total.set(num_blocks)
