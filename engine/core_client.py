@@ -206,6 +206,7 @@ class MPClient:
                                      name=f"fp4serve-engine-{device.rank}", daemon=True)
         self._proc.start()
         child_conn.close()
+        self.name = "engine core" if device is None else f"engine core {device.rank}"
         self.info: EngineInfo | None = None
         self.last_sent = 0.0  # time.monotonic() of the last requests handed to the sender
         self._reader: threading.Thread | None = None
@@ -229,7 +230,7 @@ class MPClient:
             _, kind, text = message
             raise ConfigError(text) if kind == "config" else RuntimeError(f"{kind}: {text}")
         self.info = message[1]
-        logger.info("engine core running in process %d", self._proc.pid)
+        logger.info("%s running in process %d", self.name, self._proc.pid)
         return message[1]
 
     @property
