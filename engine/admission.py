@@ -16,8 +16,8 @@ With data parallel (--data-parallel-size N) the rule is the same over the N engi
 is what no core can start at its next step. Each core's own count is kept as above (its reports,
 the samples in transit to it); a core's waiting samples beyond its free slots are queued (they
 cannot move to another core), and the requests being tokenized, not yet placed, are queued only
-beyond the free slots left on all the cores together. `load(core)` (running + waiting + in
-transit) is what engine/placement.py balances.
+beyond the free slots left on all the cores together. Each core's load (running + waiting + in
+transit, `loads`) is what engine/placement.py balances.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class EngineOverloadedError(RuntimeError):
 class _CoreCounts:
     """What the front knows of one engine core's queue."""
 
-    stats: SchedulerStats = SchedulerStats(0, 0, 0, 1, 0, 0, 0)  # the core's last report
+    stats: SchedulerStats = field(default_factory=lambda: SchedulerStats(0, 0, 0, 1, 0, 0, 0))  # its last report
     num_sent: int = 0  # samples sent to the core, ever (by this core process)
     # Prompt tokens of each sent sample the core has not counted, in order.
     in_transit: deque[int] = field(default_factory=deque)
@@ -88,10 +88,9 @@ class Admission:
         and the new core counts what it is handed from zero."""
         self._cores[core] = _CoreCounts()
 
-    def load(self, core: int) -> int:
-        """The core's running and waiting samples, and those on their way to it."""
-        counts = self._cores[core]
-        return counts.stats.num_running + counts.pending()
+    def loads(self) -> list[int]:
+        """Each core's running and waiting samples, and those on their way to it."""
+        return [counts.stats.num_running + counts.pending() for counts in self._cores]
 
     # ---- the rule ------------------------------------------------------------------------------------
     def _free(self, counts: _CoreCounts) -> int:
@@ -121,16 +120,18 @@ class Admission:
     def admit(self, num_samples: int, num_prompt_tokens: int, ahead: int = 0) -> None:
         """Raises EngineOverloadedError when `num_samples` more samples of `num_prompt_tokens` each
         (with `ahead` others before them) would pass a bound. An empty queue takes any request, so
-        none is refused merely for being large (api/ bounds n and the prompt length)."""
+        none is refused merely for being large (api/ bounds n and the prompt length); samples that
+        a core can start at once (with data parallel, another core's free slots) are not queued."""
         queued = self.num_queued_requests(ahead)
         if queued == 0:
             return
+        newly_queued = self.num_queued_requests(ahead + num_samples) - queued
         max_requests, max_tokens = self.limits.max_queued_requests, self.limits.max_queued_tokens
-        if max_requests is not None and queued + num_samples > max_requests:
+        if max_requests is not None and queued + newly_queued > max_requests:
             raise EngineOverloadedError(f"{queued} requests are already waiting for a batch slot (limit {max_requests})")
         if max_tokens is not None:
             queued_tokens = self.num_queued_tokens()
-            if queued_tokens + num_samples * num_prompt_tokens > max_tokens:
+            if queued_tokens + newly_queued * num_prompt_tokens > max_tokens:
                 raise EngineOverloadedError(
                     f"{queued_tokens} prompt tokens are already waiting for a batch slot (limit {max_tokens})"
                 )

@@ -13,11 +13,11 @@ the engine is dead.
 
 Data parallel (--data-parallel-size N): N engine cores, each with its own client (a supervisor),
 behind this one front. Each request, all its samples together, goes to the core
-engine/placement.py picks (best cached prefix, then least load); fair share is summed over the
-cores (engine/global_fair_share.py); admission counts every core (engine/admission.py). A lost
-core ends only the requests it held, and new ones go to the others while it restarts; a core
-whose supervisor gives up makes the engine dead, as with one core. With one core, placement and
-global fair share do not exist and every request goes to core 0.
+engine/core_router.py picks (best cached prefix, then least load; engine/placement.py), which
+also keeps fair share global (engine/global_fair_share.py); admission counts every core
+(engine/admission.py). A lost core ends only the requests it held, and new ones go to the others
+while it restarts; a core whose supervisor gives up makes the engine dead, as with one core. With
+one core there is no router and every request goes to core 0.
 """
 
 from __future__ import annotations
@@ -32,10 +32,14 @@ from typing import TYPE_CHECKING
 from engine.admission import Admission, QueueLimits
 from engine.config import EngineConfig
 from engine.core_proc import MAX_CONSECUTIVE_FAILURES
-from engine.core_types import EngineCoreOutputs, EngineCoreProtocol, EngineCoreRequest, Owner
-from engine.global_fair_share import GlobalFairShare
+from engine.core_router import CoreRouter
+from engine.core_types import (
+    EngineCoreOutputs,
+    EngineCoreProtocol,
+    EngineCoreRequest,
+    Owner,
+)
 from engine.outputs import RequestOutput
-from engine.placement import Placement
 from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerStats
 
@@ -99,13 +103,10 @@ class AsyncEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.admission = Admission(QueueLimits(), info.max_num_seqs, n)
-        # Data parallel only: where each request goes, and fair share over the cores.
-        self.placement = Placement(n, info.block_size, info.max_num_seqs, info.prefix_caching) if n > 1 else None
-        self.fair_share = GlobalFairShare(n) if n > 1 else None
+        self.router = CoreRouter(self.clients, info.max_num_seqs) if n > 1 else None  # data parallel only
         # Each request's outputs; an EngineRestartingError when the engine process holding it was lost.
         self._queues: dict[str, asyncio.Queue[RequestOutput | EngineRestartingError]] = {}
         self._core_of: dict[str, tuple[int, tuple[str, ...]]] = {}  # request id -> its core, its samples' ids
-        self._restarting: set[int] = set()  # lost cores whose successor has not reported yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_dead: Callable[[str], None] | None = None
         self._stats = [SchedulerStats(0, 0, 0, max(info.num_kv_pages, 1), 0, 0, 0)] * n  # each core's last report
@@ -214,7 +215,7 @@ class AsyncEngine:
         # arrivals cannot all see the same free room.
         num_prompt_tokens = len(children[0].prompt_token_ids)
         self.admission.admit(len(children), num_prompt_tokens)
-        core = self._place(request_id, children)
+        core = 0 if self.router is None else self.router.place(request_id, children, self.admission.loads())
         queue: asyncio.Queue[RequestOutput | EngineRestartingError] = asyncio.Queue()
         self._queues[request_id] = queue
         self._core_of[request_id] = (core, tuple(child.request_id for child in children))
@@ -230,8 +231,8 @@ class AsyncEngine:
                     if not started:
                         raise out  # nothing sent yet: the API answers 503 + Retry-After
                     out = RequestOutput(request_id, 0, (), "", "abort", 0, 0, error=str(out))
-                if not started and self.placement is not None:
-                    self.placement.started(request_id)
+                if not started and self.router is not None:
+                    self.router.started(request_id)
                 started = True
                 if out.finish_reason is not None:
                     remaining -= 1
@@ -240,24 +241,11 @@ class AsyncEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if self.placement is not None:
-                self.placement.started(request_id)
+            if self.router is not None:
+                self.router.started(request_id)
             if remaining and not self.dead:
                 await self.abort(request_id)
             self._core_of.pop(request_id, None)
-
-    def _place(self, request_id: str, children: list[EngineCoreRequest]) -> int:
-        """The engine core for a request's samples: 0, or with data parallel engine/placement.py's
-        choice, which is then told the other cores' fair-share counts (an arriving key starts at
-        the active keys' V, which those are part of)."""
-        if self.placement is None:
-            return 0
-        loads = [None if core in self._restarting else self.admission.load(core) for core in range(len(self.clients))]
-        core = self.placement.place(request_id, children[0].prompt_token_ids, loads)
-        assert self.fair_share is not None
-        if update := self.fair_share.update_for(core):
-            self.clients[core].update_fair_share(update)
-        return core
 
     async def abort(self, request_id: str) -> None:
         """End the request now; the core frees its pages when it reads the abort."""
@@ -298,13 +286,8 @@ class AsyncEngine:
         if step.stats is not None:
             self._stats[index] = step.stats
             self.admission.on_stats(step.stats, index)
-            if self.fair_share is not None:
-                self._restarting.discard(index)  # its successor's first report
-                queueing = [bool(s.num_waiting) and c not in self._restarting for c, s in enumerate(self._stats)]
-                for core, update in self.fair_share.on_report(index, step.stats.fair_charged, queueing):
-                    self.clients[core].update_fair_share(update)
-        if step.prefix_cache is not None and self.placement is not None:
-            self.placement.on_prefix_cache(index, step.prefix_cache)
+        if self.router is not None:
+            self.router.on_report(index, step, self._stats)
         if step.step_time_s is not None:
             self._num_steps += 1
         if step.error is not None:
@@ -337,9 +320,8 @@ class AsyncEngine:
         # Some may have gone to the supervisor after the loss, to wait for the new engine: not any more.
         self.clients[index].abort_requests(child_ids)
         self.admission.on_core_lost(index)
-        if self.placement is not None:
-            self.placement.on_core_lost(index)
-            self._restarting.add(index)
+        if self.router is not None:
+            self.router.on_core_lost(index)
         for request_id in lost:
             if (queue := self._queues.get(request_id)) is not None:
                 queue.put_nowait(error)

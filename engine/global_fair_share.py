@@ -51,7 +51,7 @@ class GlobalFairShare:
         """What `core` has not been told yet of the other cores' charges (of `keys`, or of every key
         any core charged): the entries to send it, empty when it is up to date."""
         if keys is None:
-            keys = {key for charged in self._charged for key in charged}
+            keys = sorted({key for charged in self._charged for key in charged})
         sent = self._sent[core]
         changed = []
         for key in keys:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from api.stats import StatsFeed
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core_types import EngineCoreOutputs, Owner
@@ -71,6 +72,28 @@ def test_greedy_on_two_cores_equals_one_core_and_transformers(qwen3_ckpt: Path) 
     assert [tokens_of(outs) for outs in results] == expected
     for i in (0, 5):
         assert expected[i] == hf_greedy(qwen3_ckpt, prompts[i], GREEDY.max_tokens)[0]
+
+
+def test_our_series_sum_the_cores_and_vllms_are_per_core(qwen3_ckpt: Path) -> None:
+    systems = [list(range(1, 50)), list(range(200, 249))]  # three full pages each, one per core
+
+    async def body(engine: AsyncEngine) -> tuple[dict[str, Any], dict[str, float]]:
+        await asyncio.gather(*(collect(engine, f"r{i}", systems[i % 2] + [100 + i], GREEDY) for i in range(6)))
+        while engine.stats().num_running:  # the last reports
+            await asyncio.sleep(0.01)
+        registry = engine.metrics.registry
+        ours = {name: registry.get_sample_value(name) or 0.0 for name in (
+            "fp4serve_prefix_cache_queries_total", "fp4serve_prefix_cache_hits_total", "fp4serve_kv_cache_pages_total")}
+        return StatsFeed().read([registry]), ours
+
+    stats, ours = run_two_cores(qwen3_ckpt, body)
+    engines = stats["engines"]
+    assert [e["engine"] for e in engines] == [0, 1] and all(e["prefix_queried_tokens"] > 0 for e in engines)
+    assert sum(e["prefix_queried_tokens"] for e in engines) == ours["fp4serve_prefix_cache_queries_total"] == 6 * 50
+    assert [e["prefix_hit_tokens"] for e in engines] == [2 * 48, 2 * 48]
+    assert ours["fp4serve_prefix_cache_hits_total"] == 4 * 48
+    assert stats["prefix_cache"]["queried_tokens"] == 6 * 50
+    assert ours["fp4serve_kv_cache_pages_total"] == stats["kv_cache"]["pages_total"] == 2 * 2048  # 16 MiB each
 
 
 def test_the_samples_of_one_request_share_a_core(qwen3_ckpt: Path) -> None:
