@@ -111,7 +111,7 @@ class CoreDevice:
     def describe(self) -> str:
         where = f"GPU {self.gpu}" if self.gpu is not None else \
             f"CPUs {','.join(map(str, self.cpus))}" if self.cpus else "every CPU"
-        return f"{where}, {self.num_threads} torch threads"
+        return f"{where}, {self.num_threads} torch thread{'s' if self.num_threads != 1 else ''}"
 
     def apply(self) -> None:
         """In the engine process, before torch starts CUDA or its thread pool."""

@@ -182,6 +182,7 @@ class EngineSupervisor:
         """Data parallel: the config.data_parallel_size cores, loaded side by side (blocking). If one
         fails to load, the others are stopped and its error raised."""
         size = config.data_parallel_size
+        CoreDevice.for_rank(config, size - 1)  # too few GPUs: say so before loading any core
         with ThreadPoolExecutor(size, thread_name_prefix="fp4serve-load") as pool:
             futures = [pool.submit(cls, config.for_rank(rank)) for rank in range(size)]
             errors = [f.exception() for f in futures]

@@ -75,6 +75,11 @@ def test_two_engine_processes_serve_greedy_as_one_core_does(server: RunningServe
     pids = [core["pid"] for core in health["engines"]]
     assert [core["state"] for core in health["engines"]] == ["running", "running"]
     assert len(set(pids)) == 2 and server.process.pid not in pids and all(alive(pid) for pid in pids)
+    cpus = sorted(os.sched_getaffinity(0))  # the server's too: each core pinned to its half
+    half = len(cpus) // 2
+    for rank in range(2):
+        mine = ",".join(map(str, cpus[rank * half:(rank + 1) * half]))
+        server.wait_for_log(f"[engine {rank}]: engine core {rank} of 2: CPUs {mine}, {half} torch thread")
     subscribers = [vllm.Subscriber(f"ipc://{events_socket}"), vllm.Subscriber(f"ipc://{events_socket}_dp1")]
     prompts = [prompt_for(i) + list(range(100, 120)) for i in range(8)]  # each at least one full page
     expected = [alone(qwen3_ckpt, p, GREEDY) for p in prompts]
