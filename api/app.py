@@ -26,6 +26,7 @@ from api.errors import (
     handle_unexpected,
 )
 from api.generation import ClientDisconnected
+from api.framing import FramingMiddleware
 from api.inflight import InFlightMiddleware
 from api.agent_routes import AGENT_ROUTES
 from api.routes import ROUTES
@@ -70,7 +71,11 @@ def build_app(
                 loading.cancel()
             await state.close()
 
-    middleware = [Middleware(InFlightMiddleware, in_flight=state.in_flight)]
+    # Outermost first: count and watch the client, then check the body's framing and size, then the key.
+    middleware = [
+        Middleware(InFlightMiddleware, in_flight=state.in_flight),
+        Middleware(FramingMiddleware, max_request_bytes=config.max_request_bytes, metrics=state.metrics),
+    ]
     if config.cors_origins:
         middleware.append(
             Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"])
