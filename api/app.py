@@ -28,6 +28,7 @@ from api.errors import (
 from api.generation import ClientDisconnected
 from api.framing import FramingMiddleware
 from api.inflight import InFlightMiddleware
+from api.key_metrics import key_metrics_routes
 from api.agent_routes import AGENT_ROUTES
 from api.routes import ROUTES
 from api.stats import stats_routes
@@ -82,7 +83,8 @@ def build_app(
         )
     middleware.append(Middleware(KeyMiddleware, ring=state.keys, limiter=state.limiter))
     app = Starlette(
-        routes=[*ROUTES, *AGENT_ROUTES, *stats_routes(), *(ui_routes(config.url) if config.ui else [])],
+        routes=[*ROUTES, *AGENT_ROUTES, *stats_routes(), *key_metrics_routes(),
+                *(ui_routes(config.url) if config.ui else [])],
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={

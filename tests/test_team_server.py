@@ -1,6 +1,7 @@
 """A team endpoint as its users meet it: a real server with --api-keys-file and the openai client.
-Per-key limits (429 + Retry-After + x-ratelimit-*), /v1/usage, key labels in /metrics, SIGHUP
-reload, the body timeout, a client leaving mid-upload, and the prompts cap."""
+Per-key limits (429 + Retry-After + x-ratelimit-*), /v1/usage, per-key series at /metrics/keys for
+admin keys only (none in the open /metrics), SIGHUP reload, the body timeout, a client leaving
+mid-upload, and the prompts cap."""
 
 from __future__ import annotations
 
@@ -113,17 +114,27 @@ def test_usage_and_key_labels(server: RunningServer) -> None:
         mine = http.get("/v1/usage", headers={"Authorization": "Bearer sk-bob-secret"}).json()
         everyone = http.get("/v1/usage", headers={"Authorization": "Bearer sk-root-secret"}).json()
         text = http.get("/metrics").text
+        per_key = http.get("/metrics/keys", headers={"Authorization": "Bearer sk-root-secret"})
+        refused = [http.get("/metrics/keys", headers=headers).status_code
+                   for headers in ({}, {"Authorization": "Bearer sk-nobody"}, {"Authorization": "Bearer sk-bob-secret"})]
         assert http.get("/v1/usage").status_code == 401
         assert http.get("/v1/usage", headers={"Authorization": "Bearer sk-nobody"}).status_code == 401
+    # The open /metrics names no key; per-key series are for admin keys only.
+    assert "key=" not in text and not any(name in text for name in ("alice", "bob", "root"))
+    assert refused == [401, 401, 403]
+    assert per_key.status_code == 200
+    keyed = per_key.text
     assert [row["key"] for row in mine["data"]] == ["bob"]
     by_key = {row["key"]: row for row in everyone["data"]}
     assert {"alice", "bob", "root"} <= set(by_key)
     assert by_key["root"]["completion_tokens"] >= done.usage.completion_tokens
     assert by_key["root"]["requests"] >= 1 and by_key["root"]["mean_ttft_seconds"] > 0
     for name, row in by_key.items():
-        assert metric(text, f'fp4serve_generation_tokens_total{{key="{name}"}}', 0) == row["completion_tokens"]
-        assert metric(text, f'fp4serve_prompt_tokens_total{{key="{name}"}}', 0) == row["prompt_tokens"]
-    assert metric(text, 'fp4serve_time_to_first_token_seconds_count{key="root"}') == by_key["root"]["requests"]
+        assert metric(keyed, f'fp4serve_generation_tokens_total{{key="{name}"}}', 0) == row["completion_tokens"]
+        assert metric(keyed, f'fp4serve_prompt_tokens_total{{key="{name}"}}', 0) == row["prompt_tokens"]
+    assert metric(keyed, 'fp4serve_time_to_first_token_seconds_count{key="root"}') == by_key["root"]["requests"]
+    # The open series are the sums over keys.
+    assert metric(text, "fp4serve_generation_tokens_total") == sum(r["completion_tokens"] for r in by_key.values())
     assert metric(text, 'fp4serve_http_requests_rejected_total{reason="rate_limited"}') >= 1
     log = server.log()
     assert "secret" not in log
