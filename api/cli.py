@@ -12,18 +12,20 @@ import importlib.util
 import logging
 import os
 import socket
+import stat
 import sys
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from api.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig
 from api.errors import OVERLOADED_RETRY_AFTER_S
+from api.keys import API_KEY_ENV
 from api.limits import HARD_MAX_LOGPROBS, RequestLimits
 from api.team_args import add_team_arguments, team_engine_settings, team_server_settings
 from engine.async_engine import MAX_CONSECUTIVE_FAILURES, QueueLimits
 from engine.config import ConfigError, EngineConfig
 
-API_KEY_ENV = "FP4SERVE_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 logger = logging.getLogger("fp4serve")
@@ -133,9 +135,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--port", type=int, default=8000, help="TCP port")
     # NOTE: the env value is read in server_config, not used as the default: --help prints defaults.
     http.add_argument("--api-key", default=None, metavar="KEY",
-                      help=f"require 'Authorization: Bearer KEY' on /v1/* (also read from ${API_KEY_ENV}, which "
-                      "is safer: a command line is visible to every user of the machine); never logged; "
-                      "default: no key")
+                      help=f"require 'Authorization: Bearer KEY' on /v1/*; never logged. Prefer --api-key-file or "
+                      f"${API_KEY_ENV}: a command line is visible to every user of the machine (ps), so this flag "
+                      "logs a warning; default: no key")
+    http.add_argument("--api-key-file", default=None, metavar="FILE",
+                      help="read the one API key (as --api-key) from the first line of FILE, which only the "
+                      "server's user should be able to read; not with --api-key or --api-keys-file (a TOML file of "
+                      "several named keys)")
     http.add_argument("--cors-origins", default=None, metavar="ORIGINS",
                       help="comma-separated origins allowed by CORS, or '*'; default: no CORS headers")
     http.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
@@ -248,7 +254,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         engine=engine,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=_api_key(args),
         cors_origins=origins,
         tool_parser=args.tool_parser,
         reasoning_parser=args.reasoning_parser,
@@ -268,6 +274,34 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         ui=not args.no_ui,
         **team_server_settings(args),
     )
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file's first line, else $FP4SERVE_API_KEY; ConfigError for a file
+    that cannot be read or holds no key. NOTE: the key itself never reaches a message or a log."""
+    if args.api_key and args.api_key_file:
+        raise ConfigError("--api-key and --api-key-file: give one of them")
+    if args.api_key:
+        logger.warning("--api-key on the command line is visible to every user of this machine (ps, /proc); "
+                       "use --api-key-file or $%s instead", API_KEY_ENV)
+        return args.api_key
+    if args.api_key_file:
+        path = Path(args.api_key_file)
+        try:
+            lines = path.read_text().strip().splitlines()
+            mode = path.stat().st_mode
+        except OSError as e:
+            raise ConfigError(f"--api-key-file {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--api-key-file {path}: not a text file") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ConfigError(f"--api-key-file {path}: holds no key (the first line is read)")
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            logger.warning("--api-key-file %s can be read by other users (mode %o); chmod 600 it", path,
+                           stat.S_IMODE(mode))
+        return key
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def _check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:

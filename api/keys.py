@@ -32,6 +32,7 @@ from engine.core_types import Owner, current_owner
 
 logger = logging.getLogger("fp4serve")
 DEFAULT_NAME = "default"
+API_KEY_ENV = "FP4SERVE_API_KEY"  # the single key's environment variable (api/cli.py)
 KEY_STATE = "fp4serve.key"  # the request's KeyRecord, in scope["state"]
 _FIELDS = {"name", "key", "key_sha256", "weight", "priority", "max_concurrent", "rpm", "tpm", "admin"}
 
@@ -128,7 +129,8 @@ class KeyRing:
 
     def __init__(self, api_key: str | None = None, keys_file: str | None = None) -> None:
         if api_key and keys_file:
-            raise ConfigError("--api-key and --api-keys-file: give one of them")
+            raise ConfigError(f"--api-keys-file and a single key (--api-key, --api-key-file or ${API_KEY_ENV}): "
+                              "give one of them")
         self.keys_file = keys_file
         if keys_file:
             records: tuple[KeyRecord, ...] = parse_keys_file(keys_file)
