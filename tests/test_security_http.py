@@ -231,3 +231,22 @@ def test_http2_client_leaving_releases_its_in_flight_count_and_its_key_slot_at_o
     log = server.log()
     assert "client left while sending the body" in log
     assert "Traceback" not in log
+
+
+# ---- duplicate credentials --------------------------------------------------------------------------
+def test_a_request_naming_two_keys_is_refused_everywhere_a_key_is_read(server: RunningServer) -> None:
+    root, mallory = ("authorization", "Bearer sk-root"), ("authorization", "Bearer sk-mallory")
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        created = http.post("/v1/responses", headers=[root],
+                            json={"model": MODEL, "input": "hello", "max_output_tokens": 2, "store": True})
+        assert created.status_code == 200, created.text
+        path = f"/v1/responses/{created.json()['id']}"
+        # Authentication read the first header and the store's owner the last: either order is refused.
+        for headers in ([root, mallory], [mallory, root], [root, ("x-api-key", "sk-mallory")]):
+            refused = http.get(path, headers=headers)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["code"] == "ambiguous_credentials"
+            assert http.delete(path, headers=headers).status_code == 400
+        assert http.get(path, headers=[root, root]).status_code == 200  # the same key twice is one key
+        assert http.post("/tokenize", headers=[root, mallory], json={"prompt": "hi"}).status_code == 401
+    assert "several different credentials" in server.log()
