@@ -24,7 +24,7 @@ from api.keys import API_KEY_ENV
 from api.limits import HARD_MAX_LOGPROBS, RequestLimits
 from api.team_args import add_team_arguments, team_engine_settings, team_server_settings
 from engine.async_engine import MAX_CONSECUTIVE_FAILURES, QueueLimits
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, parse_memory
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -57,6 +57,17 @@ def _count_or_none(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def _size_bytes(text: str) -> int:
+    """A size in bytes: 536870912, 512MiB, 1GB."""
+    try:
+        size, fraction = parse_memory(text)
+    except ConfigError:
+        size = fraction = None
+    if size is None or fraction is not None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB or 1GiB, got {text!r}")
+    return size
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +122,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="turn off reuse of KV pages across requests sharing a prompt prefix")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="decode without CUDA graphs (graphs are captured at start-up on CUDA otherwise)")
+    engine.add_argument("--grammar-cache-bytes", type=_size_bytes, default=_engine_default("grammar_cache_bytes"),
+                        metavar="SIZE",
+                        help="most memory of compiled grammars (response_format schemas, forced tool calls) kept "
+                        "for reuse, least recently used out (default: 512MiB; 0 keeps none). Each API key compiles one "
+                        "grammar at a time, keys taking turns, so one key's large schemas never hold up the others'")
     engine.add_argument("--in-process-engine", action="store_true",
                         help="run the engine core (scheduler and model) on a thread of the HTTP process instead of "
                         "a process of its own: for debugging; the forward then shares the GIL with HTTP")
@@ -247,6 +263,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         speculative_max_batch=args.speculative_max_batch,
+        grammar_cache_bytes=args.grammar_cache_bytes,
     )
     _check_parser_names(args.tool_parser, args.reasoning_parser)
     origins = tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip())

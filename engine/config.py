@@ -218,6 +218,10 @@ def parse_memory(text: str) -> tuple[int | None, float | None]:
     return int(number * _UNITS[unit]), None
 
 
+# Compiled grammars kept for reuse, in bytes of xgrammar's own accounting (engine/grammar_cache.py):
+# vLLM's default for xgrammar's cache (VLLM_XGRAMMAR_CACHE_MB).
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
+
 # Most prefill tokens one request gets per step, so decodes and short prompts keep flowing while a
 # long prompt prefills (docs/PERF.md "Fair team endpoint" has the measurement behind it).
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 512
@@ -252,6 +256,7 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     speculative_max_batch: int | None = None  # None: engine/spec_decode/config.py's measured default
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES  # compiled grammars kept (LRU); 0: none kept
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -270,5 +275,7 @@ class EngineConfig:
             raise ConfigError(f"--long-prefill-token-threshold: must not be negative, got {self.long_prefill_token_threshold}")
         if self.quantization not in (None, "auto", "none", "nvfp4", "int8"):
             raise ConfigError(f"--quantization: '{self.quantization}' is not one of auto, none, nvfp4, int8")
+        if self.grammar_cache_bytes < 0:
+            raise ConfigError(f"--grammar-cache-bytes: must not be negative, got {self.grammar_cache_bytes}")
         if self.linear_attention_backend not in ("auto", "torch", "fla"):
             raise ConfigError(f"--linear-attention-backend: '{self.linear_attention_backend}' is not one of auto, torch, fla")

@@ -25,6 +25,7 @@ from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import SampledToken
 from engine.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
+from engine.grammar_cache import DEFAULT_COMPILE_WORKERS
 from engine.structured import StructuredOutputs
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -43,7 +44,10 @@ class EngineCore:
         mc = self.model_config
         max_model_len = config.max_model_len or mc.max_position_embeddings
         # The tokenizer loads on a constrained request's first compile only (xgrammar needs it).
-        self.structured = StructuredOutputs(path, mc.vocab_size)
+        self.structured = StructuredOutputs(path, mc.vocab_size, config.grammar_cache_bytes)
+        logger.info("grammar cache: compiled grammars kept up to %.0f MiB (--grammar-cache-bytes), least recently "
+                    "used out; %d compile threads, each API key compiling one grammar at a time",
+                    config.grammar_cache_bytes / (1 << 20), DEFAULT_COMPILE_WORKERS)
         self.speculative = self._speculative_config(config, mc)  # before the runner: MTP changes what it loads
         spec = self.speculative
         self.runner = ModelRunner(path, mc, config, max_model_len, self.structured)
@@ -137,7 +141,7 @@ class EngineCore:
         assert params.n == 1, f"{request.request_id}: the front fans n out"
         grammar_ready = None
         if params.grammar is not None:
-            compiled = self.structured.prepare(params.grammar)
+            compiled = self.structured.prepare(params.grammar, request.key, request.request_id)
             grammar_ready = compiled.done
         self.scheduler.add_request(
             Request(
@@ -158,6 +162,7 @@ class EngineCore:
         """End the requests now, their pages free on return; unknown or finished ids are ignored."""
         for request_id in request_ids:
             self.scheduler.abort_request(request_id)
+            self.structured.remove_request(request_id)  # a grammar nobody waits for is not compiled
 
     def fail_all(self) -> list[str]:
         """After a failed step: end every live request and forget cached KV (the batch's KV state
@@ -216,6 +221,7 @@ class EngineCore:
         return EngineCoreOutputs(
             outputs=tuple(outputs),
             stats=self.scheduler.stats(),
+            grammar_cache=self.structured.stats(),
             num_batched_requests=len(out.requests),
             num_batched_tokens=out.num_batched_tokens,
             num_drafts_by_position=drafted,
@@ -253,7 +259,7 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.schedule()
         if out.is_empty:
-            return EngineCoreOutputs(stats=self.scheduler.stats())
+            return EngineCoreOutputs(stats=self.scheduler.stats(), grammar_cache=self.structured.stats())
         result = self.update(out, self.execute(out))
         return replace(result, step_time_s=time.perf_counter() - t0)
 

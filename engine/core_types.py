@@ -105,6 +105,20 @@ class EngineCoreOutput:
 
 
 @dataclass(frozen=True)
+class GrammarCacheStats:
+    """The compiled-grammar cache of engine/grammar_cache.py, as one step leaves it."""
+
+    num_bytes: int  # charged to the budget: xgrammar's size of each kept grammar
+    budget_bytes: int  # --grammar-cache-bytes
+    num_entries: int  # grammars kept
+    num_compiling: int
+    num_queued: int  # waiting for a compile worker (each key compiles one at a time)
+    hits: int  # cumulative: requests whose grammar was kept or already compiling
+    misses: int  # cumulative: requests that started a compile
+    evictions: int  # cumulative: kept grammars dropped for the budget, or too large to keep
+
+
+@dataclass(frozen=True)
 class EngineCoreOutputs:
     """One message from the core: a step's outputs, or a failure that ended requests."""
 
@@ -119,6 +133,7 @@ class EngineCoreOutputs:
     failed_request_ids: tuple[str, ...] = ()  # ended by a failed step, with `error`
     error: str | None = None
     dead: str | None = None  # the core stopped for this reason: nothing more will come
+    grammar_cache: GrammarCacheStats | None = None  # None until the first constrained request
 
 
 @dataclass(frozen=True)

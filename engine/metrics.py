@@ -9,6 +9,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from engine.core_types import GrammarCacheStats
 from scheduler.scheduler import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -124,11 +125,47 @@ class EngineMetrics:
             "fp4serve_spec_decode_accepted_tokens_per_position", "Draft tokens accepted, by draft position (0 = first).",
             ["position"], registry=r,
         )
+        self._grammar_cache_metrics(r)
         info = Gauge("fp4serve_model_info", "The model being served.", ["model_name"], registry=r)
         info.labels(model_name=model_name).set(1)
         self._last_queried = 0
         self._last_hits = 0
         self._last_preemptions = 0
+
+    # ---- the compiled-grammar cache (engine/grammar_cache.py), reported by the engine's steps ----
+    def _grammar_cache_metrics(self, r: CollectorRegistry) -> None:
+        self.grammar_cache_bytes = Gauge(
+            "fp4serve_grammar_cache_bytes", "Compiled grammars kept: xgrammar's size of each, summed.", registry=r
+        )
+        self.grammar_cache_budget = Gauge(
+            "fp4serve_grammar_cache_budget_bytes", "The compiled-grammar budget (--grammar-cache-bytes).", registry=r
+        )
+        self.grammar_cache_entries = Gauge("fp4serve_grammar_cache_entries", "Compiled grammars kept.", registry=r)
+        self.grammar_compiles_waiting = Gauge(
+            "fp4serve_grammar_compiles_waiting", "Grammars compiling or waiting for a compile thread.", registry=r
+        )
+        self.grammar_cache_hits = Counter(
+            "fp4serve_grammar_cache_hits", "Constrained requests whose grammar was kept or already compiling.",
+            registry=r,
+        )
+        self.grammar_cache_misses = Counter(
+            "fp4serve_grammar_cache_misses", "Constrained requests that started a compile.", registry=r
+        )
+        self.grammar_cache_evictions = Counter(
+            "fp4serve_grammar_cache_evictions", "Compiled grammars dropped for the budget (or too large to keep).",
+            registry=r,
+        )
+        self._last_grammar = GrammarCacheStats(0, 0, 0, 0, 0, 0, 0, 0)
+
+    def observe_grammar_cache(self, stats: GrammarCacheStats) -> None:
+        last, self._last_grammar = self._last_grammar, stats
+        self.grammar_cache_bytes.set(stats.num_bytes)
+        self.grammar_cache_budget.set(stats.budget_bytes)
+        self.grammar_cache_entries.set(stats.num_entries)
+        self.grammar_compiles_waiting.set(stats.num_compiling + stats.num_queued)
+        self.grammar_cache_hits.inc(stats.hits - last.hits)
+        self.grammar_cache_misses.inc(stats.misses - last.misses)
+        self.grammar_cache_evictions.inc(stats.evictions - last.evictions)
 
     def key_usage(self, key: str) -> KeyUsage:
         return self.usage.setdefault(key, KeyUsage())

@@ -24,6 +24,7 @@ from tests.server_utils import RunningServer, metric, start_server
 pytestmark = pytest.mark.slow
 MODEL = "fp4serve-demo-qwen3"
 LIMIT = 65536  # --max-request-bytes
+GRAMMAR_BUDGET = 1 << 20  # --grammar-cache-bytes
 KEYS = """
 [[keys]]
 name = "alice"
@@ -47,7 +48,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     keys.write_text(KEYS)
     # A body timeout longer than any wait below: what is released, is released by the client leaving.
     s = start_server("--model", MODEL, "--max-model-len", "256", "--kv-cache-memory", "16MiB",
-                     "--api-keys-file", str(keys), "--max-request-bytes", str(LIMIT), "--body-timeout", "120")
+                     "--api-keys-file", str(keys), "--max-request-bytes", str(LIMIT), "--body-timeout", "120",
+                     "--grammar-cache-bytes", f"{GRAMMAR_BUDGET}")
     try:
         yield s
     finally:
@@ -250,3 +252,22 @@ def test_a_request_naming_two_keys_is_refused_everywhere_a_key_is_read(server: R
         assert http.get(path, headers=[root, root]).status_code == 200  # the same key twice is one key
         assert http.post("/tokenize", headers=[root, mallory], json={"prompt": "hi"}).status_code == 401
     assert "several different credentials" in server.log()
+
+
+# ---- the grammar budget, as /metrics reports it --------------------------------------------------
+def test_compiled_grammars_stay_within_the_budget_across_keys(server: RunningServer) -> None:
+    def pick(key: str, salt: str) -> httpx.Response:
+        schema = {"type": "object", "properties": {"v": {"enum": [f"{salt}-{i}" for i in range(1500)]}},
+                  "required": ["v"]}
+        return httpx.post(server.url("/v1/chat/completions"), headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "pick"}], "max_tokens": 24,
+                                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
+
+    for i, key in enumerate(["sk-root", "sk-mallory"] * 3):
+        assert pick(key, f"s{i}").status_code == 200
+        text = httpx.get(server.url("/metrics")).text
+        assert metric(text, "fp4serve_grammar_cache_bytes") <= GRAMMAR_BUDGET
+    assert metric(text, "fp4serve_grammar_cache_budget_bytes") == GRAMMAR_BUDGET
+    assert metric(text, "fp4serve_grammar_cache_misses_total") == 6
+    assert metric(text, "fp4serve_grammar_cache_evictions_total") >= 1
+    assert "grammar cache: compiled grammars kept up to 1 MiB" in server.log()
