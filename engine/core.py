@@ -198,6 +198,9 @@ class EngineCore:
             # The tokens the scheduler kept: a stop inside the accepted drafts ends the list there.
             toks = emitted[request.request_id][: request.num_output_tokens - before[request.request_id]]
             reason = request.finish_reason if request.is_finished else None
+            if reason is not None and request.params.grammar is not None:
+                # Its grammar goes now, not at the runner's next step (which may be long in coming).
+                self.structured.remove_request(request.request_id)
             with_logprobs = request.params.logprobs is not None
             single = toks[0] if with_logprobs and len(toks) == 1 else None
             outputs.append(

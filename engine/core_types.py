@@ -108,9 +108,10 @@ class EngineCoreOutput:
 class GrammarCacheStats:
     """The compiled-grammar cache of engine/grammar_cache.py, as one step leaves it."""
 
-    num_bytes: int  # charged to the budget: xgrammar's size of each kept grammar
+    num_bytes: int  # kept, charged to the budget: xgrammar's size of each
     budget_bytes: int  # --grammar-cache-bytes
     num_entries: int  # grammars kept
+    held_bytes: int  # grammars out of the cache (evicted, or larger than the budget) that requests still hold
     num_compiling: int
     num_queued: int  # waiting for a compile worker (each key compiles one at a time)
     hits: int  # cumulative: requests whose grammar was kept or already compiling

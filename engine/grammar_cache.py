@@ -1,13 +1,14 @@
 """`GrammarCache`: compiled grammars by their text, bounded by bytes, and the compiles that fill it.
 
-- Each entry is charged xgrammar's own size of the compiled grammar (`memory_size_bytes`); least
-  recently used entries leave once the total passes the budget, and a grammar larger than the whole
-  budget is served but not kept. A grammar held by a live request stays in memory until the request
-  ends, cached or not.
+- Each kept grammar is charged xgrammar's own size of it (`memory_size_bytes`); the least recently
+  used leave once the total passes the budget, and a grammar larger than the whole budget is served
+  but not kept. A request holds its grammar from arrival to end: one that left the cache meanwhile
+  stays in memory until its last request ends, and is counted apart (`held_bytes`), so that the two
+  numbers add up to all the compiled grammars the engine holds.
 - Compiles run on a small pool of threads (xgrammar releases the GIL while it compiles). Each key
   compiles one grammar at a time and keys take turns, so a key that sends many large schemas delays
   only its own requests: another key's schema waits at most for the compiles already running.
-- A compile that nobody waits for any more (its requests were aborted before it started) is dropped.
+- A compile that no request holds any more (all were aborted before it started) is dropped.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import DEFAULT_GRAMMAR_CACHE_BYTES
@@ -34,21 +35,21 @@ DEFAULT_COMPILE_WORKERS = 2  # a small pool: the cores belong to the model
 class _Entry:
     future: Future[Any]
     key: str  # the API key whose request asked first: whose turn the compile takes
-    waiters: int = 1  # prepared requests not yet running; a compile with none left is dropped unstarted
+    holders: int = 0  # requests holding the grammar (waiting for it or running with it)
     started: bool = False
-    size: int = 0  # bytes charged, once compiled and kept
-    kept: bool = field(default=False)  # compiled and charged to the budget
+    size: int = 0  # xgrammar's size, once compiled
+    kept: bool = False  # in the cache, charged to the budget
 
 
-def _release_freed_memory() -> Callable[[], None]:
+def _malloc_trim() -> Callable[[], None]:
     """glibc's malloc_trim, else nothing. NOTE: glibc keeps a freed grammar's pages in its arenas
-    (one per compile thread) instead of returning them; after an eviction the resident size would
-    stay at its peak."""
+    (one per compile thread) instead of returning them: without it the resident size would stay at
+    its peak after an eviction. It takes ~10 ms after a large grammar, so it runs on a thread."""
     name = ctypes.util.find_library("c")
     trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
     if trim is None:
         return lambda: None
-    return lambda: trim(0)
+    return lambda: threading.Thread(target=trim, args=(0,), name="fp4serve-malloc-trim", daemon=True).start()
 
 
 class GrammarCache:
@@ -62,46 +63,55 @@ class GrammarCache:
         self._num_workers = num_workers
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # grammar text -> entry, least recent first
+        self._held: dict[Future[Any], _Entry] = {}  # every entry some request holds, in the cache or not
         self._queues: dict[str, deque[str]] = {}  # key -> grammars waiting to start, in arrival order
         self._turns: deque[str] = deque()  # keys with grammars waiting, next turn first
         self._compiling: set[str] = set()  # keys with a compile running
         self._executor: ThreadPoolExecutor | None = None
-        self._trim = _release_freed_memory()
-        self._bytes = 0
+        self._trim = _malloc_trim()
+        self._bytes = 0  # kept
+        self._held_bytes = 0  # held by requests, not kept
         self._hits = self._misses = self._evictions = 0
 
-    def get(self, grammar: str, key: str) -> Future[Any]:
-        """The grammar compiled, compiling, or queued for `key`'s next turn; each call is one waiter
-        until `release`."""
+    def get(self, grammar: str, key: str, hold: bool = True) -> Future[Any]:
+        """The grammar compiled, compiling, or queued for `key`'s next turn. With `hold`, the caller
+        holds it until it calls `release` with the returned future."""
         with self._lock:
             entry = self._entries.get(grammar)
             if entry is not None:
                 self._entries.move_to_end(grammar)
-                entry.waiters += 1
                 self._hits += 1
-                return entry.future
-            self._misses += 1
-            entry = self._entries[grammar] = _Entry(Future(), key)
-            self._queues.setdefault(key, deque()).append(grammar)
-            if key not in self._turns:
-                self._turns.append(key)
-            self._dispatch()
+            else:
+                self._misses += 1
+                entry = self._entries[grammar] = _Entry(Future(), key)
+                self._queues.setdefault(key, deque()).append(grammar)
+                if key not in self._turns:
+                    self._turns.append(key)
+                self._dispatch()
+            if hold:
+                entry.holders += 1
+                self._held[entry.future] = entry
             return entry.future
 
-    def release(self, grammar: str, future: Future[Any]) -> None:
-        """A waiter of `get` no longer wants the grammar (its request ended before it ran)."""
+    def release(self, future: Future[Any]) -> None:
+        """A holder of `future` is done with it (its request ended, or was aborted before it ran)."""
+        freed = False
         with self._lock:
-            entry = self._entries.get(grammar)
-            if entry is None or entry.future is not future or entry.started:
+            entry = self._held.get(future)
+            if entry is None:
                 return
-            entry.waiters -= 1
-            if entry.waiters > 0:
+            entry.holders -= 1
+            if entry.holders > 0:
                 return
-            del self._entries[grammar]
-            queue = self._queues.get(entry.key)
-            if queue is not None and grammar in queue:
-                queue.remove(grammar)
-            future.cancel()
+            del self._held[future]
+            if not entry.started:  # nobody wants it: never compiled
+                self._forget_queued(entry)
+                future.cancel()
+            elif entry.future.done() and not entry.kept:
+                self._held_bytes -= entry.size
+                freed = entry.size > 0
+        if freed:
+            self._trim()
 
     def stats(self) -> GrammarCacheStats:
         with self._lock:
@@ -109,6 +119,7 @@ class GrammarCache:
                 num_bytes=self._bytes,
                 budget_bytes=self.budget_bytes,
                 num_entries=sum(1 for e in self._entries.values() if e.kept),
+                held_bytes=self._held_bytes,
                 num_compiling=len(self._compiling),
                 num_queued=sum(len(q) for q in self._queues.values()),
                 hits=self._hits,
@@ -121,6 +132,17 @@ class GrammarCache:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- internals (the lock held where it says so) ---------------------------------------------
+    def _forget_queued(self, entry: _Entry) -> None:
+        """With the lock held: drop an entry whose compile has not started."""
+        grammar = next(text for text, e in self._entries.items() if e is entry)
+        del self._entries[grammar]
+        queue = self._queues.get(entry.key)
+        if queue is not None and grammar in queue:
+            queue.remove(grammar)
+            if not queue:
+                del self._queues[entry.key]
+                self._turns.remove(entry.key)
+
     def _dispatch(self) -> None:
         """With the lock held: start compiles while workers are free, one key at a time in turn."""
         while len(self._compiling) < self._num_workers:
@@ -147,47 +169,50 @@ class GrammarCache:
         error: BaseException | None = None
         try:
             compiled = self._compile_fn(grammar)
-        except BaseException as e:  # noqa: BLE001 - handed to the waiters through the future
+        except BaseException as e:  # noqa: BLE001 - handed to the holders through the future
             error = e
-        evicted: list[_Entry] = []
         with self._lock:
             self._compiling.discard(key)
             if key in self._turns:  # a key that just had its turn waits behind the others
                 self._turns.remove(key)
                 self._turns.append(key)
             if self._entries.get(grammar) is entry:
-                if error is None:
-                    evicted = self._charge(grammar, entry, int(getattr(compiled, "memory_size_bytes", 0)))
-                else:
-                    del self._entries[grammar]  # a failure is not kept: the next request tries again
+                del self._entries[grammar]  # kept again below if it fits
+            freed = False
+            if error is None:
+                entry.size = int(getattr(compiled, "memory_size_bytes", 0))
+                freed = self._keep(grammar, entry)
             self._dispatch()
         if error is None:
             entry.future.set_result(compiled)
         else:
-            entry.future.set_exception(error)
-        if evicted:
-            logger.debug("grammar cache: %d evicted, %d bytes kept of %d", len(evicted), self._bytes, self.budget_bytes)
-            del evicted, compiled  # the last references, unless a live request holds one
+            entry.future.set_exception(error)  # not kept: the next request tries again
+        if freed:
+            del compiled
             self._trim()
 
-    def _charge(self, grammar: str, entry: _Entry, size: int) -> list[_Entry]:
-        """With the lock held: keep the entry and evict the least recently used ones over the budget;
-        returns the evicted ones."""
-        evicted = []
-        if size > self.budget_bytes:
-            del self._entries[grammar]
+    def _keep(self, grammar: str, entry: _Entry) -> bool:
+        """With the lock held: keep a compiled entry, evicting the least recently used ones over the
+        budget (a held one moves to `held_bytes`); returns whether memory was freed."""
+        if entry.size > self.budget_bytes:
             self._evictions += 1
-            evicted.append(entry)
-            return evicted
-        entry.size, entry.kept = size, True
-        self._bytes += size
+            self._held_bytes += entry.size if entry.holders else 0
+            return not entry.holders
+        entry.kept = True
+        self._entries[grammar] = entry
+        self._bytes += entry.size
+        freed = False
         for text in list(self._entries):
             if self._bytes <= self.budget_bytes:
                 break
             old = self._entries[text]
             if old.kept and old is not entry:
                 del self._entries[text]
+                old.kept = False
                 self._bytes -= old.size
                 self._evictions += 1
-                evicted.append(old)
-        return evicted
+                if old.holders:
+                    self._held_bytes += old.size
+                else:
+                    freed = True
+        return freed

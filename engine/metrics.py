@@ -141,6 +141,10 @@ class EngineMetrics:
             "fp4serve_grammar_cache_budget_bytes", "The compiled-grammar budget (--grammar-cache-bytes).", registry=r
         )
         self.grammar_cache_entries = Gauge("fp4serve_grammar_cache_entries", "Compiled grammars kept.", registry=r)
+        self.grammar_held_bytes = Gauge(
+            "fp4serve_grammar_held_bytes", "Compiled grammars out of the cache that running or waiting requests "
+            "still hold (xgrammar's size); with fp4serve_grammar_cache_bytes, all the engine holds.", registry=r
+        )
         self.grammar_compiles_waiting = Gauge(
             "fp4serve_grammar_compiles_waiting", "Grammars compiling or waiting for a compile thread.", registry=r
         )
@@ -155,13 +159,14 @@ class EngineMetrics:
             "fp4serve_grammar_cache_evictions", "Compiled grammars dropped for the budget (or too large to keep).",
             registry=r,
         )
-        self._last_grammar = GrammarCacheStats(0, 0, 0, 0, 0, 0, 0, 0)
+        self._last_grammar = GrammarCacheStats(0, 0, 0, 0, 0, 0, 0, 0, 0)
 
     def observe_grammar_cache(self, stats: GrammarCacheStats) -> None:
         last, self._last_grammar = self._last_grammar, stats
         self.grammar_cache_bytes.set(stats.num_bytes)
         self.grammar_cache_budget.set(stats.budget_bytes)
         self.grammar_cache_entries.set(stats.num_entries)
+        self.grammar_held_bytes.set(stats.held_bytes)
         self.grammar_compiles_waiting.set(stats.num_compiling + stats.num_queued)
         self.grammar_cache_hits.inc(stats.hits - last.hits)
         self.grammar_cache_misses.inc(stats.misses - last.misses)

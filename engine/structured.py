@@ -94,7 +94,7 @@ class StructuredOutputs:
         # NOTE: a lambda, so that the compile step can be replaced on an instance (tests slow it down).
         self._cache = GrammarCache(lambda grammar: self._compile_now(grammar), cache_bytes, compile_workers)
         self._used = False  # whether any grammar was asked for: stats() is None until then
-        self._prepared: dict[str, tuple[str, Future[Any]]] = {}  # request id -> its grammar, before it runs
+        self._held: dict[str, Future[Any]] = {}  # request id -> the grammar it holds, from prepare to remove
         self._requests: dict[str, _Constrained] = {}
         # [rows, words] int32, cpu (pinned for an async copy when the logits are on a GPU)
         self._host_bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
@@ -112,20 +112,20 @@ class StructuredOutputs:
             raise ParamError(f"invalid grammar: {str(e).splitlines()[-1][:300]}", "grammar") from None
 
     def add_request(self, request_id: str, grammar: str, stop_token_ids: Sequence[int]) -> None:
-        """The request starts running: it takes the grammar `prepare` started for it (or starts it
-        now, on the `default` key's turn, when nothing was prepared)."""
+        """The request starts running with the grammar `prepare` started for it (or starts it now,
+        on the `default` key's turn, when nothing was prepared)."""
         assert request_id not in self._requests, f"request {request_id!r} is already constrained"
         assert stop_token_ids, f"{request_id}: a grammar needs a stop token to end on"
-        prepared = self._prepared.pop(request_id, None)
-        compiled = prepared[1] if prepared is not None and prepared[0] == grammar else self._get(grammar, "default")
+        compiled = self._held.get(request_id) or self.prepare(grammar, "default", request_id)
         self._requests[request_id] = _Constrained(compiled, tuple(dict.fromkeys(stop_token_ids)))
 
     def remove_request(self, request_id: str) -> None:
-        """The request ended (or was aborted while its grammar still waited to compile)."""
-        self._requests.pop(request_id, None)
-        prepared = self._prepared.pop(request_id, None)
-        if prepared is not None:
-            self._cache.release(*prepared)
+        """The request ended (or was aborted, maybe while its grammar still waited to compile): it
+        lets go of its grammar."""
+        self._requests.pop(request_id, None)  # its matcher first: it refers to the compiled grammar
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self._cache.release(held)
 
     def stats(self) -> GrammarCacheStats | None:
         """The compiled-grammar cache; None while no request has been constrained."""
@@ -178,19 +178,17 @@ class StructuredOutputs:
     # ---- internals ----------------------------------------------------------------------------
     def prepare(self, grammar: str, key: str = "default", request_id: str | None = None) -> Future[Any]:
         """Start compiling `grammar` on `key`'s turn (or find it compiled); done() tells when it is
-        ready. With `request_id`, the request keeps this compile for `add_request`, and gives it up
-        in `remove_request` if it ends first.
+        ready. With `request_id`, the request holds the grammar (from here through `add_request`)
+        until `remove_request`; a compile no request holds any more before it starts is dropped.
 
         Called when a request arrives, so the engine can keep the request out of the batch until
         then: a new grammar (up to seconds) never stalls other users' steps."""
-        future = self._get(grammar, key)
-        if request_id is not None:
-            self._prepared[request_id] = (grammar, future)
-        return future
-
-    def _get(self, grammar: str, key: str) -> Future[Any]:
         self._used = True
-        return self._cache.get(grammar, key)
+        future = self._cache.get(grammar, key, hold=request_id is not None)
+        if request_id is not None:
+            assert request_id not in self._held, f"request {request_id!r} already holds a grammar"
+            self._held[request_id] = future
+        return future
 
     def _compile_now(self, grammar: str) -> Any:
         """On a worker thread: the compiler (built once, ~2 s for a 150k vocabulary) compiles."""

@@ -1,5 +1,6 @@
 """The compiled-grammar cache (engine/grammar_cache.py, issue 32): bounded by xgrammar's own size of
-each compiled grammar, least recently used out, with the bytes it reports never above the budget;
+each compiled grammar, least recently used out, with the bytes it reports never above the budget
+and grammars evicted while requests hold them counted apart until they let go;
 compiles on a small pool where each key compiles one grammar at a time and keys take turns, so a
 small schema from one key is ready while another key's huge one still compiles; and a compile that
 nobody waits for any more never runs. Checked on xgrammar directly, through the structured-output
@@ -81,6 +82,23 @@ def test_a_grammar_larger_than_the_budget_is_served_but_not_kept(compile_fn: Cal
     assert cache.get(grammar, "alice").result(timeout=WAIT_S).memory_size_bytes > one_size // 2
     stats = cache.stats()
     assert (stats.num_bytes, stats.num_entries, stats.evictions) == (0, 0, 1)
+
+
+def test_a_grammar_evicted_while_a_request_holds_it_counts_as_held_until_released(
+    compile_fn: Callable[[str], Any], one_size: int
+) -> None:
+    cache = GrammarCache(compile_fn, budget_bytes=int(1.5 * one_size))
+    first = cache.get(enum_grammar("held-1"), "alice")
+    size = first.result(timeout=WAIT_S).memory_size_bytes
+    unheld = cache.get(enum_grammar("held-2"), "alice", hold=False)
+    unheld.result(timeout=WAIT_S)
+    stats = cache.stats()
+    assert (stats.num_entries, stats.held_bytes, stats.evictions) == (1, size, 1)  # the first left, still held
+    cache.release(first)
+    stats = cache.stats()
+    assert (stats.held_bytes, stats.num_bytes) == (0, unheld.result().memory_size_bytes)
+    cache.release(first)  # a second release of the same hold changes nothing
+    assert cache.stats().held_bytes == 0
 
 
 class GatedCompiles:
@@ -204,6 +222,7 @@ def test_the_engine_keeps_its_grammars_within_the_budget_and_reports_it(
         assert re.fullmatch(rf'"e{i}-value-\d+"', result.texts[0]), result.texts[0]
     stats = structured.stats()
     assert stats is not None and stats.num_bytes <= budget and stats.evictions >= 3
+    assert stats.held_bytes == 0  # every request ended and let go of its grammar
     text = generate_latest(engine.metrics.registry).decode()
     assert metric(text, "fp4serve_grammar_cache_bytes") == stats.num_bytes
     assert metric(text, "fp4serve_grammar_cache_budget_bytes") == budget

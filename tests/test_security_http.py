@@ -270,4 +270,5 @@ def test_compiled_grammars_stay_within_the_budget_across_keys(server: RunningSer
     assert metric(text, "fp4serve_grammar_cache_budget_bytes") == GRAMMAR_BUDGET
     assert metric(text, "fp4serve_grammar_cache_misses_total") == 6
     assert metric(text, "fp4serve_grammar_cache_evictions_total") >= 1
+    assert metric(text, "fp4serve_grammar_held_bytes") == 0  # the requests ended: nothing held past the cache
     assert "grammar cache: compiled grammars kept up to 1 MiB" in server.log()
