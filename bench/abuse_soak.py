@@ -30,9 +30,9 @@ key = "{user}"
 [[keys]]
 name = "abuser"
 key = "{abuser}"
-max_concurrent = 4
-rpm = 120
-tpm = 20000
+max_concurrent = 6
+rpm = 600
+tpm = 200000
 
 [[keys]]
 name = "admin"
@@ -40,8 +40,9 @@ key = "{admin}"
 admin = true
 """
 MIB = 1 << 20
-SPAWN_ARGS = ("--model", "fp4serve-demo-qwen3", "--max-model-len", "1024", "--kv-cache-memory", "128MiB", "--max-num-seqs", "16",
-              "--body-timeout", "10", "--grammar-cache-bytes", "128MiB", "--max-request-bytes", str(4 * MIB))
+SPAWN_ARGS = ("--model", "fp4serve-demo-qwen3", "--max-model-len", "1024", "--kv-cache-memory", "128MiB",
+              "--max-num-seqs", "16",
+              "--body-timeout", "10", "--grammar-cache-bytes", "64MiB", "--max-request-bytes", str(4 * MIB))
 
 
 @dataclass(frozen=True)
@@ -148,12 +149,14 @@ async def _sampler(client: httpx.AsyncClient, config: AbuseSoakConfig, start: fl
             text = (await client.get("/metrics")).text
         except httpx.HTTPError:
             text = ""
-        http_rss, cache, budget = (_metric(text, n) for n in (
-            "process_resident_memory_bytes", "fp4serve_grammar_cache_bytes", "fp4serve_grammar_cache_budget_bytes"))
+        http_rss, cache, held, budget = (_metric(text, n) for n in (
+            "process_resident_memory_bytes", "fp4serve_grammar_cache_bytes", "fp4serve_grammar_held_bytes",
+            "fp4serve_grammar_cache_budget_bytes"))
         sample = {"t": time.monotonic() - start, "in_flight": _metric(text, "fp4serve_http_requests_in_flight") or 0.0}
         for key, value in (("engine_rss_mib", _engine_rss_mib(config.engine_pid)),
                            ("http_rss_mib", None if http_rss is None else http_rss / MIB),
                            ("grammar_cache_mib", None if cache is None else cache / MIB),
+                           ("grammar_held_mib", None if held is None else held / MIB),
                            ("grammar_budget_mib", None if budget is None else budget / MIB)):
             if value is not None:
                 sample[key] = value
@@ -202,7 +205,8 @@ def format_abuse_report(config: AbuseSoakConfig, result: AbuseSoakResult, chart:
         "abuse         " + ", ".join(f"{label} x{n}" for label, n in sorted(result.outcomes.items())),
         "engine RSS    " + (f"{engine[0]:.0f} MiB at the start, peak {max(engine):.0f}, end {engine[-1]:.0f}"
                             if engine else "n/a (no --engine-pid)"),
-        f"grammar cache peak {max(cache, default=0.0):.1f} MiB of a "
+        f"grammar cache peak {max(cache, default=0.0):.1f} MiB (and "
+        f"{max((s.get('grammar_held_mib', 0.0) for s in result.samples), default=0.0):.1f} MiB held past it) of a "
         + (f"{budget:.0f} MiB budget" if budget else "budget not reported (no constrained request finished)"),
         f"in flight     {result.in_flight_after or 0:g} after {result.settled_s:.1f} s",
     ]

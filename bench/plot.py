@@ -167,7 +167,8 @@ def plot_soak_timeline(samples: Sequence[dict[str, float]], ttfts: Sequence[tupl
     top, bottom = fig.subplots(2, 1, sharex=True)
     t = [s["t"] for s in samples]
     for key, label in (("engine_rss_mib", "engine RSS"), ("http_rss_mib", "HTTP RSS"),
-                       ("grammar_cache_mib", "grammar cache (xgrammar's size)")):
+                       ("grammar_cache_mib", "grammar cache (xgrammar's size)"),
+                       ("grammar_held_mib", "grammars held by requests past the cache")):
         ys = [s.get(key) for s in samples]
         if any(y is not None for y in ys):
             top.plot(t, [y if y is not None else float("nan") for y in ys], label=label)
