@@ -1,11 +1,13 @@
-"""`ClientWatch`: one request's ASGI `receive` and `send`, wrapped so that a client that leaves
-never leaves the request hanging, whatever the protocol.
+"""`ClientWatch`: one request's ASGI `receive` and `send`, wrapped so that a client that leaves never
+leaves the request hanging, whatever the protocol.
 
-NOTE: hypercorn's HTTP/2 sender stops when the connection closes, but a response message sent
-after that waits for the stream's buffer to drain, which never happens: the request's task, its
-in-flight count and its key's concurrency slot stayed forever. So each `send` races the client's
-`http.disconnect`: once the client is gone, a pending send is cancelled and later ones return at
-once (nobody is there to read them), and the request ends through its own `finally` blocks.
+From the moment the response starts, one read of the server's messages is always pending: it drops
+request body nobody will read any more (an oversized or unauthorized upload answered early) and
+catches the client's `http.disconnect`, after which sends return at once. NOTE: over HTTP/2 the
+drain matters: hypercorn queues at most `max_app_queue_size` body messages for an app, and an app
+that answered without reading its body then waited forever in its last send (hypercorn puts the
+disconnect into that full queue), keeping the request in flight and its key's concurrency slot.
+The other HTTP/2 hang, a send after the connection closed, is mended in api/hypercorn_h2.py.
 """
 
 from __future__ import annotations
@@ -15,22 +17,23 @@ from collections import deque
 from contextlib import suppress
 from typing import Any
 
-from starlette.types import Message, Receive, Send
+from starlette.types import Message, Receive, Scope, Send
 
 DISCONNECT: Message = {"type": "http.disconnect"}
 
 
 class ClientWatch:
-    """Reads the server's messages on demand only: while the app waits in `receive`, or while one
-    of its sends is pending (to see a disconnect); so a slow upload keeps its back-pressure. Body
-    that arrives after the response began is dropped: no route reads a body after answering (an
-    oversized or late upload is answered and abandoned). Touched on the event loop only."""
+    """Reads the server's messages on demand while the request is read (so a slow upload keeps its
+    back-pressure), and continuously once the response has started. Every reader shares the one
+    read in progress: the app's body reader, its disconnect watches, and this watch. Touched on
+    the event loop only."""
 
     def __init__(self, receive: Receive, send: Send) -> None:
         self._server_receive = receive
         self._server_send = send
         self._messages: deque[Message] = deque()  # read from the server, not yet taken by the app
         self._reader: asyncio.Task[None] | None = None  # the one read in progress
+        self._watcher: asyncio.Task[None] | None = None  # reads on from the response's start
         self._responding = False
         self.gone = False  # the client has left
 
@@ -48,6 +51,11 @@ class ClientWatch:
             self.gone = True
         elif not self._responding:
             self._messages.append(message)
+        # else: body after the response began, which no route reads: dropped
+
+    async def _watch(self) -> None:
+        while not self.gone:
+            await asyncio.shield(self._read())
 
     async def receive(self) -> Message:
         while True:
@@ -60,36 +68,24 @@ class ClientWatch:
             await asyncio.shield(self._read())
 
     async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
+        if message["type"] == "http.response.start" and not self._responding:
             self._responding = True
-        if self.gone:
-            return
-        sending = asyncio.ensure_future(self._server_send(message))
-        try:
-            while not sending.done():
-                reading = self._read()
-                await asyncio.wait({sending, reading}, return_when=asyncio.FIRST_COMPLETED)
-                if self.gone and not sending.done():
-                    return  # the finally cancels the send that would never complete
-                if reading.done() and not reading.cancelled() and reading.exception() is not None:
-                    await sending  # the server's receive failed: nothing more to watch
-        finally:
-            if not sending.done():
-                sending.cancel()
-                with suppress(asyncio.CancelledError):
-                    await sending
-        sending.result()
+            self._watcher = asyncio.ensure_future(self._watch())
+        if not self.gone:  # nobody is there to read it
+            await self._server_send(message)
 
     async def close(self) -> None:
         """The request is over: stop reading for it."""
-        reader, self._reader = self._reader, None
-        if reader is not None and not reader.done():
-            reader.cancel()
-            with suppress(asyncio.CancelledError, Exception):
-                await reader
+        for task in (self._watcher, self._reader):
+            if task is None:
+                continue
+            task.cancel()
+            with suppress(asyncio.CancelledError, Exception):  # a failed read ends the watch: retrieved here
+                await task
+        self._watcher = self._reader = None
 
 
-async def watched(app: Any, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+async def watched(app: Any, scope: Scope, receive: Receive, send: Send) -> None:
     """Run `app` for one HTTP request under a ClientWatch."""
     watch = ClientWatch(receive, send)
     try:

@@ -127,10 +127,6 @@ class GrammarCache:
                 evictions=self._evictions,
             )
 
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-
     # ---- internals (the lock held where it says so) ---------------------------------------------
     def _forget_queued(self, entry: _Entry) -> None:
         """With the lock held: drop an entry whose compile has not started."""

@@ -131,9 +131,6 @@ class StructuredOutputs:
         """The compiled-grammar cache; None while no request has been constrained."""
         return self._cache.stats() if self._used else None
 
-    def shutdown(self) -> None:
-        self._cache.shutdown()
-
     def is_terminated(self, request_id: str) -> bool:
         """Whether the request's grammar is complete and a stop token was accepted after it (or
         its grammar did not compile): from here on only stop tokens are allowed."""

@@ -12,13 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import h2.config
-import h2.connection
 import h2.events
 import httpx
 import orjson
 import pytest
 
+from tests.h2_client import H2
 from tests.server_utils import RunningServer, metric, start_server
 
 pytestmark = pytest.mark.slow
@@ -110,68 +109,6 @@ def test_a_chunked_request_alone_is_served(server: RunningServer) -> None:
 
 
 # ---- HTTP/2 --------------------------------------------------------------------------------------------
-class H2:
-    """A raw HTTP/2 connection with prior knowledge (h2c), as an attacker would drive it."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        self.conn.initiate_connection()
-        self.flush()
-        self.responses: dict[int, dict[str, Any]] = {}
-
-    def flush(self) -> None:
-        self.sock.sendall(self.conn.data_to_send())
-
-    def start(self, method: str, path: str, key: str, content_length: int | None = None, end: bool = False) -> int:
-        headers = [(":method", method), (":path", path), (":scheme", "http"), (":authority", "x"),
-                   ("authorization", f"Bearer {key}"), ("content-type", "application/json")]
-        if content_length is not None:
-            headers.append(("content-length", str(content_length)))
-        stream_id = self.conn.get_next_available_stream_id()
-        self.conn.send_headers(stream_id, headers, end_stream=end)
-        self.flush()
-        self.responses[stream_id] = {"status": None, "body": b"", "ended": False, "reset": False}
-        return stream_id
-
-    def send(self, stream_id: int, size: int) -> int:
-        """Up to `size` bytes of body, as far as flow control allows now; how many were sent."""
-        n = min(size, self.conn.local_flow_control_window(stream_id), self.conn.max_outbound_frame_size)
-        if n > 0:
-            self.conn.send_data(stream_id, b"x" * n)
-            self.flush()
-        return n
-
-    def pump(self, wait_s: float) -> None:
-        ready, _, _ = select.select([self.sock], [], [], wait_s)
-        if not ready:
-            return
-        data = self.sock.recv(1 << 20)
-        assert data, "the server closed the connection"
-        for event in self.conn.receive_data(data):
-            response = self.responses.get(getattr(event, "stream_id", 0))
-            if isinstance(event, h2.events.ResponseReceived) and response is not None:
-                response["status"] = int(dict(event.headers)[b":status"])
-            elif isinstance(event, h2.events.DataReceived) and response is not None:
-                response["body"] += event.data
-                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            elif isinstance(event, h2.events.StreamEnded) and response is not None:
-                response["ended"] = True
-            elif isinstance(event, h2.events.StreamReset) and response is not None:
-                response["reset"] = True
-        self.flush()
-
-    def wait_response(self, stream_id: int, timeout_s: float = 30.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while not self.responses[stream_id]["ended"]:
-            assert time.monotonic() < deadline, f"no response on stream {stream_id}: {self.responses[stream_id]}"
-            self.pump(0.1)
-        return self.responses[stream_id]
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def test_http2_body_declared_too_large_gets_413_at_once_and_the_connection_goes_on(server: RunningServer) -> None:
     client = H2(server.port)
     try:
@@ -197,7 +134,9 @@ def test_http2_body_streaming_past_the_limit_gets_413(server: RunningServer) -> 
 
     with httpx.Client(http1=False, http2=True, base_url=server.base_url, timeout=60) as http:
         streamed = http.post("/v1/chat/completions", content=body(), headers={"Authorization": "Bearer sk-root"})
-        declared = http.post("/v1/chat/completions", content=b" " * (2 * LIMIT),
+        # Sent without waiting for an answer: more body frames than hypercorn queues for an app
+        # that answered without reading them.
+        declared = http.post("/v1/chat/completions", content=b" " * (8 * LIMIT),
                              headers={"Authorization": "Bearer sk-root"})
         ok = http.get("/v1/models", headers={"Authorization": "Bearer sk-root"})
     assert streamed.http_version == declared.http_version == "HTTP/2"
@@ -272,3 +211,32 @@ def test_compiled_grammars_stay_within_the_budget_across_keys(server: RunningSer
     assert metric(text, "fp4serve_grammar_cache_evictions_total") >= 1
     assert metric(text, "fp4serve_grammar_held_bytes") == 0  # the requests ended: nothing held past the cache
     assert "grammar cache: compiled grammars kept up to 1 MiB" in server.log()
+
+
+def test_http2_connection_lost_while_a_response_waits_for_flow_control_releases_the_request(
+    server: RunningServer,
+) -> None:
+    """A response larger than the client's flow-control window, to a client that stops reading and
+    then drops the connection: the send that waited for the window returns, the request ends."""
+    in_flight = "fp4serve_http_requests_in_flight"
+    wait_for_metric(server, in_flight, 0)
+    client = H2(server.port)
+    body = orjson.dumps({"model": MODEL, "prompt": "hello " * 200, "max_tokens": 1, "echo": True, "logprobs": 20,
+                         "n": 4})  # ~0.5 MB of JSON: far past the 64 KiB window this client never opens
+    stream_id = client.start("POST", "/v1/completions", "sk-root", content_length=len(body))
+    client.conn.send_data(stream_id, body, end_stream=True)
+    client.flush()
+    # Take the first window's worth of the response without acknowledging it: the server has more
+    # to send and waits for this client to open its window again.
+    received, deadline = 0, time.monotonic() + 120
+    while received < 65535 - 16384:
+        assert time.monotonic() < deadline, f"only {received} bytes of the response came"
+        ready, _, _ = select.select([client.sock], [], [], 0.1)
+        if ready:
+            received += sum(len(e.data) for e in client.conn.receive_data(client.sock.recv(1 << 16))
+                            if isinstance(e, h2.events.DataReceived))
+            client.flush()
+    assert metric(httpx.get(server.url("/metrics")).text, in_flight) == 1
+    client.close()
+    wait_for_metric(server, in_flight, 0)
+    assert "Traceback" not in server.log()
