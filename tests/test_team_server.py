@@ -1,7 +1,7 @@
 """A team endpoint as its users meet it: a real server with --api-keys-file and the openai client.
 Per-key limits (429 + Retry-After + x-ratelimit-*), /v1/usage, per-key series at /metrics/keys for
-admin keys only (none in the open /metrics), SIGHUP reload, the body timeout, a client leaving
-mid-upload, and the prompts cap."""
+admin keys only (none in the open /metrics), SIGHUP reload, the body timeout (over HTTP/2 too), a
+client leaving mid-upload, the prompts cap, and Retry-After on the token limit."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from tests.h2_client import H2
 from tests.server_utils import RunningServer, metric, start_server
 
 pytestmark = pytest.mark.slow
@@ -38,6 +39,11 @@ tpm = 30
 name = "root"
 key = "sk-root-secret"
 admin = true
+
+[[keys]]
+name = "dave"
+key = "sk-dave-secret"
+tpm = 30
 """
 
 
@@ -145,7 +151,7 @@ def test_sighup_reloads_keys(server: RunningServer, keys_file: Path) -> None:
     keys_file.write_text(KEYS + '\n[[keys]]\nname = "carol"\nkey = "sk-carol-secret"\n')
     server.process.send_signal(signal.SIGHUP)
     deadline = time.monotonic() + 10
-    while "reloaded 4 API keys" not in server.log():
+    while "reloaded 5 API keys" not in server.log():
         assert time.monotonic() < deadline, server.log()[-2000:]
         time.sleep(0.1)
     assert complete(client(server, "sk-carol-secret")).usage.completion_tokens == 4
@@ -188,3 +194,24 @@ def test_too_many_prompts_is_a_400(server: RunningServer) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client(server, "sk-root-secret").completions.create(model=MODEL, prompt=["a", "b", "c"], max_tokens=1)
     assert "--max-prompts" in caught.value.response.json()["error"]["message"]
+
+
+def test_retry_after_on_the_token_limit_is_when_the_key_reopens(server: RunningServer) -> None:
+    dave = client(server, "sk-dave-secret")
+    complete(dave, max_tokens=40)  # 40 completion tokens of dave's 30 a minute
+    used_at = time.monotonic()  # they count from when the request ended, just before this
+    with pytest.raises(openai.RateLimitError) as caught:
+        complete(dave)
+    reopens_at = time.monotonic() + int(caught.value.response.headers["retry-after"])
+    assert used_at + 57 <= reopens_at <= used_at + 62, reopens_at - used_at
+
+
+def test_a_slow_body_over_http2_gets_408_too(server: RunningServer) -> None:
+    h2 = H2(server.port)
+    try:
+        stream_id = h2.start("POST", "/v1/completions", "sk-root-secret", content_length=100)
+        h2.send(stream_id, 10)
+        response = h2.wait_response(stream_id)
+    finally:
+        h2.close()
+    assert response["status"] == 408 and b"request_timeout" in response["body"]
