@@ -306,6 +306,7 @@ class AsyncEngine:
         """An engine process was lost and a new one is starting (engine/supervisor.py): every
         request it held ends now; those not yet streaming raise EngineRestartingError."""
         self.metrics.engine_restarts.labels(reason=reason).inc()
+        self.metrics.on_core_lost(index)
         what = "engine" if len(self.clients) == 1 else f"engine core {index}"
         error = EngineRestartingError(f"the {what} was lost ({detail}) and is restarting; retry the request")
         lost = [request_id for request_id, (core, _) in self._core_of.items() if core == index]

@@ -16,6 +16,7 @@ from engine.core_types import EngineInfo, GrammarCacheStats
 from engine.vllm_metrics import VllmMetrics, vllm_metrics
 from scheduler.scheduler import SchedulerStats
 
+_NO_GRAMMARS = GrammarCacheStats(0, 0, 0, 0, 0, 0, 0, 0, 0)  # a core before its first constrained request
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -172,19 +173,28 @@ class EngineMetrics:
             "fp4serve_grammar_cache_evictions", "Compiled grammars dropped for the budget (or too large to keep).",
             registry=r,
         )
-        self._grammar = [GrammarCacheStats(0, 0, 0, 0, 0, 0, 0, 0, 0)] * num_engines  # each core's last report
+        self._grammar = [_NO_GRAMMARS] * num_engines  # each core's last report
 
     def observe_grammar_cache(self, stats: GrammarCacheStats, engine_index: int = 0) -> None:
         last, self._grammar[engine_index] = self._grammar[engine_index], stats
+        self._set_grammar_gauges()
+        self.grammar_cache_hits.inc(stats.hits - last.hits)
+        self.grammar_cache_misses.inc(stats.misses - last.misses)
+        self.grammar_cache_evictions.inc(stats.evictions - last.evictions)
+
+    def on_core_lost(self, engine_index: int) -> None:
+        """Engine core `engine_index` was lost: its grammar cache went with it, and its successor
+        counts from zero (its scheduler's counts are carried over, engine/supervisor.py)."""
+        self._grammar[engine_index] = _NO_GRAMMARS
+        self._set_grammar_gauges()
+
+    def _set_grammar_gauges(self) -> None:
         every = self._grammar
         self.grammar_cache_bytes.set(sum(g.num_bytes for g in every))
         self.grammar_cache_budget.set(sum(g.budget_bytes for g in every))
         self.grammar_cache_entries.set(sum(g.num_entries for g in every))
         self.grammar_held_bytes.set(sum(g.held_bytes for g in every))
         self.grammar_compiles_waiting.set(sum(g.num_compiling + g.num_queued for g in every))
-        self.grammar_cache_hits.inc(_increment(last.hits, stats.hits))
-        self.grammar_cache_misses.inc(_increment(last.misses, stats.misses))
-        self.grammar_cache_evictions.inc(_increment(last.evictions, stats.evictions))
 
     def key_usage(self, key: str) -> KeyUsage:
         return self.usage.setdefault(key, KeyUsage())
@@ -212,8 +222,3 @@ class EngineMetrics:
         self.kv_usage.set(sum(s.num_used_blocks for s in every) / num_blocks)
         self.kv_pages_total.set(num_blocks)
 
-
-def _increment(last: int, now: int) -> int:
-    """A cumulative count's increment since its last report. NOTE: a restarted engine core counts
-    from zero again (its grammar cache is new), and a counter must never go down."""
-    return now - last if now >= last else now

@@ -4,7 +4,7 @@ tests/test_data_parallel_server.py), so that a test can look into each core. Gre
 one core's and transformers' token for token, with concurrent requests spread over both cores; a
 request's n samples share one core; a conversation's later turns land on the core that cached its
 prefix; a lost core ends only the requests it held; each core is told the other's fair-share
-counts before new requests reach it."""
+counts before new requests reach it; the grammar-cache series sum the cores, across a restart."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import torch
 from api.stats import StatsFeed
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.core_types import EngineCoreOutputs, Owner
+from engine.core_types import EngineCoreOutputs, GrammarCacheStats, Owner
+from engine.metrics import EngineMetrics
 from engine.outputs import RequestOutput
 from scheduler.request import SamplingParams
 from tests.test_engine_correctness import hf_greedy
@@ -160,9 +161,11 @@ def test_a_lost_core_ends_only_the_requests_it_held(qwen3_ckpt: Path) -> None:
         firsts = [await anext(s) for s in streams]
         cores = [engine._core_of[f"r{i}"][0] for i in range(4)]
         assert sorted(cores) == [0, 0, 1, 1]
+        engine.metrics.observe_grammar_cache(GrammarCacheStats(700, 1 << 20, 1, 0, 0, 0, 0, 1, 0), engine_index=1)
         # What core 1's supervisor sends when its engine process dies.
         engine._from_core(EngineCoreOutputs(dead="the engine process exited (exit code -9)", restart="crash"), index=1)
         rests = [[first, *[out async for out in s]] for first, s in zip(firsts, streams)]
+        assert engine.metrics.registry.get_sample_value("fp4serve_grammar_cache_bytes") == 0  # gone with core 1
         after = await collect(engine, "after", prompt_for(9), GREEDY)
         return rests, cores, after
 
@@ -195,3 +198,28 @@ def test_a_core_is_told_the_other_cores_fair_share_counts_before_new_requests(qw
         assert external == charged[1 - core]
 
     run_two_cores(qwen3_ckpt, body)
+
+
+def test_the_grammar_cache_series_sum_the_cores_and_survive_a_core_restart() -> None:
+    metrics = EngineMetrics("m", num_engines=2)
+    budget = 512 << 20
+
+    def value(name: str) -> float:
+        return metrics.registry.get_sample_value(name) or 0.0
+
+    # num_bytes, budget, entries, held, compiling, queued, hits, misses, evictions (cumulative last three)
+    metrics.observe_grammar_cache(GrammarCacheStats(1000, budget, 2, 0, 1, 0, 5, 2, 0), engine_index=0)
+    metrics.observe_grammar_cache(GrammarCacheStats(300, budget, 1, 40, 0, 2, 3, 1, 1), engine_index=1)
+    metrics.observe_grammar_cache(GrammarCacheStats(1200, budget, 3, 0, 0, 0, 6, 3, 0), engine_index=0)
+    assert value("fp4serve_grammar_cache_bytes") == 1500 and value("fp4serve_grammar_cache_entries") == 4
+    assert value("fp4serve_grammar_cache_budget_bytes") == 2 * budget
+    assert value("fp4serve_grammar_held_bytes") == 40 and value("fp4serve_grammar_compiles_waiting") == 2
+    assert value("fp4serve_grammar_cache_hits_total") == 6 + 3 and value("fp4serve_grammar_cache_misses_total") == 4
+    # Core 1 was lost (its cache with it) and its successor counts from zero again.
+    metrics.on_core_lost(1)
+    assert value("fp4serve_grammar_cache_bytes") == 1200 and value("fp4serve_grammar_cache_entries") == 3
+    metrics.observe_grammar_cache(GrammarCacheStats(0, budget, 0, 0, 1, 0, 1, 1, 0), engine_index=1)
+    assert value("fp4serve_grammar_cache_bytes") == 1200 and value("fp4serve_grammar_held_bytes") == 0
+    assert value("fp4serve_grammar_cache_hits_total") == 6 + 3 + 1
+    assert value("fp4serve_grammar_cache_misses_total") == 3 + 1 + 1
+    assert value("fp4serve_grammar_cache_evictions_total") == 1
