@@ -6,27 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.errors import APIError
 from api.models import ChatCompletionRequest
 from api.parsers import ParsedDelta, assemble
-from api.engine_stream import EngineFailed
+from api.openai_stream import OpenAIStream
 from api.pipeline import ChoiceDelta, Started
-from api.responses import UsageCounter, chat_logprobs
-from api.sse import DONE, encode_error_event, encode_event
+from api.responses import chat_logprobs
+from api.sse import encode_event
 
 CHUNK = "chat.completion.chunk"
 
 
-class ChatEncoder:
+class ChatEncoder(OpenAIStream):
     def __init__(self, started: Started, chat: ChatCompletionRequest) -> None:
-        self.header = started.header
+        super().__init__(started.header, CHUNK, chat.include_usage)
         self.chat = chat
         self.prompt_token_ids = started.prompts[0]
         self.choices = started.choices
-        self.usage = UsageCounter()
-        self._base = self.header.fields(CHUNK)
-        if chat.include_usage:
-            self._base["usage"] = None  # OpenAI sends usage: null on every chunk but the last
         n = len(started.choices)
         # Not streamed: each choice's deltas, token ids, logprobs and (finish reason, stop reason).
         self._parsed: list[list[ParsedDelta]] = [[] for _ in range(n)]
@@ -62,19 +57,6 @@ class ChatEncoder:
         if final and out.stop_reason is not None:
             entry["stop_reason"] = out.stop_reason
         return [encode_event({**self._base, "choices": [entry]})]
-
-    def end(self) -> list[bytes]:
-        if not self.chat.include_usage:
-            return []
-        return [encode_event({**self._base, "choices": [], "usage": self.usage.usage()})]
-
-    def error(self, error: APIError) -> list[bytes]:
-        if isinstance(error, EngineFailed):  # in the engine's own words, as this stream always had them
-            return [encode_error_event(error.reason)]
-        return [encode_error_event(error.message, error.type, error.code)]
-
-    def done(self) -> list[bytes]:
-        return [DONE]
 
     def body(self) -> dict[str, Any]:
         """The whole response as one `chat.completion` body."""

@@ -8,12 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from api.errors import APIError
 from api.models import CompletionRequestModel
-from api.engine_stream import EngineFailed
+from api.openai_stream import OpenAIStream
 from api.pipeline import ChoiceDelta, Started
-from api.responses import CompletionLogprobs, UsageCounter, merge_completion_logprobs
-from api.sse import DONE, encode_error_event, encode_event
+from api.responses import CompletionLogprobs, merge_completion_logprobs
+from api.sse import encode_event
 from engine.outputs import RequestOutput, TokenLogprob
 
 if TYPE_CHECKING:
@@ -30,20 +29,16 @@ class EchoedPrompt:
     first_token: str  # the text of its first token: the logprobs entry that has no logprob
 
 
-class CompletionEncoder:
+class CompletionEncoder(OpenAIStream):
     """/v1/completions's shapes (an api/pipeline.py Encoder)."""
 
     def __init__(self, started: Started, request: CompletionRequestModel, echoed: list[EchoedPrompt] | None) -> None:
-        self.header = started.header
+        super().__init__(started.header, OBJECT, request.include_usage)
         self.request = request
         self.prompt_token_ids = started.prompts
         self.echoed = echoed  # one per prompt, with `echo`
         self.num_choices = len(started.choices)
         self.n = started.choices.n
-        self.usage = UsageCounter()
-        self._base = self.header.fields(OBJECT)
-        if request.include_usage:
-            self._base["usage"] = None
         self._counters = [CompletionLogprobs() for _ in range(self.num_choices)]
         self._started = [False] * self.num_choices
         # Not streamed: each choice's texts, token ids, logprobs chunks, prompt logprobs and finish.
@@ -83,19 +78,6 @@ class CompletionEncoder:
             if first:  # each choice's first chunk names its prompt
                 entry["prompt_token_ids"] = self.prompt_token_ids[prompt_index]
         return [encode_event({**self._base, "choices": [entry]})]
-
-    def end(self) -> list[bytes]:
-        if not self.request.include_usage:
-            return []
-        return [encode_event({**self._base, "choices": [], "usage": self.usage.usage()})]
-
-    def error(self, error: APIError) -> list[bytes]:
-        if isinstance(error, EngineFailed):  # in the engine's own words, as this stream always had them
-            return [encode_error_event(error.reason)]
-        return [encode_error_event(error.message, error.type, error.code)]
-
-    def done(self) -> list[bytes]:
-        return [DONE]
 
     def body(self) -> dict[str, Any]:
         req = self.request

@@ -19,6 +19,7 @@ import httpx
 import orjson
 
 from bench.abuse import ABUSES, Target
+from bench.spawned import SpawnedServer
 from bench.stats import percentile
 
 # The abusers' key is limited; the well-behaved key is not (`--spawn` writes this keys file).
@@ -261,7 +262,6 @@ def cmd_abuse_soak(args: Any) -> int:
     import tempfile
 
     from bench.serve import EndpointError, discover_model
-    from bench.soak import SpawnedServer
 
     server = None
     keys = {name: f"sk-{name}-{secrets.token_hex(8)}" for name in ("user", "abuser", "admin")}

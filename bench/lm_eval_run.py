@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from bench.serve import EndpointError
-from bench.soak import SpawnedServer
+from bench.spawned import SpawnedServer
 
 TASK = "fp4serve_easy"
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"

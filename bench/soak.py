@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,6 +23,7 @@ import orjson
 
 from bench.abuse_soak import add_abuse_arguments, cmd_abuse_soak
 from bench.serve import EndpointError, discover_model
+from bench.spawned import SPAWN_ARGS, SpawnedServer
 
 PROMPTS = ("Tell me about the sea.", "Count to ten.", "Write a haiku about rust.", "What is a KV cache?")
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -45,8 +41,6 @@ INVALID: tuple[tuple[str, Any], ...] = (
     ("completions", {"prompt": "hi", "max_tokens": 10**9}),
 )
 WEIGHTS = {"greedy": 4, "sampled": 2, "invalid": 2, "disconnect": 2}
-SPAWN_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
-              "--max-queued-requests", "2")
 
 
 @dataclass(frozen=True)
@@ -312,51 +306,6 @@ async def run_soak(config: SoakConfig, pid: int | None = None) -> tuple[Tally, E
         running, waiting, held, settled = await settle(client, root, config.settle_s)
         rss_end, source = await read_rss(client, root, pid)
     return tally, EndState(running, waiting, held, settled, rss_warm, rss_end, source)
-
-
-# ---- a server of our own ------------------------------------------------------------------------------------
-class SpawnedServer:
-    """`python -m api.cli serve` on a free port of 127.0.0.1 (bench/ drives the server over HTTP
-    only; it starts it as any user would)."""
-
-    def __init__(self, extra_args: list[str], start_timeout_s: float = 300.0,
-                 base_args: tuple[str, ...] = SPAWN_ARGS, name: str = "soak") -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        fd, log = tempfile.mkstemp(prefix=f"fp4serve-{name}-", suffix=".log")
-        self.log_path = Path(log)
-        command = [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   *base_args, *extra_args]
-        repo = Path(__file__).resolve().parents[1]
-        self.process = subprocess.Popen(command, cwd=repo, stdout=fd, stderr=subprocess.STDOUT)
-        os.close(fd)
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        deadline = time.monotonic() + start_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise EndpointError(f"the server exited {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2, trust_env=False).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise EndpointError(f"the server was not ready after {start_timeout_s:g} s:\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def stop(self, timeout_s: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
