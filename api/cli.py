@@ -136,6 +136,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "as half the checkpoints allow for one max-model-len context")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="decode without CUDA graphs (graphs are captured at start-up on CUDA otherwise)")
+    engine.add_argument("--data-parallel-size", "-dp", type=int, default=_engine_default("data_parallel_size"),
+                        metavar="N", help="run N engine cores behind this one server, each a process with its own "
+                        "GPU (CUDA_VISIBLE_DEVICES narrowed to one each) or, on CPU, its own 1/N of the CPUs, and its "
+                        "own KV cache as --kv-cache-memory sizes it; each request goes to the core holding the longest "
+                        "cached prefix of its prompt unless that core is much busier than the least busy one; fair "
+                        "share, per-key limits and the queue bounds are over all the cores (docs/deploy.md)")
     engine.add_argument("--grammar-cache-bytes", type=_size_bytes, default=_engine_default("grammar_cache_bytes"),
                         metavar="SIZE",
                         help="most memory of compiled grammars (response_format schemas, forced tool calls) kept "
@@ -268,6 +274,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         raise ConfigError(f"--port: must be in 1..65535, got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ConfigError(f"--max-model-len: must be at least 2, got {args.max_model_len}")
+    if args.data_parallel_size > 1 and args.in_process_engine:
+        raise ConfigError("--data-parallel-size: each engine core is a process of its own; drop --in-process-engine")
     engine = EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -288,6 +296,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         state_checkpoint_spacing=args.state_checkpoint_spacing,
         linear_attention_backend=args.linear_attention_backend,
         seed=args.seed,
+        data_parallel_size=args.data_parallel_size,
         **team_engine_settings(args),
         kv_events_config=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
         **reliability_engine_settings(args),

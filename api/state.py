@@ -175,23 +175,27 @@ class ServerState:
             self._on_fatal()
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        """/health's status code and body: 200 `ok` only while an engine is serving."""
+        """/health's status code and body: 200 `ok` only while an engine is serving (with data
+        parallel, while one of its cores is; `engines` lists every core)."""
         engine = self.engine
         if self.phase != "ready" or engine is None:
             return 503, {"status": self.phase,
                          "error": {"message": self.unavailable_reason(), "type": "unavailable_error"}}
-        core = engine.core_status()
-        last = core.last_restart
+        cores = engine.core_statuses()
+        restarts = [(core.last_restart, i) for i, core in enumerate(cores) if core.last_restart is not None]
+        last, last_core = max(restarts, key=lambda pair: pair[0].at, default=(None, 0))
         body: dict[str, Any] = {
             "status": "ok",
-            "engine_pid": core.pid,
-            "engine_restarts": core.num_restarts,
+            "engine_pid": cores[0].pid,
+            "engine_restarts": sum(core.num_restarts for core in cores),
             "last_restart": None if last is None else {
-                "reason": last.reason, "detail": last.detail, "at": int(last.at),
+                "engine": last_core, "reason": last.reason, "detail": last.detail, "at": int(last.at),
                 "duration_s": None if last.duration_s is None else round(last.duration_s, 1),
             },
+            "engines": [{"index": i, "pid": core.pid, "state": core.state, "restarts": core.num_restarts}
+                        for i, core in enumerate(cores)],
         }
-        if core.state == "restarting":
+        if all(core.state == "restarting" for core in cores):
             assert last is not None, "a restart has a cause"
             message = f"the engine was lost ({last.detail}) and is restarting; requests wait for it"
             return 503, {**body, "status": "restarting", "error": {"message": message, "type": "unavailable_error"}}
@@ -228,9 +232,10 @@ def _resolve_parsers(config: ServerConfig, chat_template: str | None) -> ParserS
 
 def _log_ready(engine: AsyncEngine, config: ServerConfig, parsers: ParserSettings) -> None:
     info = engine.info
+    cores = len(engine.clients)
     logger.info(
         "fp4serve %s ready: model %s (%s%s), dtype %s, device %s, attention %s, max_model_len %d, "
-        "KV cache %d tokens (%d pages of %d), tool parser %s, reasoning parser %s; serving at %s/v1",
+        "KV cache %d tokens (%d pages of %d)%s, tool parser %s, reasoning parser %s; serving at %s/v1",
         info.version,
         info.model_name,
         info.model_path,
@@ -242,6 +247,7 @@ def _log_ready(engine: AsyncEngine, config: ServerConfig, parsers: ParserSetting
         info.kv_capacity_tokens,
         info.num_kv_pages,
         info.block_size,
+        f" in each of {cores} engine cores (data parallel)" if cores > 1 else "",
         parsers.tool_parser,
         parsers.reasoning_parser,
         config.url,

@@ -1,5 +1,7 @@
 """`GET /stats`: a small JSON summary of the Prometheus metrics for the built-in dashboard (api/ui.py):
-current gauges, cumulative counters, rates and TTFT / ITL / e2e percentiles over a recent window.
+current gauges, cumulative counters, rates and TTFT / ITL / e2e percentiles over a recent window,
+and each engine core's queue, KV use and prefix-cache hits (`engines`: one entry, or one per core
+with --data-parallel-size, from the vLLM-named series' `engine` label; the rest sums the cores).
 `StatsWindow` keeps the few snapshots of the cumulative counts that the rates and windows need."""
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ import bisect
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -35,6 +37,14 @@ _COUNTERS = {
     "prefix_queried_tokens": "fp4serve_prefix_cache_queries_total",
     "prefix_hit_tokens": "fp4serve_prefix_cache_hits_total",
     "preemptions": "fp4serve_num_preemptions_total",
+}
+# Per engine core, from the vLLM-named series (labelled `engine`).
+_PER_ENGINE = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:prefix_cache_queries_total": "prefix_queried_tokens",
+    "vllm:prefix_cache_hits_total": "prefix_hit_tokens",
 }
 _GAUGES = {
     "running": "fp4serve_num_requests_running",
@@ -91,6 +101,7 @@ class Snapshot:
     t: float
     counters: dict[str, float]
     histograms: dict[str, Histogram]
+    engines: dict[str, dict[str, float]] = field(default_factory=dict)  # engine core -> _PER_ENGINE values
 
 
 def read_snapshot(
@@ -100,6 +111,7 @@ def read_snapshot(
     samples: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = {}
     finished: dict[str, float] = {}
+    engines: dict[str, dict[str, float]] = {}
     # Series labelled by API key (the fairness issue's per-key usage) are summed over keys here.
     for registry in registries:
         for family in registry.collect():
@@ -109,6 +121,8 @@ def read_snapshot(
                     per_le = buckets.setdefault(s.name[: -len("_bucket")], {})
                     le = float(labels["le"])
                     per_le[le] = per_le.get(le, 0.0) + s.value
+                elif s.name in _PER_ENGINE and "engine" in labels:
+                    engines.setdefault(labels["engine"], {})[_PER_ENGINE[s.name]] = s.value
                 elif s.name == "fp4serve_request_success_total":
                     reason = labels["finished_reason"]
                     finished[reason] = finished.get(reason, 0.0) + s.value
@@ -120,7 +134,7 @@ def read_snapshot(
         histograms[key] = Histogram(tuple(b for b, _ in pairs), tuple(c for _, c in pairs))
     counters = {key: samples.get(name, 0.0) for key, name in _COUNTERS.items()}
     gauges = {key: samples.get(name, 0.0) for key, name in _GAUGES.items()}
-    return Snapshot(t, counters, histograms), gauges, finished
+    return Snapshot(t, counters, histograms, engines), gauges, finished
 
 
 class StatsWindow:
@@ -162,6 +176,8 @@ def summarize(window: StatsWindow, registries: Iterable[CollectorRegistry], now:
             "preemptions": int(c["preemptions"]),
         },
         "kv_cache": {"usage": gauges["kv_usage"], "pages_total": int(gauges["kv_pages_total"])},
+        "engines": [{"engine": int(engine), **{k: (v if k == "kv_usage" else int(v)) for k, v in sorted(values.items())}}
+                    for engine, values in sorted(current.engines.items(), key=lambda item: int(item[0]))],
         "prefix_cache": {
             "queried_tokens": int(queried),
             "hit_tokens": int(hits),

@@ -266,6 +266,10 @@ class EngineConfig:
     engine_start_timeout_s: float = 600.0  # most seconds an engine process may take to load; 0: no limit
     engine_max_restarts: int = 5  # lost engines replaced within the window; 0: a lost engine stops the server
     engine_restart_window_s: float = 600.0
+    # Data parallel (engine/placement.py): engine cores behind the one server, each a process with its
+    # own device (or CPUs) and KV cache; the rank is which of them a core is (set per core by for_rank).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES  # compiled grammars kept (LRU); 0: none kept
 
     def __post_init__(self) -> None:
@@ -303,6 +307,36 @@ class EngineConfig:
                 raise ConfigError(f"{flag}: must not be negative, got {value:g}")
         if self.engine_restart_window_s <= 0:
             raise ConfigError(f"--engine-restart-window: must be positive, got {self.engine_restart_window_s:g}")
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"--data-parallel-size: must be positive, got {self.data_parallel_size}")
+        assert 0 <= self.data_parallel_rank < self.data_parallel_size, \
+            f"data-parallel rank {self.data_parallel_rank} of {self.data_parallel_size}"
+        events = self.kv_events_config
+        if self.data_parallel_size > 1 and events is not None and events.enabled:
+            sockets = [e for rank in range(self.data_parallel_size) for e in (
+                offset_endpoint(events.endpoint, rank),
+                offset_endpoint(events.replay_endpoint, rank) if events.replay_endpoint else None) if e]
+            if len(set(sockets)) < len(sockets):
+                raise ConfigError(f"--kv-events-config: with --data-parallel-size {self.data_parallel_size} each "
+                                  f"engine core publishes on the endpoint's port + its rank (and replays on the "
+                                  f"replay port + its rank), so two of them would share a socket "
+                                  f"({', '.join(sockets)}); leave room between the two ports")
+
+    def for_rank(self, rank: int) -> EngineConfig:
+        """The config of engine core `rank` of data_parallel_size: the same, with its KV events on
+        their own port (KVEventsConfig.for_rank)."""
+        events = self.kv_events_config.for_rank(rank) if self.kv_events_config is not None else None
+        return dataclasses.replace(self, data_parallel_rank=rank, kv_events_config=events)
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """A ZMQ endpoint moved to data-parallel rank `rank` (KVEventsConfig.for_rank)."""
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise ConfigError(f"--kv-events-config: {endpoint} has no port to offset by the data-parallel rank")
+        return f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
 
 
 @dataclass(frozen=True)
@@ -332,6 +366,16 @@ class KVEventsConfig:
     def enabled(self) -> bool:
         """Events are recorded and sent: enabled, and a real publisher (vLLM's "null" sends nothing)."""
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """Data-parallel core `rank`'s sockets, as vLLM offsets them (its ZmqEventPublisher's
+        offset_endpoint_port): a tcp port plus the rank, any other endpoint with `_dp<rank>` after
+        it; rank 0 unchanged. The replay endpoint moves the same way."""
+        if rank == 0:
+            return self
+        return dataclasses.replace(self, endpoint=offset_endpoint(self.endpoint, rank),
+                                   replay_endpoint=offset_endpoint(self.replay_endpoint, rank)
+                                   if self.replay_endpoint else None)
 
     @staticmethod
     def from_json(text: str) -> KVEventsConfig:

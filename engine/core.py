@@ -34,6 +34,7 @@ from scheduler.scheduler import Drafter, Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
     from engine.kv_events import KVEvents
+    from engine.prefix_cache_feed import PrefixCacheFeed
 
 __all__ = ["VERSION", "EngineCore", "EngineInfo", "resolve_model_path"]
 
@@ -86,6 +87,13 @@ class EngineCore:
             if not self.scheduler.config.enable_prefix_caching:
                 logger.warning("KV events: prefix caching is off, so no page ever enters the cache and no "
                                "BlockStored event will be sent")
+        # Data parallel: the front places requests by what each core caches (engine/placement.py).
+        self.prefix_feed: PrefixCacheFeed | None = None
+        if config.data_parallel_size > 1 and self.scheduler.config.enable_prefix_caching:
+            from engine.prefix_cache_feed import PrefixCacheFeed
+
+            self.prefix_feed = PrefixCacheFeed(self.scheduler.block_manager.event_sink)
+            self.scheduler.block_manager.event_sink = self.prefix_feed
         if mc.hybrid is not None and not self.scheduler.config.enable_prefix_caching:
             logger.info("prefix caching off for %s (a hybrid model): %s", mc.architecture,
                         "--no-prefix-caching" if not config.enable_prefix_caching else "--num-state-checkpoints 0")
@@ -104,6 +112,7 @@ class EngineCore:
             vocab_size=mc.vocab_size,
             eos_token_ids=mc.eos_token_ids,
             max_num_seqs=config.max_num_seqs,
+            prefix_caching=self.scheduler.config.enable_prefix_caching,
         )
 
     def _drafter(self, spec: SpeculativeConfig | None) -> Drafter | None:
@@ -149,7 +158,7 @@ class EngineCore:
             return None
         from engine.kv_events import KVEvents  # zmq, msgspec and cbor2 only with events on
 
-        return KVEvents(config.kv_events_config, config.block_size)
+        return KVEvents(config.kv_events_config, config.block_size, config.data_parallel_rank)
 
     def close(self) -> None:
         """Send the KV events still queued and close their sockets (the model needs nothing)."""
@@ -261,6 +270,7 @@ class EngineCore:
             num_batched_tokens=out.num_batched_tokens,
             num_drafts_by_position=drafted,
             num_accepted_by_position=accepted,
+            prefix_cache=self.prefix_feed.take() if self.prefix_feed is not None else None,
         )
 
     def _unsent_prompt_logprobs(self, result: StepResult) -> dict[str, PromptLogprobsChunk]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from engine.allocator import memory_releaser
 from engine.config import ConfigError, EngineConfig
-from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, Shutdown
+from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, FairShareUpdate, Shutdown
 from engine.heartbeat import Heartbeat
 from scheduler.scheduler import SchedulerStats
 
@@ -32,7 +32,7 @@ logger = logging.getLogger("fp4serve.engine")
 # (an out-of-memory on an odd batch); three in a row mean every batch fails.
 MAX_CONSECUTIVE_FAILURES = 3
 
-Message = AddRequests | AbortRequests | Shutdown
+Message = AddRequests | AbortRequests | FairShareUpdate | Shutdown
 
 
 class EngineCoreLoop:
@@ -85,6 +85,8 @@ class EngineCoreLoop:
                     return
                 if isinstance(message, AbortRequests):
                     self.core.abort_requests(message.request_ids)
+                elif isinstance(message, FairShareUpdate):
+                    self.core.scheduler.seed_fair_share(message.external)
                 else:
                     for request in message.requests:
                         self.core.add_request(request)

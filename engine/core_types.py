@@ -1,9 +1,11 @@
 """What crosses the engine-core boundary, both ways: token ids and plain values only, so the
 core can live in another process (engine/core_proc.py) and know no text.
 
-front -> core: `AddRequests` (a request's samples: the input processor fans n out), aborts, shutdown.
+front -> core: `AddRequests` (a request's samples: the input processor fans n out), aborts, shutdown;
+with data parallel, `FairShareUpdate` (what the other cores served each key).
 core -> front: `EngineCoreOutputs` once per step (each request's new tokens and finish reason, the
-scheduler's gauges), or a failure / death notice.
+scheduler's gauges; with data parallel, what entered and left the prefix cache), or a failure /
+death notice.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from scheduler.fair_queue import FairShareState
 from scheduler.output import SchedulerOutput
 from scheduler.request import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerStats
@@ -36,6 +39,7 @@ class EngineInfo:
     vocab_size: int = 0  # the model's logits width: every user token id is checked against it
     eos_token_ids: tuple[int, ...] = ()  # from config.json and generation_config.json
     max_num_seqs: int = 128
+    prefix_caching: bool = True  # whether the scheduler reuses cached pages (data parallel places by them)
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,18 @@ class EngineCoreOutput:
 
 
 @dataclass(frozen=True)
+class PrefixCacheDelta:
+    """What one step changed in a core's prefix cache, as page hashes (the scheduler's own chain,
+    scheduler/block_manager.py `hash_block`): with data parallel, the front keeps a copy of each
+    core's set to place requests where their prefix is (engine/placement.py). Apply `cleared`,
+    then `removed`, then `stored`."""
+
+    stored: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()
+    cleared: bool = False  # every hash was forgotten (a failed step), before the two above
+
+
+@dataclass(frozen=True)
 class GrammarCacheStats:
     """The compiled-grammar cache of engine/grammar_cache.py, as one step leaves it."""
 
@@ -140,6 +156,7 @@ class EngineCoreOutputs:
     # With `dead`: the supervisor is starting a new core in its place, after a "crash", a "hang" or
     # an "error" (engine/supervisor.py); None: no core will follow.
     restart: str | None = None
+    prefix_cache: PrefixCacheDelta | None = None  # data parallel only (engine/prefix_cache_feed.py)
     grammar_cache: GrammarCacheStats | None = None  # None until the first constrained request
 
 
@@ -153,6 +170,14 @@ class AddRequests:
 @dataclass(frozen=True)
 class AbortRequests:
     request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FairShareUpdate:
+    """Data parallel: each listed key's fair-share charges on the other engine cores, in all
+    (engine/global_fair_share.py); the core orders its waiting requests by its own plus these."""
+
+    external: FairShareState
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Prometheus metrics of one engine: the aggregate registry (served open by api/ at /metrics), with
 our own `fp4serve_*` series and vLLM's names beside them (engine/vllm_metrics.py), and the per-key
 one (`key_registry`: the same token, request and TTFT series by API key name, served only to an
-admin key at /metrics/keys, as /v1/usage shows a user key only its own row)."""
+admin key at /metrics/keys, as /v1/usage shows a user key only its own row). With data parallel the
+vLLM names have one series per engine core (label `engine`), and ours are the sums over the cores
+(the KV usage: pages used over pages, of all the cores)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.core_types import EngineInfo, GrammarCacheStats
-from engine.vllm_metrics import VllmMetrics
+from engine.vllm_metrics import VllmMetrics, vllm_metrics
 from scheduler.scheduler import SchedulerStats
 
+_NO_GRAMMARS = GrammarCacheStats(0, 0, 0, 0, 0, 0, 0, 0, 0)  # a core before its first constrained request
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -69,13 +72,15 @@ class PerKey:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, info: EngineInfo | None = None) -> None:
-        """`info`: the engine's (the vLLM-named series describe its KV cache); the page's tests pass none."""
+    def __init__(self, model_name: str, info: EngineInfo | None = None, num_engines: int = 1) -> None:
+        """`info`: the engine's (the vLLM-named series describe its KV cache); the page's tests pass none.
+        `num_engines`: engine cores (--data-parallel-size)."""
         self.registry = CollectorRegistry()
         self.key_registry = CollectorRegistry()  # NOTE: names API keys and their usage: admin keys only
         r, k = self.registry, self.key_registry
-        # The same measurements under vLLM's names, for the routers that read those (engine/vllm_metrics.py).
-        self.vllm = VllmMetrics(r, model_name, info)
+        # The same measurements under vLLM's names, for the routers that read those
+        # (engine/vllm_metrics.py): one per engine core, indexed by its rank.
+        self.vllm: list[VllmMetrics] = vllm_metrics(r, model_name, info, num_engines)
         self.running = Gauge("fp4serve_num_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("fp4serve_num_requests_waiting", "Requests waiting (new or preempted).", registry=r)
         self.kv_usage = Gauge(
@@ -134,20 +139,20 @@ class EngineMetrics:
             "fp4serve_engine_restarts", "Engine processes lost and restarted, by why: crash, hang or error "
             "(engine/supervisor.py).", ["reason"], registry=r,
         )
-        self._grammar_cache_metrics(r)
-        info = Gauge("fp4serve_model_info", "The model being served.", ["model_name"], registry=r)
-        info.labels(model_name=model_name).set(1)
-        self._last_queried = 0
-        self._last_hits = 0
-        self._last_preemptions = 0
+        self._grammar_cache_metrics(r, num_engines)
+        model_info = Gauge("fp4serve_model_info", "The model being served.", ["model_name"], registry=r)
+        model_info.labels(model_name=model_name).set(1)
+        pages = max(info.num_kv_pages, 1) if info is not None else 1
+        self._stats = [SchedulerStats(0, 0, 0, pages, 0, 0, 0)] * num_engines  # each core's last report
 
     # ---- the compiled-grammar cache (engine/grammar_cache.py), reported by the engine's steps ----
-    def _grammar_cache_metrics(self, r: CollectorRegistry) -> None:
+    def _grammar_cache_metrics(self, r: CollectorRegistry, num_engines: int) -> None:
+        """The gauges sum the engine cores' caches (each core has its own, of --grammar-cache-bytes)."""
         self.grammar_cache_bytes = Gauge(
             "fp4serve_grammar_cache_bytes", "Compiled grammars kept: xgrammar's size of each, summed.", registry=r
         )
         self.grammar_cache_budget = Gauge(
-            "fp4serve_grammar_cache_budget_bytes", "The compiled-grammar budget (--grammar-cache-bytes).", registry=r
+            "fp4serve_grammar_cache_budget_bytes", "The compiled-grammar budget (--grammar-cache-bytes, once per engine core).", registry=r
         )
         self.grammar_cache_entries = Gauge("fp4serve_grammar_cache_entries", "Compiled grammars kept.", registry=r)
         self.grammar_held_bytes = Gauge(
@@ -168,18 +173,28 @@ class EngineMetrics:
             "fp4serve_grammar_cache_evictions", "Compiled grammars dropped for the budget (or too large to keep).",
             registry=r,
         )
-        self._last_grammar = GrammarCacheStats(0, 0, 0, 0, 0, 0, 0, 0, 0)
+        self._grammar = [_NO_GRAMMARS] * num_engines  # each core's last report
 
-    def observe_grammar_cache(self, stats: GrammarCacheStats) -> None:
-        last, self._last_grammar = self._last_grammar, stats
-        self.grammar_cache_bytes.set(stats.num_bytes)
-        self.grammar_cache_budget.set(stats.budget_bytes)
-        self.grammar_cache_entries.set(stats.num_entries)
-        self.grammar_held_bytes.set(stats.held_bytes)
-        self.grammar_compiles_waiting.set(stats.num_compiling + stats.num_queued)
+    def observe_grammar_cache(self, stats: GrammarCacheStats, engine_index: int = 0) -> None:
+        last, self._grammar[engine_index] = self._grammar[engine_index], stats
+        self._set_grammar_gauges()
         self.grammar_cache_hits.inc(stats.hits - last.hits)
         self.grammar_cache_misses.inc(stats.misses - last.misses)
         self.grammar_cache_evictions.inc(stats.evictions - last.evictions)
+
+    def on_core_lost(self, engine_index: int) -> None:
+        """Engine core `engine_index` was lost: its grammar cache went with it, and its successor
+        counts from zero (its scheduler's counts are carried over, engine/supervisor.py)."""
+        self._grammar[engine_index] = _NO_GRAMMARS
+        self._set_grammar_gauges()
+
+    def _set_grammar_gauges(self) -> None:
+        every = self._grammar
+        self.grammar_cache_bytes.set(sum(g.num_bytes for g in every))
+        self.grammar_cache_budget.set(sum(g.budget_bytes for g in every))
+        self.grammar_cache_entries.set(sum(g.num_entries for g in every))
+        self.grammar_held_bytes.set(sum(g.held_bytes for g in every))
+        self.grammar_compiles_waiting.set(sum(g.num_compiling + g.num_queued for g in every))
 
     def key_usage(self, key: str) -> KeyUsage:
         return self.usage.setdefault(key, KeyUsage())
@@ -193,16 +208,17 @@ class EngineMetrics:
             self.spec_draft_by_position.labels(position=str(pos)).inc(d)
             self.spec_accepted_by_position.labels(position=str(pos)).inc(a)
 
-    def observe_scheduler(self, stats: SchedulerStats) -> None:
-        self.vllm.observe_scheduler(stats)
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_usage)
-        self.kv_pages_total.set(stats.num_blocks)
+    def observe_scheduler(self, stats: SchedulerStats, engine_index: int = 0) -> None:
+        self.vllm[engine_index].observe_scheduler(stats)
+        last, self._stats[engine_index] = self._stats[engine_index], stats
         # The block manager keeps cumulative counts; counters take the increments.
-        self.prefix_queries.inc(stats.prefix_cache_queried_tokens - self._last_queried)
-        self.prefix_hits.inc(stats.prefix_cache_hit_tokens - self._last_hits)
-        self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
-        self._last_queried = stats.prefix_cache_queried_tokens
-        self._last_hits = stats.prefix_cache_hit_tokens
-        self._last_preemptions = stats.num_preemptions
+        self.prefix_queries.inc(stats.prefix_cache_queried_tokens - last.prefix_cache_queried_tokens)
+        self.prefix_hits.inc(stats.prefix_cache_hit_tokens - last.prefix_cache_hit_tokens)
+        self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        every = self._stats
+        self.running.set(sum(s.num_running for s in every))
+        self.waiting.set(sum(s.num_waiting for s in every))
+        num_blocks = sum(s.num_blocks for s in every)
+        self.kv_usage.set(sum(s.num_used_blocks for s in every) / num_blocks)
+        self.kv_pages_total.set(num_blocks)
+

@@ -38,6 +38,7 @@ class _Sample:
     # it); sent with the first output, then None.
     num_prompt_logprobs: int | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    engine_index: int = 0  # the engine core serving it (data parallel: its vLLM-named series)
 
 
 class OutputProcessor:
@@ -50,7 +51,7 @@ class OutputProcessor:
         self._children: dict[str, list[str]] = {}  # parent request id -> its live samples
 
     # ---- requests --------------------------------------------------------------------------------
-    def add_request(self, request_id: str, children: list[EngineCoreRequest]) -> None:
+    def add_request(self, request_id: str, children: list[EngineCoreRequest], engine_index: int = 0) -> None:
         assert request_id not in self._children, f"duplicate request id {request_id}"
         for index, child in enumerate(children):
             params = child.params
@@ -68,6 +69,7 @@ class OutputProcessor:
                 prompt=child.prompt_token_ids,
                 num_prompt_logprobs=params.prompt_logprobs,
                 prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                engine_index=engine_index,
             )
         self._children[request_id] = [c.request_id for c in children]
         key = children[0].owner.key
@@ -99,9 +101,9 @@ class OutputProcessor:
         return self.fail(list(self._samples), error)
 
     # ---- a step's outputs -------------------------------------------------------------------------
-    def process(self, step: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
-        """The client-facing outputs of one core message, and the samples a stop string ended
-        (the core must abort them)."""
+    def process(self, step: EngineCoreOutputs, engine_index: int = 0) -> tuple[list[RequestOutput], list[str]]:
+        """The client-facing outputs of one message of engine core `engine_index`, and the samples a
+        stop string ended (the core must abort them)."""
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         to_abort: list[str] = []
@@ -119,10 +121,10 @@ class OutputProcessor:
             outputs.append(out)
         if step.failed_request_ids:
             outputs.extend(self.fail(step.failed_request_ids, step.error or "the engine failed"))
-        self._observe(step)
+        self._observe(step, engine_index)
         return outputs, to_abort
 
-    def _observe(self, step: EngineCoreOutputs) -> None:
+    def _observe(self, step: EngineCoreOutputs, engine_index: int) -> None:
         m = self.metrics
         # Generation tokens are counted per sample, with its key, in _token_output (several per
         # step when drafts are accepted).
@@ -131,13 +133,13 @@ class OutputProcessor:
         if step.num_batched_requests:
             m.batch_size.observe(step.num_batched_requests)
             m.batch_tokens.observe(step.num_batched_tokens)
-            m.vllm.iteration_tokens.observe(step.num_batched_tokens)
+            m.vllm[engine_index].iteration_tokens.observe(step.num_batched_tokens)
         if step.step_time_s is not None:
             m.step_time.observe(step.step_time_s)
         if step.stats is not None:
-            m.observe_scheduler(step.stats)
+            m.observe_scheduler(step.stats, engine_index)
         if step.grammar_cache is not None:
-            m.observe_grammar_cache(step.grammar_cache)
+            m.observe_grammar_cache(step.grammar_cache, engine_index)
 
     def _token_output(self, core_out: EngineCoreOutput, sample: _Sample, now: float) -> RequestOutput:
         usage = self.metrics.key_usage(sample.key)
@@ -146,7 +148,7 @@ class OutputProcessor:
         if sample.first_token_time is None:
             sample.first_token_time = now
             self.metrics.ttft.labels(key=sample.key).observe(now - sample.arrival)
-            self.metrics.vllm.observe_first_token(now - sample.arrival, sample.num_prompt_tokens,
+            self.metrics.vllm[sample.engine_index].observe_first_token(now - sample.arrival, sample.num_prompt_tokens,
                                                   len(core_out.new_token_ids))
             usage.ttft_seconds_sum += now - sample.arrival
             usage.ttft_count += 1
@@ -158,7 +160,7 @@ class OutputProcessor:
             gap = since_last / num_new
             for _ in range(num_new):
                 self.metrics.itl.observe(gap)
-            self.metrics.vllm.observe_next_tokens(since_last, len(core_out.new_token_ids))  # per step, as vLLM
+            self.metrics.vllm[sample.engine_index].observe_next_tokens(since_last, len(core_out.new_token_ids))  # per step, as vLLM
         sample.last_token_time = now
         sample.num_output_tokens += len(core_out.new_token_ids)
         sample.num_cached_tokens = core_out.num_cached_tokens
@@ -211,7 +213,7 @@ class OutputProcessor:
         usage.cached_tokens += sample.num_cached_tokens
         ttft = (sample.first_token_time - sample.arrival) if sample.first_token_time else None
         decode_time = now - (sample.first_token_time or now)
-        self.metrics.vllm.observe_finished(reason, e2e, decode_time, sample.num_prompt_tokens,
+        self.metrics.vllm[sample.engine_index].observe_finished(reason, e2e, decode_time, sample.num_prompt_tokens,
                                            sample.num_output_tokens)
         tps = (sample.num_output_tokens - 1) / decode_time if decode_time > 0 and sample.num_output_tokens > 1 else 0.0
         request_logger.info(

@@ -12,6 +12,12 @@ metrics take increments of). Restarts back off (1 s, 2 s, 4 s, ... up to 30 s); 
 --engine-max-restarts failures (losses and failed starts) within --engine-restart-window it gives
 up with a plain `dead` message, and the server exits non-zero as it did before restarts existed.
 
+With --data-parallel-size N the server has N supervisors, one per engine core (rank), each on
+its own device (engine/core_client.py `CoreDevice`): each restarts its core independently, and a
+lost core fails only the requests it held (engine/async_engine.py). `start_all` loads the N
+cores side by side. A core's fair-share view of the others (`update_fair_share`) is kept here and
+handed to its successor before the requests that waited.
+
 Threads: each core's reader thread reports its own loss, so one core's losses are serialized;
 the watchdog only kills; a restart thread loads the new core. `_lock` guards the client, the
 waiting requests and the counters.
@@ -24,11 +30,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 
 from engine.config import EngineConfig
-from engine.core_client import CoreStatus, MPClient, OnOutputs, Restart
+from engine.core_client import CoreDevice, CoreStatus, MPClient, OnOutputs, Restart
 from engine.core_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from engine.heartbeat import HeartbeatReading
 from scheduler.fair_queue import FairShareState
@@ -90,9 +97,15 @@ class EngineSupervisor:
     """A CoreClient over a replaceable engine process."""
 
     def __init__(self, config: EngineConfig, policy: RestartPolicy | None = None) -> None:
-        """Loads the first core (blocking: call it from a thread); raises what its load raises."""
+        """Loads the first core (blocking: call it from a thread); raises what its load raises.
+        `config`: with data parallel, the core's own (EngineConfig.for_rank)."""
         self.config = config
         self.policy = policy or RestartPolicy.from_config(config)
+        rank = config.data_parallel_rank
+        self.device = CoreDevice.for_rank(config, rank) if config.data_parallel_size > 1 else None
+        self.name = "engine core" if self.device is None else f"engine core {rank}"  # in log lines
+        # Data parallel: the other cores' fair-share charges, as last sent; a new core starts from them.
+        self._fair_external: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._loading: MPClient | None = None  # a core being loaded: shutdown kills it
@@ -135,6 +148,12 @@ class EngineSupervisor:
             else:
                 self._client.abort_requests(request_ids)
 
+    def update_fair_share(self, external: FairShareState) -> None:
+        with self._lock:
+            self._fair_external.update(external)
+            if self._client is not None:
+                self._client.update_fair_share(external)
+
     def status(self) -> CoreStatus:
         with self._lock:
             client = self._client
@@ -158,8 +177,25 @@ class EngineSupervisor:
             thread.join(5)
 
     # ---- one core ---------------------------------------------------------------------------------
+    @classmethod
+    def start_all(cls, config: EngineConfig) -> list[EngineSupervisor]:
+        """Data parallel: the config.data_parallel_size cores, loaded side by side (blocking). If one
+        fails to load, the others are stopped and its error raised."""
+        size = config.data_parallel_size
+        CoreDevice.for_rank(config, size - 1)  # too few GPUs: say so before loading any core
+        with ThreadPoolExecutor(size, thread_name_prefix="fp4serve-load") as pool:
+            futures = [pool.submit(cls, config.for_rank(rank)) for rank in range(size)]
+            errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is None:
+            return [f.result() for f in futures]
+        for future, error in zip(futures, errors):
+            if error is None:
+                future.result().shutdown()
+        raise first
+
     def _load(self, carried: SchedulerStats | None) -> MPClient:
-        client = MPClient(self.config, carried)
+        client = MPClient(self.config, carried, self.device)
         with self._lock:
             self._loading = client
         try:
@@ -230,7 +266,7 @@ class EngineSupervisor:
         assert self._on_outputs is not None
         self._on_outputs(EngineCoreOutputs(dead=detail, restart=reason))
         delay = self.policy.backoff_s(num_failures)
-        logger.info("restarting the engine in %g s", delay)
+        logger.info("restarting %s in %g s", "the engine" if self.device is None else self.name, delay)
         self._spawn_thread(partial(self._restart, reason, detail, delay, time.monotonic()), "fp4serve-restart")
 
     def _restart(self, reason: str, detail: str, delay: float, lost_at: float) -> None:
@@ -250,7 +286,7 @@ class EngineSupervisor:
                     self._give_up(f"the engine failed to start again ({e})", num_failures)
                     return
                 delay = self.policy.backoff_s(num_failures)
-                logger.error("engine restart failed (%s); trying again in %g s", e, delay)
+                logger.error("%s restart failed (%s); trying again in %g s", self.name, e, delay)
         took = time.monotonic() - lost_at
         with self._lock:
             if self._stopping.is_set():
@@ -259,14 +295,16 @@ class EngineSupervisor:
             self._client = client
             waiting, self._waiting = list(self._waiting.values()), {}
             self._attach(client, self._generation)
+            if self._fair_external:  # before the requests: their admission order depends on it
+                client.update_fair_share(tuple(self._fair_external.items()))
             if waiting:
                 client.add_requests(waiting)
             self._num_restarts += 1
             assert self._last_restart is not None
             self._last_restart = replace(self._last_restart, duration_s=took)
             num_failures = len(self._failures)
-        logger.warning("engine core restarted after a %s (%s) in %.1f s: restart %d of %d within %g s; engine "
-                       "process %s, %d waiting requests sent to it", reason, detail, took, num_failures,
+        logger.warning("%s restarted after a %s (%s) in %.1f s: restart %d of %d within %g s; engine "
+                       "process %s, %d waiting requests sent to it", self.name, reason, detail, took, num_failures,
                        self.policy.max_restarts, self.policy.window_s, client.pid, len(waiting))
 
     def _count_failure(self) -> int:

@@ -3,7 +3,9 @@
 and dashboards built for vLLM read these (llm-d's inference scheduler: running, waiting and
 kv_cache_usage_perc; the production-stack router: the older gpu_cache_usage_perc).
 
-Every series carries `model_name` (the served name) and `engine` (the engine core's index, "0").
+Every series carries `model_name` (the served name) and `engine` (the engine core's index: "0",
+or with --data-parallel-size N one series per core, "0" to "N-1", as vLLM labels its data-parallel
+engines; `vllm_metrics` makes them).
 Two names vLLM has since retired are kept for the routers that still read them:
 `vllm:gpu_cache_usage_perc` (now kv_cache_usage_perc) and `vllm:time_per_output_token_seconds`
 (now inter_token_latency_seconds). Not exposed, for want of the data in this process: the queue
@@ -13,6 +15,7 @@ and prefill phase times (the core does not report when a request is first schedu
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -42,26 +45,35 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 
 class VllmMetrics:
-    """Registered into the engine's registry (engine/metrics.py); fed by the output processor and
-    the scheduler's stats, in the HTTP process."""
+    """One engine core's series, fed by the output processor and the core's stats, in the HTTP
+    process. Made by `vllm_metrics`, which registers each name once for every core."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, info: EngineInfo | None = None,
-                 engine_index: int = 0) -> None:
+                 engine_index: int = 0, families: dict[str, Any] | None = None) -> None:
         """`info`: the engine's, for the token-count buckets (up to max_model_len) and
-        vllm:cache_config_info; without it (tests of the page alone) a 4096-token context."""
+        vllm:cache_config_info; without it (tests of the page alone) a 4096-token context.
+        `families`: the metric families already registered for another core (vllm_metrics)."""
         r = registry
         names = ["model_name", "engine"]
         values = (model_name, str(engine_index))
+        first = families is None
+        made: dict[str, Any] = {} if families is None else families
+
+        def family(kind: type, name: str, doc: str, **kwargs: Any) -> Any:
+            if name not in made:
+                made[name] = kind(name, doc, kwargs.pop("labels", names), registry=r, **kwargs)
+            return made[name]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=r).labels(*values)
+            return family(Gauge, name, doc).labels(*values)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=r).labels(*values)
+            return family(Counter, name, doc).labels(*values)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(*values)
+            return family(Histogram, name, doc, buckets=buckets).labels(*values)
 
+        self.families = made
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
@@ -74,8 +86,8 @@ class VllmMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          [*names, "finished_reason"], registry=r)
+        success = family(Counter, "vllm:request_success", "Count of successfully processed requests.",
+                         labels=[*names, "finished_reason"])
         self.request_success = {reason: success.labels(*values, reason) for reason in FINISHED_REASONS}
         token_buckets = build_1_2_5_buckets(info.max_model_len if info is not None else 4096)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
@@ -97,16 +109,19 @@ class VllmMetrics:
         self.decode_time = histogram("vllm:request_decode_time_seconds",
                                      "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
         # Info gauges, permanently 1 (vLLM emulates prometheus Info so): the KV cache's shape (vLLM
-        # labels it with every CacheConfig field; these are the ones this server has), and LoRA,
-        # which it does not serve (llm-d's LoRA-affinity filter reads the empty series).
+        # labels it with every CacheConfig field; these are the ones this server has; each core has
+        # the same), and LoRA, which it does not serve (llm-d's LoRA-affinity filter reads the empty
+        # series; one for the server, as vLLM has).
         if info is not None:
-            cache = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                          ["block_size", "cache_dtype", "num_gpu_blocks", "engine"], registry=r)
+            cache = family(Gauge, "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                           labels=["block_size", "cache_dtype", "num_gpu_blocks", "engine"])
             cache.labels(str(info.block_size), info.dtype, str(info.num_kv_pages), str(engine_index)).set(1)
-        lora = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
-                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
-        self.lora_info = lora.labels("0", "", "")
-        self.lora_info.set_to_current_time()
+        self.lora_info: Gauge | None = None
+        if first:
+            lora = family(Gauge, "vllm:lora_requests_info", "Running stats on lora requests.",
+                          labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            self.lora_info = lora.labels("0", "", "")
+            self.lora_info.set_to_current_time()
         self._last = SchedulerStats(0, 0, 0, 1, 0, 0, 0)
 
     def observe_scheduler(self, stats: SchedulerStats) -> None:
@@ -120,7 +135,8 @@ class VllmMetrics:
         self.prefix_cache_hits.inc(stats.prefix_cache_hit_tokens - last.prefix_cache_hit_tokens)
         self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
         self._last = stats
-        self.lora_info.set(time.time())  # vLLM stamps it with each scheduler report
+        if self.lora_info is not None:
+            self.lora_info.set(time.time())  # vLLM stamps it with each scheduler report
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int, num_new_tokens: int) -> None:
         """A sample's first output: its prompt counts as processed then (vLLM counts at prefill end)."""
@@ -144,3 +160,11 @@ class VllmMetrics:
         self.request_generation_tokens.observe(num_output_tokens)
         if num_output_tokens > 1:
             self.request_tpot.observe(decode_s / (num_output_tokens - 1))
+
+
+def vllm_metrics(registry: CollectorRegistry, model_name: str, info: EngineInfo | None = None,
+                 num_engines: int = 1) -> list[VllmMetrics]:
+    """The series of each of `num_engines` engine cores, `engine` label "0", "1", ..."""
+    first = VllmMetrics(registry, model_name, info)
+    return [first, *(VllmMetrics(registry, model_name, info, engine_index=i, families=first.families)
+                     for i in range(1, num_engines))]

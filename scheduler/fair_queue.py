@@ -25,6 +25,13 @@ Pure Python; the scheduler calls `on_add`, `on_remove`, `charge` and `order` (sc
 The counters outlive an engine process: the scheduler reports them with its stats (`snapshot`),
 and an engine started in a crashed one's place begins from the last report (`restore`), so a
 restart hands no key fresh credit.
+
+Data parallel (several engine cores behind one server, engine/global_fair_share.py): V is global.
+Each core also counts what it charged each key (`charged`: tokens / weight, without the lifts
+above) and reports it; the front sums the other cores' counts into this core's `external`, and
+every comparison here (admission order, the lift of an arriving key) is on V + external. So a key
+served on another core is behind here too, and the bound above holds for the keys' service summed
+over the cores. With one core `external` stays empty and nothing changes.
 """
 
 from __future__ import annotations
@@ -49,14 +56,18 @@ class FairQueue:
         self.vtime: dict[str, float] = {}  # key name -> tokens served / weight
         self.served: dict[str, int] = defaultdict(int)  # key name -> tokens served (for tests, stats)
         self._active: dict[str, int] = defaultdict(int)  # key name -> requests in the scheduler
+        # Data parallel: tokens / weight charged here, per key (V without the lifts), and what the
+        # other cores charged each key, as the front last told it (empty with one core).
+        self.charged: dict[str, float] = {}
+        self.external: dict[str, float] = {}
 
     def on_add(self, request: Request) -> None:
         key = request.key
         if not self._active[key]:
             # Arriving or returning: start at the smallest V of the active keys (no banked credit).
-            floor = min((self.vtime[k] for k, n in self._active.items() if n and k in self.vtime), default=None)
+            floor = min((self.global_vtime(k) for k, n in self._active.items() if n and k in self.vtime), default=None)
             own = self.vtime.get(key, 0.0)
-            self.vtime[key] = own if floor is None else max(own, floor)
+            self.vtime[key] = own if floor is None else max(own, floor - self.external.get(key, 0.0))
         self._active[key] += 1
 
     def on_remove(self, request: Request) -> None:
@@ -70,14 +81,27 @@ class FairQueue:
             n = num_new[r.request_id]
             self.served[r.key] += n
             self.vtime[r.key] = self.vtime.get(r.key, 0.0) + n / r.weight
+            self.charged[r.key] = self.charged.get(r.key, 0.0) + n / r.weight
+
+    def global_vtime(self, key: str) -> float:
+        """The key's V over every engine core: this one's, plus what the others charged it."""
+        return self.vtime.get(key, 0.0) + self.external.get(key, 0.0)
+
+    def set_external(self, updates: FairShareState) -> None:
+        """What the other engine cores have charged these keys, in all (engine/global_fair_share.py)."""
+        self.external.update(updates)
 
     def snapshot(self) -> FairShareState:
         return tuple(sorted(self.vtime.items()))
 
-    def restore(self, state: FairShareState) -> None:
+    def charged_snapshot(self) -> FairShareState:
+        return tuple(sorted(self.charged.items()))
+
+    def restore(self, state: FairShareState, charged: FairShareState = ()) -> None:
         """Start from a previous engine's counters; only before any request arrived."""
         assert not self._active, "fair-share counters are restored before the first request"
         self.vtime = dict(state)
+        self.charged = dict(charged)
 
     def order(self, waiting: Sequence[Request]) -> list[Request] | None:
         """The waiting requests in admission order, or None to keep the queue as it is (fcfs)."""
@@ -92,7 +116,7 @@ class FairQueue:
         for key, queue in per_key.items():
             queue.sort(key=lambda r: (r.priority, r.arrival_time))  # stable: ties keep queue order
             queue.reverse()  # pop() takes the first
-            heap.append((self.vtime.get(key, 0.0), queue[-1].arrival_time, key))
+            heap.append((self.global_vtime(key), queue[-1].arrival_time, key))
         heapq.heapify(heap)
         ordered: list[Request] = []
         while heap:

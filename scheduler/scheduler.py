@@ -64,6 +64,7 @@ class SchedulerStats:
     num_state_checkpoints: int = 0  # hybrid prefix caching: the pool's size
     num_used_state_checkpoints: int = 0
     fair_share: FairShareState = ()  # each key's virtual tokens (scheduler/fair_queue.py)
+    fair_charged: FairShareState = ()  # what this core charged each key (data parallel: the front sums them)
     # For the front's admission (engine/admission.py): every request ever added (cumulative, so the
     # front can tell which of the requests it sent are counted here), and the tokens still to
     # compute of the waiting requests beyond the free batch slots (those the next step cannot start).
@@ -375,6 +376,7 @@ class Scheduler:
         if self.checkpoints is not None:
             self.checkpoints.reset()
         self.block_manager.reset_prefix_cache()
+
     def restore(self, last: SchedulerStats) -> None:
         """Carry on from a lost engine's last stats (engine/supervisor.py), before any request: its
         cumulative counters, so they never go back, and its fair-share counters, so a restart
@@ -383,7 +385,12 @@ class Scheduler:
         self.num_preemptions = last.num_preemptions
         self.num_prefix_queried_tokens = last.prefix_cache_queried_tokens
         self.num_prefix_hit_tokens = last.prefix_cache_hit_tokens
-        self.fair.restore(last.fair_share)
+        self.fair.restore(last.fair_share, last.fair_charged)
+
+    def seed_fair_share(self, external: FairShareState) -> None:
+        """Data parallel: what the other engine cores charged these keys (engine/global_fair_share.py),
+        so that this core's admission order is fair over all of them."""
+        self.fair.set_external(external)
 
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
@@ -399,6 +406,7 @@ class Scheduler:
             num_state_checkpoints=ck.num_checkpoints if ck is not None else 0,
             num_used_state_checkpoints=ck.num_used if ck is not None else 0,
             fair_share=self.fair.snapshot(),
+            fair_charged=self.fair.charged_snapshot(),
             num_added=self.num_added,
             num_queued_tokens=self._num_queued_tokens(),
         )

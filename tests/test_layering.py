@@ -253,7 +253,8 @@ def test_bench_is_an_http_client_except_its_offline_and_kernel_benchmarks() -> N
 # metrics, the per-request streams). Every other engine module is the core's, or below it.
 FRONT = {"engine.async_engine", "engine.admission", "engine.input_processor", "engine.output_processor",
          "engine.outputs", "engine.tokenizer", "engine.detokenizer", "engine.metrics", "engine.offline",
-         "engine.core_client", "engine.supervisor", "engine.vllm_metrics"}
+         "engine.core_client", "engine.supervisor", "engine.vllm_metrics", "engine.placement", "engine.core_router",
+         "engine.global_fair_share"}
 # The modules of the core's step (its own process): token ids only, no tokenizer.
 CORE_STEP = ("core.py", "core_proc.py", "core_types.py", "model_runner.py", "sampler.py", "batch.py", "cuda_graph.py",
              "prompt_logprobs.py")
