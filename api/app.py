@@ -28,6 +28,7 @@ from api.errors import (
 )
 from api.http import ClientDisconnected
 from api.inflight import InFlightMiddleware
+from api.request_log import RequestLogMiddleware
 from api.anthropic_routes import MESSAGES_ROUTES
 from api.responses_routes import RESPONSES_ROUTES
 from api.routes import ROUTES
@@ -73,7 +74,9 @@ def build_app(
                 loading.cancel()
             await state.close()
 
-    middleware = [Middleware(InFlightMiddleware, in_flight=state.in_flight)]
+    middleware = [Middleware(InFlightMiddleware, in_flight=state.in_flight),
+                  Middleware(RequestLogMiddleware, metrics=state.metrics, access_log=config.access_log,
+                             skipped_paths=config.access_log_skipped_paths)]
     if config.cors_origins:
         middleware.append(
             Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"])
