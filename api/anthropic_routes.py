@@ -28,7 +28,7 @@ from api.context_errors import MESSAGES
 from api.errors import APIError, bad_request
 from api.http import json_response, read_json, server_state
 from api.parsers.base import ParsedDelta
-from api.pipeline import ChoiceDelta, Started, Totals, check_model, render_chat, respond, start_chat
+from api.pipeline import ChoiceDelta, Started, Totals, check_model, refusals, render_chat, respond, start_chat
 from api.validation import validate
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "abort": "end_turn"}
@@ -179,7 +179,8 @@ async def count_tokens(request: Request) -> Response:
     engine = state.ready_engine()
     chat = validate(MessagesRequestModel, await read_json(request), state.config.limits).to_chat_request()
     check_model(chat.model, engine)
-    return json_response({"input_tokens": len(await render_chat(state, engine, chat))})
+    with refusals(MESSAGES):  # a prompt that cannot fit is refused from its length, as /v1/messages does
+        return json_response({"input_tokens": len(await render_chat(state, engine, chat))})
 
 
 MESSAGES_ROUTES = [

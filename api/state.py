@@ -238,7 +238,8 @@ def _log_ready(engine: AsyncEngine, config: ServerConfig, parsers: ParserSetting
     info = engine.info
     logger.info(
         "fp4serve %s ready: model %s (%s%s), dtype %s, device %s, attention %s, max_model_len %d, "
-        "KV cache %d tokens (%d pages of %d), tool parser %s, reasoning parser %s; serving at %s/v1",
+        "KV cache %d tokens (%d pages of %d), tool parser %s, reasoning parser %s, max_tokens policy %s; serving at "
+        "%s/v1",
         info.version,
         info.model_name,
         info.model_path,
@@ -252,5 +253,6 @@ def _log_ready(engine: AsyncEngine, config: ServerConfig, parsers: ParserSetting
         info.block_size,
         parsers.tool_parser,
         parsers.reasoning_parser,
+        config.max_tokens_policy,
         config.url,
     )

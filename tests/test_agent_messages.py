@@ -128,6 +128,10 @@ def test_a_prompt_too_long_alone_is_worded_for_claude_codes_compaction(server: I
     match = TOO_LONG.match(refused.value.body["error"]["message"])
     assert match is not None, refused.value.body
     assert int(match[2]) == max_model_len(server) - 1 and int(match[1]) > int(match[2])
+    if words > 100_000:  # count_tokens refuses it the same way, before tokenizing it
+        with pytest.raises(anthropic.BadRequestError) as counted:
+            count(client, messages=long_messages(words))
+        assert TOO_LONG.match(counted.value.body["error"]["message"])
 
 
 # ---- usage -----------------------------------------------------------------------------------------
