@@ -24,11 +24,11 @@ from starlette.routing import Route
 
 from api.anthropic_errors import anthropic_error_body
 from api.anthropic_request import MessagesRequestModel
-from api.context_errors import MESSAGES
+from api.context_errors import MESSAGES, refusals
 from api.errors import APIError, bad_request
 from api.http import json_response, read_json, server_state
 from api.parsers.base import ParsedDelta
-from api.pipeline import ChoiceDelta, Started, Totals, check_model, refusals, render_chat, respond, start_chat
+from api.pipeline import ChoiceDelta, Started, Totals, check_model, render_chat, respond, start_chat
 from api.validation import validate
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "abort": "end_turn"}

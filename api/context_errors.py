@@ -8,10 +8,13 @@ you requested ..." (vLLM words it the same way). The numbers come from the engin
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from api.errors import APIError
 from engine.errors import CONTEXT_LENGTH_EXCEEDED, ContextLengthError
+from scheduler.request import ParamError
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,20 @@ def context_length_error(error: ContextLengthError, dialect: Dialect) -> APIErro
     param = dialect.prompt_param if too_long_alone else dialect.max_tokens_param
     message = _anthropic(error) if dialect.anthropic else _openai(error, dialect.prompt_param)
     return APIError(400, message, param, CONTEXT_LENGTH_EXCEEDED)
+
+
+@contextmanager
+def refusals(dialect: Dialect) -> Iterator[None]:
+    """The engine's refusals in the API's names and words: a prompt that does not fit the context
+    (api/context_errors.py), and "prompt" renamed to the API's own field."""
+    try:
+        yield
+    except ContextLengthError as e:
+        raise context_length_error(e, dialect) from None
+    except ParamError as e:
+        if e.param == "prompt":
+            e.param = dialect.prompt_param
+        raise
 
 
 def _anthropic(error: ContextLengthError) -> str:

@@ -23,7 +23,6 @@ from api.validation import (
     Int,
     Number,
     RequestModel,
-    Str,
     ToolsRequest,
     at_most,
     check_depth,

@@ -26,8 +26,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from api.context_errors import COMPLETIONS, Dialect, context_length_error
+from api.context_errors import COMPLETIONS, Dialect, refusals
 from api.deadline import Deadline
 from api.engine_stream import EngineStream
 from api.errors import APIError, bad_request
@@ -49,9 +48,8 @@ from api.response_format import response_format_grammar
 from api.sse import SSEResponse
 from api.tool_grammar import tool_call_grammar
 from engine.core_types import Owner
-from engine.errors import ContextLengthError
 from engine.outputs import RequestOutput
-from scheduler.request import ParamError, SamplingParams
+from scheduler.request import SamplingParams
 
 if TYPE_CHECKING:
     from api.state import ServerState
@@ -242,20 +240,6 @@ async def start_completion(request: Request, req: CompletionRequestModel) -> Sta
                                     request.receive, request_deadline(request.scope))
     return Started(header, prompts, False, stream, Choices(params.n, [None] * (len(prompts) * params.n)),
                    req.streaming)
-
-
-@contextmanager
-def refusals(dialect: Dialect) -> Iterator[None]:
-    """The engine's refusals in the API's names and words: a prompt that does not fit the context
-    (api/context_errors.py), and "prompt" renamed to the API's own field."""
-    try:
-        yield
-    except ContextLengthError as e:
-        raise context_length_error(e, dialect) from None
-    except ParamError as e:
-        if e.param == "prompt":
-            e.param = dialect.prompt_param
-        raise
 
 
 def _tools_ignored(request: Request, chat: ChatCompletionRequest, engine: AsyncEngine) -> tuple[tuple[str, str], ...]:

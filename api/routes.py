@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 from dataclasses import replace
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
