@@ -31,6 +31,8 @@ from api.inflight import InFlightMiddleware
 from api.request_log import RequestLogMiddleware
 from api.anthropic_routes import MESSAGES_ROUTES
 from api.responses_routes import RESPONSES_ROUTES
+from api.framing import FramingMiddleware
+from api.key_metrics import key_metrics_routes
 from api.routes import ROUTES
 from api.stats import stats_routes
 from api.ui import ui_routes
@@ -74,16 +76,22 @@ def build_app(
                 loading.cancel()
             await state.close()
 
-    middleware = [Middleware(InFlightMiddleware, in_flight=state.in_flight),
-                  Middleware(RequestLogMiddleware, metrics=state.metrics, access_log=config.access_log,
-                             skipped_paths=config.access_log_skipped_paths)]
+    # Outermost first: count and watch the client, log what is refused (the framing's refusals included),
+    # then check the body's framing and size, then the key.
+    middleware = [
+        Middleware(InFlightMiddleware, in_flight=state.in_flight),
+        Middleware(RequestLogMiddleware, metrics=state.metrics, access_log=config.access_log,
+                   skipped_paths=config.access_log_skipped_paths),
+        Middleware(FramingMiddleware, max_request_bytes=config.max_request_bytes, metrics=state.metrics),
+    ]
     if config.cors_origins:
         middleware.append(
             Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"])
         )
     middleware.append(Middleware(KeyMiddleware, ring=state.keys, limiter=state.limiter))
     app = Starlette(
-        routes=[*ROUTES, *RESPONSES_ROUTES, *MESSAGES_ROUTES, *stats_routes(), *(ui_routes(config.url) if config.ui else [])],
+        routes=[*ROUTES, *RESPONSES_ROUTES, *MESSAGES_ROUTES, *stats_routes(), *key_metrics_routes(),
+                *(ui_routes(config.url) if config.ui else [])],
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={

@@ -12,21 +12,23 @@ import importlib.util
 import logging
 import os
 import socket
+import stat
 import sys
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from api.agent_args import add_agent_arguments, agent_engine_settings, agent_server_settings
 from api.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig
 from api.errors import OVERLOADED_RETRY_AFTER_S
+from api.keys import API_KEY_ENV
 from api.limits import HARD_MAX_LOGPROBS, RequestLimits
 from api.reliability_args import add_reliability_arguments, reliability_engine_settings
 from api.team_args import add_team_arguments, team_engine_settings, team_server_settings
 from engine.admission import QueueLimits
 from engine.async_engine import MAX_CONSECUTIVE_FAILURES
-from engine.config import ConfigError, EngineConfig, KVEventsConfig
+from engine.config import ConfigError, EngineConfig, KVEventsConfig, parse_memory
 
-API_KEY_ENV = "FP4SERVE_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 logger = logging.getLogger("fp4serve")
@@ -58,6 +60,17 @@ def _count_or_none(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def _size_bytes(text: str) -> int:
+    """A size in bytes: 536870912, 512MiB, 1GB."""
+    try:
+        size, fraction = parse_memory(text)
+    except ConfigError:
+        size = fraction = None
+    if size is None or fraction is not None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB or 1GiB, got {text!r}")
+    return size
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +137,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "as half the checkpoints allow for one max-model-len context")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="decode without CUDA graphs (graphs are captured at start-up on CUDA otherwise)")
+    engine.add_argument("--grammar-cache-bytes", type=_size_bytes, default=_engine_default("grammar_cache_bytes"),
+                        metavar="SIZE",
+                        help="most memory of compiled grammars (response_format schemas, forced tool calls) kept "
+                        "for reuse, least recently used out (default: 512MiB; 0 keeps none). Each API key compiles one "
+                        "grammar at a time, keys taking turns, so one key's large schemas never hold up the others'")
     engine.add_argument("--in-process-engine", action="store_true",
                         help="run the engine core (scheduler and model) on a thread of the HTTP process instead of "
                         "a process of its own: for debugging; the forward then shares the GIL with HTTP")
@@ -162,9 +180,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--port", type=int, default=8000, help="TCP port")
     # NOTE: the env value is read in server_config, not used as the default: --help prints defaults.
     http.add_argument("--api-key", default=None, metavar="KEY",
-                      help=f"require 'Authorization: Bearer KEY' on /v1/* (also read from ${API_KEY_ENV}, which "
-                      "is safer: a command line is visible to every user of the machine); never logged; "
-                      "default: no key")
+                      help=f"require 'Authorization: Bearer KEY' on /v1/*; never logged. Prefer --api-key-file or "
+                      f"${API_KEY_ENV}: a command line is visible to every user of the machine (ps), so this flag "
+                      "logs a warning; default: no key")
+    http.add_argument("--api-key-file", default=None, metavar="FILE",
+                      help="read the one API key (as --api-key) from the first line of FILE, which only the "
+                      "server's user should be able to read; not with --api-key or --api-keys-file (a TOML file of "
+                      "several named keys)")
     http.add_argument("--cors-origins", default=None, metavar="ORIGINS",
                       help="comma-separated origins allowed by CORS, or '*'; default: no CORS headers")
     http.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
@@ -274,6 +296,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         **reliability_engine_settings(args),
         **_speculative_settings(args),
         **agent_engine_settings(args),
+        grammar_cache_bytes=args.grammar_cache_bytes,
     )
     _check_parser_names(args.tool_parser, args.reasoning_parser)
     origins = tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip())
@@ -281,7 +304,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         engine=engine,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=_api_key(args),
         cors_origins=origins,
         tool_parser=args.tool_parser,
         reasoning_parser=args.reasoning_parser,
@@ -326,6 +349,34 @@ def _speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
     if settings["speculative_model"] is not None and settings["speculative_method"] is None:
         settings["speculative_method"] = "mtp"
     return settings
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file's first line, else $FP4SERVE_API_KEY; ConfigError for a file
+    that cannot be read or holds no key. NOTE: the key itself never reaches a message or a log."""
+    if args.api_key and args.api_key_file:
+        raise ConfigError("--api-key and --api-key-file: give one of them")
+    if args.api_key:
+        logger.warning("--api-key on the command line is visible to every user of this machine (ps, /proc); "
+                       "use --api-key-file or $%s instead", API_KEY_ENV)
+        return args.api_key
+    if args.api_key_file:
+        path = Path(args.api_key_file)
+        try:
+            lines = path.read_text().strip().splitlines()
+            mode = path.stat().st_mode
+        except OSError as e:
+            raise ConfigError(f"--api-key-file {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--api-key-file {path}: not a text file") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ConfigError(f"--api-key-file {path}: holds no key (the first line is read)")
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            logger.warning("--api-key-file %s can be read by other users (mode %o); chmod 600 it", path,
+                           stat.S_IMODE(mode))
+        return key
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def _check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:

@@ -11,9 +11,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api.auth import bearer_token
 from api.context_errors import RESPONSES
 from api.errors import APIError, bad_request
+from api.keys import token_from_headers
 from api.http import json_response, read_json, server_state
 from api.pipeline import respond, start_chat
 from api.responses_output import ResponsesEncoder
@@ -34,9 +34,8 @@ def response_store(request: Request) -> ResponseStore:
 
 
 def request_key(request: Request) -> bytes | None:
-    """The API key the client sent: `Authorization: Bearer` or Anthropic's `x-api-key`."""
-    headers = dict(request.scope["headers"])
-    return bearer_token(headers.get(b"authorization")) or headers.get(b"x-api-key") or None
+    """The API key the client sent, read by the same rule as authentication (api/keys.py)."""
+    return token_from_headers(request.scope["headers"])[0]
 
 
 def _not_found(response_id: str) -> APIError:

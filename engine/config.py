@@ -215,6 +215,10 @@ def parse_memory(text: str) -> tuple[int | None, float | None]:
     return int(number * _UNITS[unit]), None
 
 
+# Compiled grammars kept for reuse, in bytes of xgrammar's own accounting (engine/grammar_cache.py):
+# vLLM's default for xgrammar's cache (VLLM_XGRAMMAR_CACHE_MB).
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
+
 # Most prefill tokens one request gets per step, so decodes and short prompts keep flowing while a
 # long prompt prefills (docs/PERF.md "Fair team endpoint" has the measurement behind it).
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 512
@@ -265,6 +269,7 @@ class EngineConfig:
     # Sampling defaults for fields a request leaves out: auto (the model's generation_config.json),
     # vllm (none), or a folder holding a generation_config.json (engine/generation_config.py).
     generation_config: str = "auto"
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES  # compiled grammars kept (LRU); 0: none kept
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -290,6 +295,8 @@ class EngineConfig:
         if self.speculative_model is not None and self.speculative_method != "mtp":
             raise ConfigError(f"--speculative-model: takes the MTP head of another checkpoint, so it needs "
                               f"--speculative-method mtp, not {self.speculative_method}")
+        if self.grammar_cache_bytes < 0:
+            raise ConfigError(f"--grammar-cache-bytes: must not be negative, got {self.grammar_cache_bytes}")
         if self.linear_attention_backend not in ("auto", "torch", "fla"):
             raise ConfigError(f"--linear-attention-backend: '{self.linear_attention_backend}' is not one of auto, torch, fla")
         for flag, value in (("--engine-step-timeout", self.engine_step_timeout_s),

@@ -27,6 +27,7 @@ from engine.model_path import default_model_name, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
 from engine.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
+from engine.grammar_cache import DEFAULT_COMPILE_WORKERS
 from engine.structured import StructuredOutputs
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -49,7 +50,10 @@ class EngineCore:
         sampling_defaults = generation_defaults(config.generation_config, path)  # a bad file fails before the load
         max_model_len = config.max_model_len or mc.max_position_embeddings
         # The tokenizer loads on a constrained request's first compile only (xgrammar needs it).
-        self.structured = StructuredOutputs(path, mc.vocab_size)
+        self.structured = StructuredOutputs(path, mc.vocab_size, config.grammar_cache_bytes)
+        logger.info("grammar cache: compiled grammars kept up to %.0f MiB (--grammar-cache-bytes), least recently "
+                    "used out; %d compile threads, each API key compiling one grammar at a time",
+                    config.grammar_cache_bytes / (1 << 20), DEFAULT_COMPILE_WORKERS)
         self.speculative = self._speculative_config(config, mc)  # before the runner: MTP changes what it loads
         self.kv_events = self._kv_events(config)  # before the model loads: a taken port fails start-up at once
         spec = self.speculative
@@ -167,7 +171,7 @@ class EngineCore:
         assert params.n == 1, f"{request.request_id}: the front fans n out"
         grammar_ready = None
         if params.grammar is not None:
-            compiled = self.structured.prepare(params.grammar)
+            compiled = self.structured.prepare(params.grammar, request.owner.key, request.request_id)
             grammar_ready = compiled.done
         self.scheduler.add_request(
             Request(
@@ -188,6 +192,7 @@ class EngineCore:
         """End the requests now, their pages free on return; unknown or finished ids are ignored."""
         for request_id in request_ids:
             self.scheduler.abort_request(request_id)
+            self.structured.remove_request(request_id)  # a grammar nobody waits for is not compiled
 
     def fail_all(self) -> list[str]:
         """After a failed step: end every live request and forget cached KV (the batch's KV state
@@ -226,6 +231,9 @@ class EngineCore:
             # The tokens the scheduler kept: a stop inside the accepted drafts ends the list there.
             toks = emitted[request.request_id][: request.num_output_tokens - before[request.request_id]]
             reason = request.finish_reason if request.is_finished else None
+            if reason is not None and request.params.grammar is not None:
+                # Its grammar goes now, not at the runner's next step (which may be long in coming).
+                self.structured.remove_request(request.request_id)
             with_logprobs = request.params.logprobs is not None
             single = toks[0] if with_logprobs and len(toks) == 1 else None
             outputs.append(
@@ -251,6 +259,7 @@ class EngineCore:
         return EngineCoreOutputs(
             outputs=tuple(outputs),
             stats=self.scheduler.stats(),
+            grammar_cache=self.structured.stats(),
             num_batched_requests=len(out.requests),
             num_batched_tokens=out.num_batched_tokens,
             num_drafts_by_position=drafted,
@@ -288,7 +297,7 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.schedule()
         if out.is_empty:
-            return EngineCoreOutputs(stats=self.scheduler.stats())
+            return EngineCoreOutputs(stats=self.scheduler.stats(), grammar_cache=self.structured.stats())
         result = self.update(out, self.execute(out))
         return replace(result, step_time_s=time.perf_counter() - t0)
 

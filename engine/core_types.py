@@ -111,6 +111,21 @@ class EngineCoreOutput:
 
 
 @dataclass(frozen=True)
+class GrammarCacheStats:
+    """The compiled-grammar cache of engine/grammar_cache.py, as one step leaves it."""
+
+    num_bytes: int  # kept, charged to the budget: xgrammar's size of each
+    budget_bytes: int  # --grammar-cache-bytes
+    num_entries: int  # grammars kept
+    held_bytes: int  # grammars out of the cache (evicted, or larger than the budget) that requests still hold
+    num_compiling: int
+    num_queued: int  # waiting for a compile worker (each key compiles one at a time)
+    hits: int  # cumulative: requests whose grammar was kept or already compiling
+    misses: int  # cumulative: requests that started a compile
+    evictions: int  # cumulative: kept grammars dropped for the budget, or too large to keep
+
+
+@dataclass(frozen=True)
 class EngineCoreOutputs:
     """One message from the core: a step's outputs, or a failure that ended requests."""
 
@@ -128,6 +143,7 @@ class EngineCoreOutputs:
     # With `dead`: the supervisor is starting a new core in its place, after a "crash", a "hang" or
     # an "error" (engine/supervisor.py); None: no core will follow.
     restart: str | None = None
+    grammar_cache: GrammarCacheStats | None = None  # None until the first constrained request
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,8 @@ class OutputProcessor:
             m.step_time.observe(step.step_time_s)
         if step.stats is not None:
             m.observe_scheduler(step.stats)
+        if step.grammar_cache is not None:
+            m.observe_grammar_cache(step.grammar_cache)
 
     def _token_output(self, core_out: EngineCoreOutput, sample: _Sample, now: float) -> RequestOutput:
         usage = self.metrics.key_usage(sample.key)

@@ -203,7 +203,7 @@ def test_a_step_that_verifies_drafts_keeps_no_state() -> None:
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256, block_size=4,
                                       num_blocks=32, num_state_slots=2, num_state_checkpoints=8,
                                       state_checkpoint_bits=6, num_speculative_tokens=3, speculative_max_batch=4),
-                      drafter=lambda context, k: [7] * k)
+                      drafter=lambda request_id, context, k: [7] * k)
     sched.add_request(make_request("a", tokens(1, 7), 0.0, max_tokens=12))
     outs = []
     for _ in range(3):

@@ -143,8 +143,8 @@ def test_mtp_speculation_with_cached_turns_drafts_from_an_exact_context(mtp_ckpt
     propose = engine.core.scheduler.drafter
     assert propose is not None
 
-    def recording(context: list[int], k: int) -> list[int]:
-        drafts = propose(context, k)
+    def recording(request_id: str, context: list[int], k: int) -> list[int]:
+        drafts = propose(request_id, context, k)
         calls.append((list(context), k, drafts))
         return drafts
 

@@ -1,12 +1,14 @@
 """A team endpoint as its users meet it: a real server with --api-keys-file and the openai client.
-Per-key limits (429 + Retry-After + x-ratelimit-*), /v1/usage, key labels in /metrics, SIGHUP
-reload, the body timeout, a client leaving mid-upload, and the prompts cap."""
+Per-key limits (429 + Retry-After + x-ratelimit-*), /v1/usage, per-key series at /metrics/keys for
+admin keys only (none in the open /metrics), SIGHUP reload, the body timeout (over HTTP/2 too), a
+client leaving mid-upload, the prompts cap, and Retry-After on the token limit."""
 
 from __future__ import annotations
 
 import hashlib
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from tests.h2_client import H2
 from tests.server_utils import RunningServer, metric, start_server, wait_for_metric
 
 pytestmark = pytest.mark.slow
@@ -37,6 +40,11 @@ tpm = 30
 name = "root"
 key = "sk-root-secret"
 admin = true
+
+[[keys]]
+name = "dave"
+key = "sk-dave-secret"
+tpm = 30
 """
 
 
@@ -115,17 +123,27 @@ def test_usage_and_key_labels(server: RunningServer) -> None:
         mine = http.get("/v1/usage", headers={"Authorization": "Bearer sk-bob-secret"}).json()
         everyone = http.get("/v1/usage", headers={"Authorization": "Bearer sk-root-secret"}).json()
         text = http.get("/metrics").text
+        per_key = http.get("/metrics/keys", headers={"Authorization": "Bearer sk-root-secret"})
+        refused = [http.get("/metrics/keys", headers=headers).status_code
+                   for headers in ({}, {"Authorization": "Bearer sk-nobody"}, {"Authorization": "Bearer sk-bob-secret"})]
         assert http.get("/v1/usage").status_code == 401
         assert http.get("/v1/usage", headers={"Authorization": "Bearer sk-nobody"}).status_code == 401
+    # The open /metrics names no key; per-key series are for admin keys only.
+    assert "key=" not in text and not any(name in text for name in ("alice", "bob", "root"))
+    assert refused == [401, 401, 403]
+    assert per_key.status_code == 200
+    keyed = per_key.text
     assert [row["key"] for row in mine["data"]] == ["bob"]
     by_key = {row["key"]: row for row in everyone["data"]}
     assert {"alice", "bob", "root"} <= set(by_key)
     assert by_key["root"]["completion_tokens"] >= done.usage.completion_tokens
     assert by_key["root"]["requests"] >= 1 and by_key["root"]["mean_ttft_seconds"] > 0
     for name, row in by_key.items():
-        assert metric(text, f'fp4serve_generation_tokens_total{{key="{name}"}}', 0) == row["completion_tokens"]
-        assert metric(text, f'fp4serve_prompt_tokens_total{{key="{name}"}}', 0) == row["prompt_tokens"]
-    assert metric(text, 'fp4serve_time_to_first_token_seconds_count{key="root"}') == by_key["root"]["requests"]
+        assert metric(keyed, f'fp4serve_generation_tokens_total{{key="{name}"}}', 0) == row["completion_tokens"]
+        assert metric(keyed, f'fp4serve_prompt_tokens_total{{key="{name}"}}', 0) == row["prompt_tokens"]
+    assert metric(keyed, 'fp4serve_time_to_first_token_seconds_count{key="root"}') == by_key["root"]["requests"]
+    # The open series are the sums over keys.
+    assert metric(text, "fp4serve_generation_tokens_total") == sum(r["completion_tokens"] for r in by_key.values())
     assert metric(text, 'fp4serve_http_requests_rejected_total{reason="rate_limited"}') >= 1
     log = server.log()
     assert "secret" not in log
@@ -135,7 +153,7 @@ def test_usage_and_key_labels(server: RunningServer) -> None:
 def test_sighup_reloads_keys(server: RunningServer, keys_file: Path) -> None:
     keys_file.write_text(KEYS + '\n[[keys]]\nname = "carol"\nkey = "sk-carol-secret"\n')
     server.process.send_signal(signal.SIGHUP)
-    server.wait_for_log("reloaded 4 API keys")
+    server.wait_for_log("reloaded 5 API keys")
     assert complete(client(server, "sk-carol-secret")).usage.completion_tokens == 4
 
 
@@ -172,3 +190,24 @@ def test_too_many_prompts_is_a_400(server: RunningServer) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client(server, "sk-root-secret").completions.create(model=MODEL, prompt=["a", "b", "c"], max_tokens=1)
     assert "--max-prompts" in caught.value.response.json()["error"]["message"]
+
+
+def test_retry_after_on_the_token_limit_is_when_the_key_reopens(server: RunningServer) -> None:
+    dave = client(server, "sk-dave-secret")
+    complete(dave, max_tokens=40)  # 40 completion tokens of dave's 30 a minute
+    used_at = time.monotonic()  # they count from when the request ended, just before this
+    with pytest.raises(openai.RateLimitError) as caught:
+        complete(dave)
+    reopens_at = time.monotonic() + int(caught.value.response.headers["retry-after"])
+    assert used_at + 57 <= reopens_at <= used_at + 62, reopens_at - used_at
+
+
+def test_a_slow_body_over_http2_gets_408_too(server: RunningServer) -> None:
+    h2 = H2(server.port)
+    try:
+        stream_id = h2.start("POST", "/v1/completions", "sk-root-secret", content_length=100)
+        h2.send(stream_id, 10)
+        response = h2.wait_response(stream_id)
+    finally:
+        h2.close()
+    assert response["status"] == 408 and b"request_timeout" in response["body"]
