@@ -122,19 +122,22 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
 
 
 def _system_message(content: Any, index: int) -> str:
-    """A mid-conversation system message's text. Anything but text is refused in the words Claude
-    Code recognises, so that it resends the conversation without its system messages."""
+    """A mid-conversation system message's text. Anything but text is refused in words Claude Code
+    recognises ("not supported" with `role "system"`, as Anthropic's own `role 'system' is not
+    supported on this model`), so that it resends the conversation without its system messages."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"messages.{index}.content: text-only role \"system\" messages require a string or an "
-                          "array of text blocks", f"messages[{index}].content")
+        raise bad_request(f"messages.{index}.content: role \"system\" is not supported with this content; "
+                          "text-only role \"system\" messages take a string or an array of text blocks",
+                          f"messages[{index}].content")
     texts = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind != "text" or not isinstance(block.get("text"), str):
-            raise bad_request(f"messages.{index}.content.{j}: text-only role \"system\" messages require text blocks, "
-                              f"got {kind!r}", f"messages[{index}].content[{j}].type")
+            raise bad_request(f"messages.{index}.content.{j}: role \"system\" is not supported with {kind!r} blocks; "
+                              "text-only role \"system\" messages take text blocks",
+                              f"messages[{index}].content[{j}].type")
         texts.append(block["text"])
     return "".join(texts)
 

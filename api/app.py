@@ -82,7 +82,7 @@ def build_app(
         Middleware(InFlightMiddleware, in_flight=state.in_flight),
         Middleware(RequestLogMiddleware, metrics=state.metrics, access_log=config.access_log,
                    skipped_paths=config.access_log_skipped_paths),
-        Middleware(FramingMiddleware, max_request_bytes=config.max_request_bytes, metrics=state.metrics),
+        Middleware(FramingMiddleware, max_request_bytes=config.max_request_bytes),
     ]
     if config.cors_origins:
         middleware.append(

@@ -1,12 +1,13 @@
 """`RequestLogMiddleware`: one log line for every refused request (4xx and 5xx: method, path,
-status, the key's name, the error's code and parameter, its message), counted in
-`fp4serve_http_requests_rejected_total{reason}`; and, with --access-log, one line for every request.
-An operator whose agent "just fails" finds here what the client was told.
+status, the key's name, the error's code and parameter, the client's address, its message),
+counted in `fp4serve_http_requests_rejected_total{reason}`; and, with --access-log, one line for
+every request. An operator whose agent "just fails" finds here what the client was told.
 
-It sits inside InFlightMiddleware and outside KeyMiddleware, so it sees the key middleware's own
-401 and 429 and the key's name it leaves in scope["state"]. The error's fields come from what the
-exception handlers (api/errors.py) left in scope["state"] (OpenAI's code and param, even on
-/v1/messages, whose body has only Anthropic's type), else from the JSON body itself."""
+It sits inside InFlightMiddleware and outside FramingMiddleware and KeyMiddleware, so it sees the
+framing's 400 and 413, the key middleware's own 401 and 429, and the key's name that one leaves in
+scope["state"]. The error's fields come from what the exception handlers (api/errors.py) left in
+scope["state"] (OpenAI's code and param, even on /v1/messages, whose body has only Anthropic's
+type), else from the JSON body itself."""
 
 from __future__ import annotations
 
@@ -45,13 +46,20 @@ class RequestLogMiddleware:
         began = time.monotonic()
         status: int | None = None
         body = bytearray()
+        logged = False
 
         async def send_and_watch(message: Message) -> None:
-            nonlocal status
+            nonlocal status, logged
             if message["type"] == "http.response.start":
                 status = message["status"]
-            elif message["type"] == "http.response.body" and status is not None and status >= 400:
-                body.extend(message.get("body", b"")[:MAX_ERROR_BODY - len(body)])
+            elif message["type"] == "http.response.body" and status is not None:
+                if status >= 400:
+                    body.extend(message.get("body", b"")[:MAX_ERROR_BODY - len(body)])
+                if not message.get("more_body", False):
+                    # NOTE: logged before the last byte leaves, so that a client holding the answer
+                    # finds its line already written (a test, an operator tailing the log).
+                    logged = True
+                    self._log(scope, status, bytes(body), time.monotonic() - began)
             await send(message)
 
         try:
@@ -64,24 +72,25 @@ class RequestLogMiddleware:
                                                                    code="internal_error")
             raise
         finally:
-            self._log(scope, status or 500, bytes(body), time.monotonic() - began)
+            if not logged:
+                self._log(scope, status or 500, bytes(body), time.monotonic() - began)
 
     def _log(self, scope: Scope, status: int, body: bytes, seconds: float) -> None:
         state = scope.get("state") or {}
         record = state.get(KEY_STATE)
         key = record.name if record is not None else "-"
         method, path = scope["method"], scope["path"]
+        client = scope.get("client")
+        address = client[0] if client else "-"
         if self.access_log:
-            client = scope.get("client")
-            access_logger.info("%s %s %s %d key=%s %.3fs", client[0] if client else "-", method, path, status, key,
-                               seconds)
+            access_logger.info("%s %s %s %d key=%s %.3fs", address, method, path, status, key, seconds)
         if status < 400 or status == CLIENT_CLOSED:
             return
         error = state.get(ERROR_STATE) or _from_body(status, body)
         message = error.message if len(error.message) <= MAX_LOGGED_MESSAGE else error.message[:MAX_LOGGED_MESSAGE] + "..."
         (logger.warning if status >= 500 else logger.info)(
-            "refused %s %s: %d key=%s code=%s param=%s: %s", method, path, status, key, error.code or error.type,
-            error.param or "-", message)
+            "refused %s %s: %d key=%s code=%s param=%s client=%s: %s", method, path, status, key,
+            error.code or error.type, error.param or "-", address, message)
         if status != 429:  # NOTE: api/rate_limit.py counts its own refusals, as reason rate_limited
             self.metrics.rejected.labels(reason=rejection_reason(error)).inc()
 

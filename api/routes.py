@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 from dataclasses import replace
+from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
@@ -73,12 +74,23 @@ async def models(request: Request) -> Response:
         "object": "model",
         "created": state.started_at,
         "owned_by": "fp4serve",
-        # NOTE: the model as the operator named it (--model), never the folder it resolved to: for
-        # a built-in model or a converted GGUF that is a cache path under the server user's home.
-        "root": state.config.engine.model or info.model_name,
+        "root": public_root(state.config.engine.model, info.model_name),
         "max_model_len": info.max_model_len,
     }
     return json_response({"object": "list", "data": [card]})
+
+
+def public_root(model: str | None, served_name: str) -> str:
+    """The `root` /v1/models shows: the model as the operator named it (--model), a hub-style name
+    as given, a folder by its last part only. NOTE: never a filesystem path: for a built-in model
+    or a converted GGUF that is a cache path under the server user's home, and any key holder
+    reads this."""
+    if model is None:
+        return served_name
+    path = Path(model).expanduser()
+    if model.startswith((".", "~", "/")) or path.exists():
+        return path.resolve().name or served_name
+    return model
 
 
 async def health(request: Request) -> Response:

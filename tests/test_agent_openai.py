@@ -9,6 +9,7 @@ tests/test_tools_e2e.py's ScriptedCore."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -193,15 +194,37 @@ def test_a_refused_request_leaves_one_log_line_and_counts_by_reason(server: InPr
         chat(client, messages=long_prompt(4000))
     [line] = [r.getMessage() for r in caplog.records if r.name == "fp4serve.requests"]
     assert line.startswith("refused POST /v1/chat/completions: 400 key=default code=context_length_exceeded "
-                           "param=messages: This model's maximum context length is")
+                           "param=messages client=127.0.0.1: This model's maximum context length is")
     assert metric(httpx.get(server.url("/metrics")).text, name) == before + 1
     caplog.clear()
     with caplog.at_level("INFO", logger="fp4serve.requests"):
         bad = httpx.post(server.url("/v1/messages"), json={"model": DEMO_MODEL_NAME, "max_tokens": 5, "messages": []})
     assert bad.status_code == 400 and bad.json()["type"] == "error"
     [line] = [r.getMessage() for r in caplog.records if r.name == "fp4serve.requests"]
-    assert line.startswith("refused POST /v1/messages: 400 key=default code=invalid_request_error param=messages:")
+    assert line.startswith("refused POST /v1/messages: 400 key=default code=invalid_request_error param=messages "
+                           "client=127.0.0.1:")
 
+
+
+def test_a_framing_refusal_is_logged_and_counted_once(server: InProcessServer,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    # FramingMiddleware answers before any route; the request log outside it is the one place that
+    # logs and counts, so a smuggling attempt is one line and one count.
+    name = 'fp4serve_http_requests_rejected_total{reason="ambiguous_framing"}'
+    before = metric(httpx.get(server.url("/metrics")).text, name, 0.0)
+    body = b"0\r\n\r\n"
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%s" % (len(body), body))
+    with caplog.at_level("INFO"), socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(request)
+        sock.settimeout(30)
+        reply = b""
+        while chunk := sock.recv(65536):  # the server closes the connection after its answer
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400"), reply
+    [line] = [r.getMessage() for r in caplog.records if "Content-Length and Transfer-Encoding" in r.getMessage()]
+    assert line.startswith("refused POST /v1/completions: 400 key=- code=ambiguous_framing param=- client=127.0.0.1:")
+    assert metric(httpx.get(server.url("/metrics")).text, name) == before + 1
 
 def test_tool_schemas_nested_300_deep_are_a_clean_400(client: openai.OpenAI) -> None:
     schema: dict[str, Any] = {"type": "string"}

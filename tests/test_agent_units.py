@@ -85,13 +85,17 @@ def test_the_probe_tells_a_template_that_refuses_a_late_system_message_and_ignor
 
 
 # ---- generation_config.json -------------------------------------------------------------------------
-def test_generation_defaults_auto_vllm_and_a_folder(tmp_path: Path) -> None:
+def test_generation_defaults_auto_vllm_and_a_folder(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "do_sample": True, "eos_token_id": 2}))
-    assert generation_defaults("auto", tmp_path / "m") == (("temperature", 0.7), ("top_p", 0.8), ("top_k", 20),
-                                                           ("repetition_penalty", 1.05))
-    assert generation_defaults("vllm", tmp_path / "m") == ()
+    with caplog.at_level("INFO", logger="fp4serve.engine"):
+        assert generation_defaults("auto", tmp_path / "m") == (("temperature", 0.7), ("top_p", 0.8), ("top_k", 20),
+                                                               ("repetition_penalty", 1.05))
+        assert generation_defaults("vllm", tmp_path / "m") == ()
+    applied, off = [r.getMessage() for r in caplog.records]
+    assert applied.startswith("generation config: temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05 from ")
+    assert off.startswith("generation config: none applied (--generation-config vllm)")
     assert generation_defaults("auto", tmp_path) == ()  # no file: OpenAI's defaults
     assert generation_defaults(str(tmp_path / "m"), tmp_path) == generation_defaults("auto", tmp_path / "m")
     with pytest.raises(ConfigError, match="does not exist"):
@@ -210,3 +214,17 @@ def test_the_front_flags_map_onto_their_fields() -> None:
     assert (config.access_log, config.access_log_skipped_paths) == (True, ())
     default = server_config(build_parser().parse_args(["serve"]))
     assert (default.max_tokens_policy, default.engine.generation_config, default.access_log) == ("clamp", "auto", False)
+
+
+def test_models_root_names_a_folder_by_its_last_part_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from api.routes import public_root
+
+    folder = tmp_path / "Qwen3-8B-NVFP4"
+    folder.mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert public_root(str(folder), "qwen") == "Qwen3-8B-NVFP4"
+    assert public_root("Qwen3-8B-NVFP4", "qwen") == "Qwen3-8B-NVFP4"  # relative, and there
+    assert public_root("./Qwen3-8B-NVFP4/", "qwen") == "Qwen3-8B-NVFP4"
+    assert public_root("Qwen/Qwen3-8B", "qwen") == "Qwen/Qwen3-8B"  # a hub name, as given
+    assert public_root(None, "fp4serve-demo-qwen3") == "fp4serve-demo-qwen3"
+    assert str(tmp_path) not in public_root(str(tmp_path / "gone" / "model.gguf"), "qwen")
