@@ -14,8 +14,8 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "requests and logs",
         "Agents send max_tokens 32000 or 64000 whatever the model's context, and never send sampling values. "
-        "Every refused request (4xx, 5xx) leaves one log line (method, path, status, key, code, param, message) "
-        "and counts in fp4serve_http_requests_rejected_total{reason}.",
+        "Every refused request (4xx, 5xx) leaves one log line (method, path, status, key, code, param, client, "
+        "message) and counts in fp4serve_http_requests_rejected_total{reason}.",
     )
     group.add_argument("--max-tokens-policy", default="clamp", choices=MAX_TOKENS_POLICIES,
                        help="a max_tokens larger than the room the prompt leaves in the context: clamp lowers it to "
@@ -30,7 +30,8 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
                        help="log one INFO line per HTTP request (client, method, path, status, key, seconds); refused "
                        "requests are logged either way")
     group.add_argument("--disable-access-log-for-endpoints", default="/health,/metrics", metavar="PATHS",
-                       help="comma-separated paths --access-log leaves out (empty: none)")
+                       help="comma-separated paths left out of the access log and of the refused-request lines and "
+                       "count (empty: none)")
 
 
 def agent_engine_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -127,6 +127,22 @@ def test_a_prompt_too_long_alone_is_context_length_exceeded_on_chat_and_response
     assert (responses.value.code, responses.value.param) == ("context_length_exceeded", "input")
 
 
+
+def test_oversized_chat_and_responses_prompts_are_refused_before_the_template_or_tokenizer_runs(
+        server: InProcessServer, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = server.engine.input_processor
+    rendered = spy(monkeypatch, inputs.tokenizer, "render_chat")
+    encoded = spy(monkeypatch, inputs.tokenizer, "encode")
+    huge = "x" * (inputs.max_model_len * inputs.chars_per_token + 1)  # more tokens than fit, whatever they are
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, messages=[{"role": "user", "content": huge}])
+    assert (refused.value.code, refused.value.param) == ("context_length_exceeded", "messages")
+    assert "resulted in at least" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as responses:
+        client.responses.create(model=DEMO_MODEL_NAME, input=huge)
+    assert (responses.value.code, responses.value.param) == ("context_length_exceeded", "input")
+    assert rendered == encoded == []
+
 # ---- Codex's namespace tools and developer items ---------------------------------------------------
 def test_a_namespaced_call_comes_back_with_its_namespace_and_replays(server: InProcessServer, scripted: ScriptedCore,
                                                                     client: openai.OpenAI,
@@ -226,12 +242,15 @@ def test_a_framing_refusal_is_logged_and_counted_once(server: InProcessServer,
     assert line.startswith("refused POST /v1/completions: 400 key=- code=ambiguous_framing param=- client=127.0.0.1:")
     assert metric(httpx.get(server.url("/metrics")).text, name) == before + 1
 
-def test_tool_schemas_nested_300_deep_are_a_clean_400(client: openai.OpenAI) -> None:
+def test_tool_schemas_nested_300_deep_are_a_clean_400(server: InProcessServer, client: openai.OpenAI,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     schema: dict[str, Any] = {"type": "string"}
     for _ in range(300):
         schema = {"type": "object", "properties": {"a": schema}}
+    rendered = spy(monkeypatch, server.engine.input_processor.tokenizer, "render_chat")
     with pytest.raises(openai.BadRequestError) as refused:
         chat(client, tools=[{"type": "function", "function": {"name": "deep", "parameters": schema}}])
+    assert rendered == []  # refused before the template, the tokenizer and any grammar compile
     assert refused.value.param == "tools[0].function.parameters"
     assert refused.value.body["message"] == "tools[0].function.parameters is nested deeper than 128 levels"
 

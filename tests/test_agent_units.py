@@ -228,3 +228,18 @@ def test_models_root_names_a_folder_by_its_last_part_only(tmp_path: Path, monkey
     assert public_root("Qwen/Qwen3-8B", "qwen") == "Qwen/Qwen3-8B"  # a hub name, as given
     assert public_root(None, "fp4serve-demo-qwen3") == "fp4serve-demo-qwen3"
     assert str(tmp_path) not in public_root(str(tmp_path / "gone" / "model.gguf"), "qwen")
+
+
+def test_a_tool_schema_may_nest_64_levels_as_response_format_may_and_no_more() -> None:
+    from api.messages import function_tool
+
+    def nested(levels: int) -> dict[str, Any]:
+        schema: dict[str, Any] = {"type": "string"}
+        for _ in range(levels - 1):
+            schema = {"type": "object", "properties": {"a": schema}}
+        return schema
+
+    function_tool({"name": "f", "parameters": nested(64)}, "name", "parameters")
+    with pytest.raises(APIError) as refused:
+        function_tool({"name": "f", "parameters": nested(65)}, "name", "parameters")
+    assert (refused.value.status, refused.value.param) == (400, "parameters")
