@@ -9,20 +9,20 @@
   and a body that streams past it gets the 413 as soon as it does. HTTP/2 can answer a stream and
   reset it while the client still sends, with no harm to the connection. HTTP/1.1 bodies are
   drained by the route instead (api/routes.py), so that the client reads its 413 before the close.
+
+Its refusals are logged and counted by RequestLogMiddleware (api/request_log.py), which sits
+outside it: one line and one count per refused request.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.anthropic_errors import is_messages_path, to_anthropic
 from api.errors import APIError, error_response
-from api.metrics import ServerMetrics
 
-logger = logging.getLogger("fp4serve")
 HTTP1 = ("1.0", "1.1")
 
 
@@ -33,10 +33,9 @@ def too_large_message(limit: int) -> str:
 class FramingMiddleware:
     """Pure ASGI; `max_request_bytes` is ServerConfig's."""
 
-    def __init__(self, app: ASGIApp, max_request_bytes: int, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_request_bytes: int) -> None:
         self.app = app
         self.limit = max_request_bytes
-        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -56,9 +55,9 @@ class FramingMiddleware:
         if declared.isdigit() and int(declared) > self.limit:
             await self._refuse(scope, receive, send, 413, "request_too_large", too_large_message(self.limit), {})
             return
-        await self.app(scope, self._capped(scope, receive), send)
+        await self.app(scope, self._capped(receive), send)
 
-    def _capped(self, scope: Scope, receive: Receive) -> Receive:
+    def _capped(self, receive: Receive) -> Receive:
         """`receive`, raising the 413 (APIError, answered by the route's handlers) once the body
         has grown past the limit."""
         size = 0
@@ -69,9 +68,6 @@ class FramingMiddleware:
             if message["type"] == "http.request":
                 size += len(message.get("body", b""))
                 if size > self.limit:
-                    self._count("too_large")
-                    logger.info("refused %s %s over HTTP/%s: the body passed %d bytes", scope["method"],
-                                scope["path"], scope.get("http_version"), self.limit)
                     raise APIError(413, too_large_message(self.limit), code="request_too_large")
             return message
 
@@ -79,15 +75,7 @@ class FramingMiddleware:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, code: str, message: str,
                       headers: dict[str, str]) -> None:
-        self._count("ambiguous_framing" if status == 400 else "too_large")
-        client = scope.get("client") or ("?", 0)
-        logger.warning("refused %s %s from %s over HTTP/%s: %s", scope["method"], scope["path"], client[0],
-                       scope.get("http_version"), message)
         response: Any = error_response(status, message, code=code, headers=headers)
         if is_messages_path(scope["path"]):
             response = to_anthropic(response)
         await response(scope, receive, send)
-
-    def _count(self, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.rejected.labels(reason=reason).inc()

@@ -128,8 +128,9 @@ class ApproximateTokenizer:
 
 
 def _served_root(base_url: str, model: str, api_key: str | None) -> str | None:
-    """The checkpoint folder GET /models names for `model` (its `root`, as vLLM and fp4serve
-    list it), or None."""
+    """The checkpoint folder GET /models names for `model` (its `root`, as vLLM lists it), or
+    None. fp4serve's `root` never holds a path (api/routes.py), so against it this finds a folder
+    only when the name is one here; the server's /tokenize serves then."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         resp = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=10.0,

@@ -270,6 +270,9 @@ class EngineConfig:
     # own device (or CPUs) and KV cache; the rank is which of them a core is (set per core by for_rank).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # Sampling defaults for fields a request leaves out: auto (the model's generation_config.json),
+    # vllm (none), or a folder holding a generation_config.json (engine/generation_config.py).
+    generation_config: str = "auto"
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES  # compiled grammars kept (LRU); 0: none kept
 
     def __post_init__(self) -> None:

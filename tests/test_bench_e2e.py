@@ -13,6 +13,7 @@ import pytest
 from bench.__main__ import main
 from bench.datasets import DatasetSpec, LocalTokenizer, build_dataset
 from bench.report import Result, load_results
+from engine.demo_model import ensure_demo_model
 from tests.server_utils import RunningServer, running_server
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,7 @@ def server() -> Iterator[RunningServer]:
 def bench_serve(server: RunningServer, out: Path, *flags: str) -> list[Result]:
     # temperature 1: a random-weight model decoded greedily can settle on a token that
     # renders as no text, which the bench rightly counts as an empty output.
-    code = main(["serve", "--base-url", server.url("/v1"), "--temperature", "1",
+    code = main(["serve", "--base-url", server.url("/v1"), "--temperature", "1", "--tokenizer", str(ensure_demo_model()),
                  "--duration", "120", "--no-progress", "--out", str(out), *flags])
     assert code == 0
     return load_results(out)
@@ -49,7 +50,7 @@ def test_chat_sweep_measures_every_request_with_server_usage(
     for result in results:
         summary, requests = result["summary"], result["requests"]
         assert (summary["completed"], summary["failed"], summary["errors"]) == (4, 0, {})
-        # Found through the `root` of GET /v1/models: prompt lengths are exact.
+        # The demo model's own tokenizer.json (--tokenizer): prompt lengths are exact.
         assert result["config"]["tokenizer"].startswith("local:")
         assert "/.cache/" not in result["config"]["tokenizer"]  # no local path in a results file
         assert len(requests) == 4
@@ -79,8 +80,7 @@ def test_completions_prompts_are_exactly_input_len_tokens(
     assert result["summary"]["failed"] == 0
     # Rebuild the same prompts: with no template on /v1/completions the server must count
     # exactly the tokens each was built to have.
-    root = httpx.get(server.url("/v1/models"), timeout=10).json()["data"][0]["root"]
-    convs = build_dataset(DatasetSpec(**result["config"]["dataset"]), LocalTokenizer(root))
+    convs = build_dataset(DatasetSpec(**result["config"]["dataset"]), LocalTokenizer(ensure_demo_model()))
     built = {c.conversation_id: c.turns[0] for c in convs}
     assert len({t.num_tokens for t in built.values()}) > 1  # the range ratio varies them
     for req in requests:

@@ -206,6 +206,9 @@ def test_prompt_longer_than_max_model_len_is_rejected_with_both_numbers(qwen3_ck
     inputs = InputProcessor(core.info.vocab_size, core.info.max_model_len, core.info.eos_token_ids)
     with pytest.raises(ParamError, match=r"64 tokens.*70 tokens"):
         inputs.validate(list(range(70)), SamplingParams())
+    rejecting = InputProcessor(core.info.vocab_size, core.info.max_model_len, core.info.eos_token_ids,
+                               max_tokens_policy="reject")
     with pytest.raises(ParamError) as e:
-        inputs.validate(list(range(60)), SamplingParams(max_tokens=10))
+        rejecting.validate(list(range(60)), SamplingParams(max_tokens=10))
     assert e.value.param == "max_tokens" and "prompt has 60 tokens and max_tokens asks for 10" in e.value.message
+    assert inputs.validate(list(range(60)), SamplingParams(max_tokens=10)).max_tokens == 4  # clamp: the room left

@@ -26,6 +26,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.demo_model import ensure_demo_model
 from tests.server_utils import RunningServer, free_port, start_server
 
 pytestmark = pytest.mark.slow
@@ -158,7 +159,7 @@ def test_cache_aware_router_keeps_conversations_on_their_replica(replicas: list[
 
 def test_kv_aware_router_routes_on_the_replicas_kv_events(replicas: list[tuple[RunningServer, int]]) -> None:
     servers = [s for s, _ in replicas]
-    model_path = httpx.get(servers[0].url("/v1/models")).json()["data"][0]["root"]  # its tokenizer, for the router
+    model_path = str(ensure_demo_model())  # the replicas' model (FP4SERVE_DEFAULT_MODEL): its tokenizer, for the router
     sources = [arg for s, port in replicas for arg in ("--kv-event-source", f"{s.base_url}=tcp://127.0.0.1:{port}")]
     with router(replicas, "kv_aware", *sources, "--kv-event-model", model_path, "--kv-event-block-size", "16") as url:
         run_conversations(url, servers, seed=2)
