@@ -24,8 +24,11 @@ from engine.models.qwen3_5_mtp import MTP_PREFIX, Qwen3_5MTP, map_mtp_name
 from engine.models.qwen3_5_weights import FUSED_LINEARS, LINEAR_ATTN_RULES, canonical_name, skipped_part
 from engine.models.moe import NVFP4Experts
 from engine.moe_loader import ExpertLoader, map_moe_name
+from engine.int4_linear import Int4Linear, Int4LinearBuilder, check_int4_device
 from engine.int8_linear import Int8Linear, Int8LinearBuilder, check_int8_device, quantize_int8
 from engine.quantization import (
+    CPU_SCHEMES,
+    INT4,
     INT8,
     LINEAR_SUFFIXES,
     NVFP4LinearBuilder,
@@ -135,16 +138,16 @@ class _Unloaded(nn.Module):
 
 
 def _nvfp4_plan(model: DecoderForCausalLM, names: set[str], method: QuantizationMethod | None,
-                dtype: torch.dtype, device: torch.device) -> dict[str, NVFP4LinearBuilder | Int8LinearBuilder]:
+                dtype: torch.dtype, device: torch.device) -> dict[str, NVFP4LinearBuilder | Int8LinearBuilder | Int4LinearBuilder]:
     """Which of the model's Linears are quantized: for a packed checkpoint, those whose tensors say
     so (exclude lists vary between producers; the tensors do not lie); at load (NVFP4 or int8),
     q/k/v/o, gate/up/down."""
     if method is None:
         return {}
     cfg = model.config
-    if method.quantize_at_load and method.scheme != INT8:
+    if method.quantize_at_load and method.scheme not in CPU_SCHEMES:
         check_quantizable(cfg, "--quantization nvfp4")
-    plan: dict[str, NVFP4LinearBuilder | Int8LinearBuilder] = {}
+    plan: dict[str, NVFP4LinearBuilder | Int8LinearBuilder | Int4LinearBuilder] = {}
     for module_path, module in model.named_modules():
         if not isinstance(module, Linear) or (module_path == "lm_head" and cfg.tie_word_embeddings):
             continue
@@ -160,6 +163,9 @@ def _nvfp4_plan(model: DecoderForCausalLM, names: set[str], method: Quantization
                 bias = torch.zeros(sum(module.shard_sizes), dtype=dtype, device=device)  # [N]
             if method.scheme == INT8:
                 plan[module_path] = Int8LinearBuilder(hf, module.shard_sizes, module.in_features, bias, dtype, device)
+            elif method.scheme == INT4:
+                plan[module_path] = Int4LinearBuilder(hf, module.shard_sizes, module.in_features, bias, dtype, device,
+                                                      method.int8_dense_from_rows)
             else:
                 plan[module_path] = NVFP4LinearBuilder(method, hf, module.shard_sizes, module.in_features, bias,
                                                        device)
@@ -217,10 +223,13 @@ def _expected_tensors(params: dict[str, nn.Parameter], modules: dict[str, nn.Mod
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
                quantization: QuantizationMethod | None = None, mtp: bool = False) -> DecoderForCausalLM:
     """`mtp`: load the checkpoint's mtp.* head too (`model.mtp`, --speculative-method mtp)."""
-    int8 = quantization is not None and quantization.scheme == INT8
-    if int8:
+    int8 = quantization is not None and quantization.scheme in CPU_SCHEMES  # int8 or int4
+    if quantization is not None and quantization.scheme == INT8:
         check_int8_device(device)
-    # int8 lm_head: a quantized copy of the head's weight (the tied embedding stays float).
+    if quantization is not None and quantization.scheme == INT4:
+        check_int4_device(device, dtype)
+    # int8/int4 lm_head: an int8 copy of the head's weight (the tied embedding stays float). int4
+    # quantizes its head to int8 too: 4 bits cost the head far more than the layers (docs/PERF.md).
     head_source = None
     if int8 and quantization is not None and quantization.int8_lm_head:
         head_source = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
@@ -351,14 +360,18 @@ def _log_left_out(left_out: dict[str, list[str]]) -> None:
 
 
 def _log_int8(model: nn.Module, dtype: torch.dtype) -> None:
-    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    """One start-up line for the int8 or int4 linears, one more for their dense copies."""
+    linears = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    scheme = "int4" if isinstance(linears[0], Int4Linear) else "int8"
     nbytes = sum(m.weight_nbytes for m in linears)
     name = str(dtype).removeprefix("torch.")
-    head = "lm_head int8 too" if isinstance(getattr(model, "lm_head", None), Int8Linear) else "lm_head stays float"
-    logger.info("int8: %d linears quantized at load (%.2f MiB of int8 codes and scales; %s); activations in %s; "
-                "embeddings and norms stay in %s", len(linears), nbytes / (1 << 20), head, name, name)
+    head = "lm_head stays float"
+    if isinstance(getattr(model, "lm_head", None), Int8Linear):
+        head = "lm_head int8 too" if scheme == "int8" else "lm_head int8 (4 bits cost it more than the layers)"
+    logger.info("%s: %d linears quantized at load (%.2f MiB of %s codes and scales; %s); activations in %s; "
+                "embeddings and norms stay in %s", scheme, len(linears), nbytes / (1 << 20), scheme, head, name, name)
     dense = sum(m.dense_nbytes for m in linears)
     if dense:
-        logger.info("int8: inputs of %d rows or more (prefill, large batches) multiply a dense %s copy of the "
-                    "dequantized weights (%.2f MiB more), faster there than the int8 kernel",
-                    linears[0].dense_from_rows, name, dense / (1 << 20))
+        logger.info("%s: inputs of %d rows or more (prefill, large batches) multiply a dense %s copy of the "
+                    "dequantized weights (%.2f MiB more), faster there than the %s kernel", scheme,
+                    linears[0].dense_from_rows, name, dense / (1 << 20), scheme)
