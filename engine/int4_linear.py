@@ -87,6 +87,7 @@ class Int4Linear(nn.Module):
         # NOTE: the kernel takes N in multiples of 16: extra rows of code 0 and scale/zero 0 give
         # zero outputs, cut off after the call (real models' widths never pad).
         row_pad = -n % _N_MULTIPLE
+        self.k_pad = k - self.in_features  # zero columns the input gets (K up to a whole group)
         padded_codes = F.pad(codes, (0, 0, 0, row_pad)).to(torch.int32)  # [N + pad, K]
         # [N + pad, K / 2] uint8 in the kernel's layout (packed with innerKTiles=1, its CPU layout).
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded_codes, 1))
@@ -108,10 +109,6 @@ class Int4Linear(nn.Module):
         return Int4Linear(codes, sz, None if bias is None else bias.detach().to(dtype), weight.shape[1], dense_from_rows)
 
     @property
-    def _padded_k(self) -> int:
-        return self.packed.shape[1] * 2
-
-    @property
     def weight_nbytes(self) -> int:
         """The packed codes, scales and zeros (not a dense copy: `dense_nbytes`)."""
         return self.packed.nbytes + self.scales_and_zeros.nbytes
@@ -130,8 +127,8 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # [T, K]
         if self.dense is not None and x2.shape[0] >= self.dense_from_rows:
             return self.dense(x2, self.bias).view(*lead, self.out_features)
-        if self._padded_k != self.in_features:
-            x2 = F.pad(x2, (0, self._padded_k - self.in_features))  # [T, K + pad], a new contiguous tensor
+        if self.k_pad:
+            x2 = F.pad(x2, (0, self.k_pad))  # [T, K + pad], a new contiguous tensor
         elif not x2.is_contiguous():
             x2 = x2.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
