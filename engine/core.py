@@ -20,12 +20,13 @@ from engine.core_types import (
     EngineCoreRequest,
     EngineInfo,
     PromptLogprobsChunk,
+    SampledToken,
 )
 from engine.model_path import default_model_name, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
-from engine.outputs import SampledToken
 from engine.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
+from engine.grammar_cache import DEFAULT_COMPILE_WORKERS
 from engine.structured import StructuredOutputs
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
@@ -47,7 +48,10 @@ class EngineCore:
         mc = self.model_config
         max_model_len = config.max_model_len or mc.max_position_embeddings
         # The tokenizer loads on a constrained request's first compile only (xgrammar needs it).
-        self.structured = StructuredOutputs(path, mc.vocab_size)
+        self.structured = StructuredOutputs(path, mc.vocab_size, config.grammar_cache_bytes)
+        logger.info("grammar cache: compiled grammars kept up to %.0f MiB (--grammar-cache-bytes), least recently "
+                    "used out; %d compile threads, each API key compiling one grammar at a time",
+                    config.grammar_cache_bytes / (1 << 20), DEFAULT_COMPILE_WORKERS)
         self.speculative = self._speculative_config(config, mc)  # before the runner: MTP changes what it loads
         self.kv_events = self._kv_events(config)  # before the model loads: a taken port fails start-up at once
         spec = self.speculative
@@ -64,8 +68,12 @@ class EngineCore:
                 max_model_len=max_model_len,
                 block_size=config.block_size,
                 num_blocks=self.runner.num_kv_pages,
-                enable_prefix_caching=config.enable_prefix_caching and mc.hybrid is None,
+                # Hybrid models: only with state checkpoints (the runner logs their budget).
+                enable_prefix_caching=config.enable_prefix_caching and (
+                    mc.hybrid is None or self.runner.num_state_checkpoints > 0),
                 num_state_slots=self.runner.num_state_slots,
+                num_state_checkpoints=self.runner.num_state_checkpoints,
+                state_checkpoint_bits=self.runner.state_checkpoint_bits,
                 scheduling_policy=config.scheduling_policy,  # type: ignore[arg-type]
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
@@ -78,9 +86,9 @@ class EngineCore:
             if not self.scheduler.config.enable_prefix_caching:
                 logger.warning("KV events: prefix caching is off, so no page ever enters the cache and no "
                                "BlockStored event will be sent")
-        if mc.hybrid is not None and config.enable_prefix_caching:
-            logger.info("prefix caching off: %s is a hybrid model, and a cached prefix would need the "
-                        "Gated DeltaNet state at its end (not kept yet)", mc.architecture)
+        if mc.hybrid is not None and not self.scheduler.config.enable_prefix_caching:
+            logger.info("prefix caching off for %s (a hybrid model): %s", mc.architecture,
+                        "--no-prefix-caching" if not config.enable_prefix_caching else "--num-state-checkpoints 0")
         self.info = EngineInfo(
             model_name=config.served_model_name or default_model_name(config),
             model_path=str(path),
@@ -160,7 +168,7 @@ class EngineCore:
         assert params.n == 1, f"{request.request_id}: the front fans n out"
         grammar_ready = None
         if params.grammar is not None:
-            compiled = self.structured.prepare(params.grammar)
+            compiled = self.structured.prepare(params.grammar, request.owner.key, request.request_id)
             grammar_ready = compiled.done
         self.scheduler.add_request(
             Request(
@@ -170,10 +178,10 @@ class EngineCore:
                 request.eos_token_ids,
                 arrival_time=request.arrival_time,
                 grammar_ready=grammar_ready,
-                key=request.key,
-                weight=request.weight,
-                key_priority=request.key_priority,
-                priority=request.priority,
+                key=request.owner.key,
+                weight=request.owner.weight,
+                key_priority=request.owner.key_priority,
+                priority=request.owner.priority,
             )
         )
 
@@ -181,13 +189,15 @@ class EngineCore:
         """End the requests now, their pages free on return; unknown or finished ids are ignored."""
         for request_id in request_ids:
             self.scheduler.abort_request(request_id)
+            self.structured.remove_request(request_id)  # a grammar nobody waits for is not compiled
 
     def fail_all(self) -> list[str]:
         """After a failed step: end every live request and forget cached KV (the batch's KV state
         is suspect). Returns the ids it ended."""
         ids = list(self.scheduler.requests)
-        self.abort_requests(ids)
-        self.scheduler.block_manager.reset_prefix_cache()
+        for request_id in ids:  # no state checkpoint of a suspect state
+            self.scheduler.abort_request(request_id, keep_state=False)
+        self.scheduler.reset_prefix_cache()
         if self.kv_events is not None:
             self.kv_events.flush()  # the failed step's BlockStored events, then AllBlocksCleared
         return ids
@@ -218,6 +228,9 @@ class EngineCore:
             # The tokens the scheduler kept: a stop inside the accepted drafts ends the list there.
             toks = emitted[request.request_id][: request.num_output_tokens - before[request.request_id]]
             reason = request.finish_reason if request.is_finished else None
+            if reason is not None and request.params.grammar is not None:
+                # Its grammar goes now, not at the runner's next step (which may be long in coming).
+                self.structured.remove_request(request.request_id)
             with_logprobs = request.params.logprobs is not None
             single = toks[0] if with_logprobs and len(toks) == 1 else None
             outputs.append(
@@ -243,6 +256,7 @@ class EngineCore:
         return EngineCoreOutputs(
             outputs=tuple(outputs),
             stats=self.scheduler.stats(),
+            grammar_cache=self.structured.stats(),
             num_batched_requests=len(out.requests),
             num_batched_tokens=out.num_batched_tokens,
             num_drafts_by_position=drafted,
@@ -280,7 +294,7 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.schedule()
         if out.is_empty:
-            return EngineCoreOutputs(stats=self.scheduler.stats())
+            return EngineCoreOutputs(stats=self.scheduler.stats(), grammar_cache=self.structured.stats())
         result = self.update(out, self.execute(out))
         return replace(result, step_time_s=time.perf_counter() - t0)
 

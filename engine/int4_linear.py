@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from engine.config import ConfigError
 from engine.packed_linear import DenseWeight
-from engine.quantization import check_shape, copy_bias_shard
+from engine.shard_checks import check_shape, copy_bias_shard
 
 GROUP_SIZE = 32  # Q4_1's block; the kernel takes 32, 64, 128 or 256
 _LEVELS = 15  # codes 0..15
