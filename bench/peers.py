@@ -96,7 +96,8 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
                        "rev = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], "
                        "capture_output=True, text=True).stdout.strip(); "
                        "print(m.version('fp4serve') + (' git ' + rev if rev else ''))"),
-         note="the default model (SmolLM2-135M-Instruct from its GGUF) with the default policy: int8 weights and bf16 activations on a CPU with native bf16, else float32"),
+         note="the default model (SmolLM2-135M-Instruct from its GGUF) with the default policy (--quantization auto): "
+              "int4 weights, an int8 lm_head, bf16 activations, dense bf16 copies from 8 rows on a CPU with native bf16"),
     Peer("llama-server", _LLAMA_SERVER, env={"LD_LIBRARY_PATH": "{llama_bin}"},
          version_argv=("{llama_bin}/llama-server", "--version"),
          note="llama.cpp as vendored by llama-cpp-python 0.3.36; the GGUF's Q4_1 weights, repacked at load "
