@@ -95,8 +95,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        "--dtype auto; perplexity about 0.5%% higher on SmolLM2), or int4 (CPU only: 4-bit weights "
                        "with a scale and zero point per 32 inputs, GGUF Q4_1's grid, the lm_head int8, bfloat16 "
                        "activations; the fastest CPU format at small batches, perplexity 0.2%% higher on SmolLM2); "
-                       "auto: int4 for the built-in SmolLM2 on CPU (unless --dtype float32/float16), with dense "
-                       "copies of the weights for batches of 8 rows or more, none for any other model")
+                       "auto: int4 for the built-in SmolLM2 on a CPU with AVX512, int8 on other CPUs (unless --dtype "
+                       "float32/float16), with dense copies of the weights for larger batches, none for any other "
+                       "model")
     model.add_argument("--max-model-len", type=int, default=None, metavar="N",
                        help="context length (prompt + output) in tokens; default: the checkpoint's")
     model.add_argument("--seed", type=int, default=_engine_default("seed"), help="seed for requests that set none")

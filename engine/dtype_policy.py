@@ -66,6 +66,13 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device, quanti
     return torch.bfloat16
 
 
+def int4_kernel_is_fast() -> bool:
+    """torch runs its int4 CPU kernel with AVX512 code where the CPU has it. With ATen's AVX2
+    kernels (ATEN_CPU_CAPABILITY=avx2 on the AVX512 EPYC) the int4 layers of SmolLM2 took 2.5-3x
+    longer at one row than int8's, and no less than float32's (docs/PERF.md, issue 30)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """EngineConfig.kv_cache_dtype -> the KV cache's dtype; auto: the model's `dtype`.
 
@@ -89,11 +96,11 @@ def resolve_quantization(requested: str | None, model: str | None, device: torch
     """EngineConfig.quantization -> the scheme quantized at load (None: the checkpoint as it is);
     `model` and `dtype` are EngineConfig's.
 
-    auto: the built-in SmolLM2 runs int4 on a CPU (unless --dtype asks for float32 or float16
-    activations). Its weights come from a Q4_1 GGUF, and int4 in groups of 32 finds that same grid
-    again (its lm_head, Q8_0 in the GGUF, runs int8): perplexity +0.23% against float32, less than
-    int8 per channel's +0.53%, and the fastest step measured at small batches, on AVX512 and (AVX2
-    kernels forced) AVX2 alike. Any other checkpoint runs as it is."""
+    auto: the built-in SmolLM2 runs int4 on a CPU with AVX512 (unless --dtype asks for float32 or
+    float16 activations). Its weights come from a Q4_1 GGUF, and int4 in groups of 32 finds that
+    same grid again (its lm_head, Q8_0 in the GGUF, runs int8): perplexity +0.21% against float32,
+    less than int8 per channel's +0.55%, and the fastest step measured at one row. Without AVX512
+    torch's int4 kernel is slow, so such a CPU runs int8. Any other checkpoint runs as it is."""
     if requested in (None, "none"):
         return None
     if requested != "auto":
@@ -102,9 +109,15 @@ def resolve_quantization(requested: str | None, model: str | None, device: torch
                            "%s activations than with bfloat16 ones (--dtype auto)", dtype, dtype)
         return requested
     if device.type == "cpu" and dtype in ("auto", "bfloat16") and (model or default_model()) == DEFAULT_MODEL_NAME:
-        logger.info("quantization auto: the built-in %s runs int4 on CPU: its Q4_1 GGUF's own 4-bit grid, "
-                    "the lm_head int8; --quantization none keeps it float", DEFAULT_MODEL_NAME)
-        return INT4
+        if int4_kernel_is_fast():
+            logger.info("quantization auto: the built-in %s runs int4 on this AVX512 CPU: its Q4_1 GGUF's own "
+                        "4-bit grid, the lm_head int8, the fastest format measured at one row; --quantization none "
+                        "keeps it float", DEFAULT_MODEL_NAME)
+            return INT4
+        logger.info("quantization auto: the built-in %s runs int8 on this CPU (torch's int4 kernel has no fast "
+                    "path without AVX512, here %s); --quantization none keeps it float", DEFAULT_MODEL_NAME,
+                    torch.backends.cpu.get_cpu_capability())
+        return INT8
     return None
 
 

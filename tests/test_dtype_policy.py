@@ -1,10 +1,11 @@
 """`--dtype auto`: what each checkpoint dtype runs as, on a CPU with and without native bf16
 (the flag probe is replaced, so these run the same on any CPU), on CUDA, and under int8/int4;
-`--quantization auto`: int4 for the built-in SmolLM2 on CPU, with dense copies from a row count
+`--quantization auto`: int4 for the built-in SmolLM2 on an AVX512 CPU (int8 without AVX512), with dense copies from a row count
 that follows the CPU's bf16 support; and `--kv-cache-dtype`."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,7 @@ def test_the_probe_reads_the_cpu_flags(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 def test_quantization_auto_makes_the_builtin_smollm2_int4_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DEFAULT_MODEL_ENV)  # what users get without --model
+    monkeypatch.setattr(policy, "int4_kernel_is_fast", lambda: True)
     assert resolve_quantization("auto", None, CPU) == "int4"
     assert resolve_quantization("auto", DEFAULT_MODEL_NAME, CPU) == "int4"
     assert resolve_quantization("auto", None, CUDA) is None
@@ -89,6 +91,18 @@ def test_quantization_auto_makes_the_builtin_smollm2_int4_on_cpu_only(monkeypatc
     assert resolve_quantization("int4", None, CPU) == "int4"
     monkeypatch.setenv(DEFAULT_MODEL_ENV, DEMO_MODEL_KEYWORD)  # the suite's default: the demo stays bf16
     assert resolve_quantization("auto", None, CPU) is None
+
+
+def test_quantization_auto_takes_int8_where_the_int4_kernel_has_no_avx512(monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv(DEFAULT_MODEL_ENV)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with caplog.at_level(logging.INFO, logger="fp4serve.runner"):
+        assert resolve_quantization("auto", None, CPU) == "int8"
+    assert "runs int8 on this CPU (torch's int4 kernel has no fast path without AVX512, here AVX2)" in caplog.text
+    assert resolve_quantization("int4", None, CPU) == "int4"  # asked for: done
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert resolve_quantization("auto", None, CPU) == "int4"
 
 
 def test_an_unknown_quantization_fails_in_the_config() -> None:
