@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import ConfigError
-from engine.packed_linear import DenseWeight
+from engine.packed_linear import DenseWeight, can_pack
 from engine.shard_checks import check_shape, copy_bias_shard
 
 GROUP_SIZE = 32  # Q4_1's block; the kernel takes 32, 64, 128 or 256
@@ -72,10 +72,15 @@ class Int4Linear(nn.Module):
     docs/PERF.md)."""
 
     def __init__(self, codes: Tensor, scales_and_zeros: Tensor, bias: Tensor | None, in_features: int | None = None,
-                 dense_from_rows: int = 0, group_size: int = GROUP_SIZE) -> None:
+                 dense_from_rows: int = 0, group_size: int = GROUP_SIZE, source: Tensor | None = None) -> None:
         """`codes` [N, K] and `scales_and_zeros` as `quantize_int4` gives them; `in_features`: the
         layer's real K when `codes` carry zero padding columns up to a whole group; `dense_from_rows`
-        > 0 keeps a dense bf16 copy for inputs of that many rows or more."""
+        > 0 keeps a dense bf16 copy for inputs of that many rows or more: of `source` ([N, K] float,
+        the checkpoint's weights the codes were quantized from) when given, else of the codes.
+
+        NOTE: from the checkpoint's weights, large inputs (prefills) see what `--dtype bfloat16`
+        would (perplexity +0.13% on SmolLM2, against +0.34% for a bf16 copy of the int4 weights,
+        docs/PERF.md), and the built-in SmolLM2 answers as in bf16 again."""
         super().__init__()
         assert codes.dtype == torch.uint8 and codes.dim() == 2, f"uint8 [N, K] codes expected, got {codes.dtype}"
         n, k = codes.shape
@@ -99,14 +104,15 @@ class Int4Linear(nn.Module):
         self.dense: DenseWeight | None = None
         self.dense_from_rows = dense_from_rows
         if dense_from_rows:
-            weight = dequantize_int4(codes, scales_and_zeros, group_size)[:, :self.in_features]  # [N, K] float32
-            self.dense = DenseWeight(weight, scales_and_zeros.dtype)
+            weight = source if source is not None else dequantize_int4(codes, scales_and_zeros, group_size)
+            self.dense = DenseWeight(weight[:, :self.in_features], scales_and_zeros.dtype)  # [N, K]
 
     @staticmethod
     def from_float(weight: Tensor, bias: Tensor | None, dtype: torch.dtype = INT4_ACTIVATION_DTYPE,
                    dense_from_rows: int = 0) -> Int4Linear:
         codes, sz = quantize_padded(weight, dtype)
-        return Int4Linear(codes, sz, None if bias is None else bias.detach().to(dtype), weight.shape[1], dense_from_rows)
+        return Int4Linear(codes, sz, None if bias is None else bias.detach().to(dtype), weight.shape[1], dense_from_rows,
+                          source=weight if dense_from_rows else None)
 
     @property
     def weight_nbytes(self) -> int:
@@ -169,6 +175,8 @@ class Int4LinearBuilder:
         self.device = device
         self.dense_from_rows = dense_from_rows
         self.shards: list[tuple[Tensor, Tensor] | None] = [None] * len(shard_sizes)  # (codes, scales and zeros)
+        # With a dense copy: each shard's checkpoint weight ([rows, K]), the copy's source.
+        self.sources: list[Tensor | None] = [None] * len(shard_sizes)
 
     def add(self, shard: int, suffix: str, tensor: Tensor) -> None:
         hf_module, rows = self.hf_modules[shard], self.shard_sizes[shard]
@@ -181,6 +189,9 @@ class Int4LinearBuilder:
         check_shape(f"{hf_module}.weight", tensor.shape, (rows, self.in_features))
         # The stored values are quantized (not a copy cast to the model dtype first).
         self.shards[shard] = quantize_padded(tensor.to(self.device), self.dtype)
+        if self.dense_from_rows:  # the dtype the dense copy will hold (DenseWeight: bf16 where packed)
+            self.sources[shard] = tensor.to(self.device, torch.bfloat16 if can_pack(self.dtype, self.device)
+                                            else torch.float32)
 
     def build(self) -> Int4Linear:
         for hf_module, got in zip(self.hf_modules, self.shards):
@@ -188,4 +199,5 @@ class Int4LinearBuilder:
                 raise ConfigError(f"missing tensor for '{hf_module}.weight'")
         codes = torch.cat([c for c, _ in self.shards if c is not None])  # [N, K (+ pad)] uint8
         sz = torch.cat([z for _, z in self.shards if z is not None], dim=1)  # [K / group, N, 2]
-        return Int4Linear(codes, sz, self.bias, self.in_features, self.dense_from_rows)
+        source = torch.cat([w for w in self.sources if w is not None]) if self.dense_from_rows else None  # [N, K]
+        return Int4Linear(codes, sz, self.bias, self.in_features, self.dense_from_rows, source=source)

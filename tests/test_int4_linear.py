@@ -204,3 +204,23 @@ def test_the_flag_reaches_the_engine_config_and_the_help() -> None:
                  if any("--quantization" in o.option_strings for o in a._actions))
     help_text = " ".join(serve.format_help().split())
     assert "{auto,none,nvfp4,int8,int4}" in help_text and "int4 (CPU only" in help_text
+
+
+def test_a_built_dense_copy_holds_the_checkpoint_weights_not_the_int4_ones() -> None:
+    """The builder's dense copy is made from the float weights it quantized: large inputs multiply
+    those (as `--dtype bfloat16` would), small ones the int4 codes."""
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(32, 64, generator=g) * 0.05, torch.randn(16, 64, generator=g) * 0.05
+    builder = Int4LinearBuilder(["q", "k"], [32, 16], 64, None, torch.bfloat16, torch.device("cpu"), 8)
+    builder.add(1, "weight", k)
+    builder.add(0, "weight", q)
+    linear = builder.build()
+    x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+    fused = torch.cat([q, k]).to(torch.bfloat16)
+    dense = linear(x)
+    assert torch.equal(dense, F.linear(x, fused))
+    int4 = linear(x[:7])
+    assert not torch.equal(int4, dense[:7])  # the codes' rounding shows under the threshold
+    codes, sz = zip(quantize_padded(q), quantize_padded(k))
+    grid = dequantize_int4(torch.cat(codes), torch.cat(sz, dim=1)).to(torch.bfloat16)  # the int4 weights
+    torch.testing.assert_close(int4.float(), F.linear(x[:7], grid).float(), rtol=2 ** -6, atol=2 ** -6)
