@@ -131,7 +131,7 @@ def int8_dense_from_rows(requested: str | None, scheme: str | None) -> int:
     if scheme == INT4:
         rows = AUTO_INT4_DENSE_FROM_ROWS if cpu_has_native_bf16() else AUTO_INT4_DENSE_FROM_ROWS_NO_BF16
         logger.info("quantization auto: inputs of %d rows or more (prefills, larger decode batches) multiply a "
-                    "dense %s copy of the int4 weights, faster there than the int4 kernel", rows,
+                    "dense %s copy of the checkpoint's weights, faster there than the int4 kernel", rows,
                     "bf16 oneDNN-packed" if cpu_has_native_bf16() else "float32")
         return rows
     return AUTO_INT8_DENSE_FROM_ROWS if scheme == INT8 else 0

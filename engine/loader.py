@@ -352,6 +352,7 @@ def _log_int8(model: nn.Module, dtype: torch.dtype) -> None:
                 "embeddings and norms stay in %s", scheme, len(linears), nbytes / (1 << 20), scheme, head, name, name)
     dense = sum(m.dense_nbytes for m in linears)
     if dense:
+        what = "checkpoint's weights" if scheme == "int4" else "dequantized weights"
         logger.info("%s: inputs of %d rows or more (prefill, large batches) multiply a dense %s copy of the "
-                    "dequantized weights (%.2f MiB more), faster there than the %s kernel", scheme,
-                    linears[0].dense_from_rows, name, dense / (1 << 20), scheme)
+                    "%s (%.2f MiB more), faster there than the %s kernel", scheme,
+                    linears[0].dense_from_rows, name, what, dense / (1 << 20), scheme)
