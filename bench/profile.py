@@ -22,6 +22,9 @@ from engine.offline import OfflineEngine
 MODULE_KINDS = {
     "Linear": "matmuls",
     "NVFP4Linear": "matmuls",
+    "Int8Linear": "matmuls",
+    "Int4Linear": "matmuls",
+    "PackedLinear": "matmuls",
     "RMSNorm": "norms",
     "RotaryEmbedding": "rope",
     "MLP": "activation",  # silu(gate) * up, after its two linears' time is taken out
@@ -71,8 +74,10 @@ class _SelfTimer:
 def _hooked(engine: OfflineEngine, timer: _SelfTimer) -> Iterator[None]:
     runner = engine.core.runner
     handles = []
+    head = runner.model.lm_head
     for module in runner.model.modules():
-        kind = MODULE_KINDS.get(type(module).__name__)
+        # The lm_head's own linear counts as the lm_head (compute_logits around it is timed too).
+        kind = "lm_head" if module is head else MODULE_KINDS.get(type(module).__name__)
         if kind is None:
             continue
         handles.append(module.register_forward_pre_hook(lambda m, a, k=kind: timer.enter(k)))

@@ -234,8 +234,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     kv_cache_memory: str | None = None  # bytes ("2GiB") or a fraction of free device memory
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | bfloat16 | float16 | float32 (engine/dtype_policy.py)
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | torch | flashinfer
+    attention_backend: str = "auto"  # auto | flashinfer | cpu | torch
     enforce_eager: bool = False  # decode without CUDA graphs
     device: str = "auto"  # auto | cpu | cuda
     # auto | none (or None) | nvfp4 | int8: quantize a float checkpoint at load (int8: CPU only);
@@ -278,10 +279,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype: '{self.dtype}' is not one of auto, float32, bfloat16, float16")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ConfigError(f"--kv-cache-dtype: '{self.kv_cache_dtype}' is not one of auto, bfloat16, float16, float32")
         if self.block_size < 1:
             raise ConfigError(f"--block-size: must be positive, got {self.block_size}")
-        if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ConfigError(f"--attention-backend: '{self.attention_backend}' is not one of auto, torch, flashinfer")
+        if self.attention_backend not in ("auto", "torch", "flashinfer", "cpu"):
+            raise ConfigError(f"--attention-backend: '{self.attention_backend}' is not one of auto, flashinfer, cpu, torch")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
         if self.num_state_slots is not None and self.num_state_slots < 1:
@@ -294,8 +297,8 @@ class EngineConfig:
             raise ConfigError(f"--scheduling-policy: '{self.scheduling_policy}' is not one of fair, fcfs, priority")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"--long-prefill-token-threshold: must not be negative, got {self.long_prefill_token_threshold}")
-        if self.quantization not in (None, "auto", "none", "nvfp4", "int8"):
-            raise ConfigError(f"--quantization: '{self.quantization}' is not one of auto, none, nvfp4, int8")
+        if self.quantization not in (None, "auto", "none", "nvfp4", "int8", "int4"):
+            raise ConfigError(f"--quantization: '{self.quantization}' is not one of auto, none, nvfp4, int8, int4")
         if self.speculative_model is not None and self.speculative_method != "mtp":
             raise ConfigError(f"--speculative-model: takes the MTP head of another checkpoint, so it needs "
                               f"--speculative-method mtp, not {self.speculative_method}")

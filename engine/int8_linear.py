@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import ConfigError
+from engine.packed_linear import DenseWeight
 from engine.shard_checks import check_shape, copy_bias_shard
 
 _QMAX = 127  # symmetric: -127..127, so negating a weight never overflows
@@ -56,9 +57,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("codes", codes.contiguous())  # [N, K (+ pad)] int8
         self.register_buffer("scales", scales)  # [N], the activation dtype
         self.register_buffer("bias", bias)  # [N] activation dtype, or None
-        # Optional: the dequantized weight [N, K] in the activation dtype, for inputs of at least
-        # `dense_from_rows` rows (`keep_dense_copy`); None: every input runs the int8 kernel.
-        self.register_buffer("dense", None)
+        # Optional: the dequantized weight (engine/packed_linear.py's DenseWeight), for inputs of at
+        # least `dense_from_rows` rows (`keep_dense_copy`); None: every input runs the int8 kernel.
+        self.dense: DenseWeight | None = None
         self.dense_from_rows = 0
 
     @staticmethod
@@ -80,23 +81,27 @@ class Int8Linear(nn.Module):
     def dense_nbytes(self) -> int:
         return 0 if self.dense is None else self.dense.nbytes
 
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes outside the state_dict: the dense copy (engine/packed_linear.py's packed_bytes)."""
+        return self.dense_nbytes
+
     def keep_dense_copy(self, from_rows: int) -> None:
         """Inputs of `from_rows` rows or more multiply a dense copy of the dequantized weight (the
         same values, codes times scales, in the activation dtype) with the float GEMM instead.
 
         NOTE: `_weight_int8pack_mm` is a matrix-vector kernel: its time grows linearly with the rows
-        (30 SmolLM2 layers, bf16, quiet 2-core AVX512 EPYC: 4.0 ms at 4 rows against 10.2 ms for the
-        bf16 GEMM, even at 16 rows, 23.8 against 16.2 ms at 32). The copy costs the weight's bytes
-        in the activation dtype once more, so only `--quantization auto` asks for it (docs/PERF.md)."""
+        (docs/PERF.md: the bf16 GEMM was faster from ~14 rows on SmolLM2's shapes). The copy costs
+        the weight's bytes once more, so only `--quantization auto` asks for it."""
         assert from_rows > 0, "a row threshold of at least 1"
-        self.dense = dequantize_int8(self.weight_codes, self.scales, self.scales.dtype).contiguous()
+        self.dense = DenseWeight(dequantize_int8(self.weight_codes, self.scales), self.scales.dtype)
         self.dense_from_rows = from_rows
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # [T, K]
         if self.dense is not None and x2.shape[0] >= self.dense_from_rows:
-            return F.linear(x2, self.dense, self.bias).view(*lead, self.out_features)
+            return self.dense(x2, self.bias).view(*lead, self.out_features)
         if self.pad:
             x2 = F.pad(x2, (0, self.pad))  # [T, K + pad], a new contiguous tensor
         elif x2.stride(-1) != 1:

@@ -1,5 +1,5 @@
 """Which of the model's linears are built from their checkpoint tensors by a builder rather than
-copied as float weights: NVFP4 packed in the checkpoint or quantized at load, int8 at load, or
+copied as float weights: NVFP4 packed in the checkpoint or quantized at load, int8 or int4 at load, or
 block-wise FP8 kept as FP8 (engine/fp8.py); the placeholders that hold their places meanwhile, and
 our parameter paths back to the checkpoint's names for messages."""
 
@@ -10,13 +10,23 @@ from torch import nn
 
 from engine.config import ConfigError
 from engine.fp8 import Fp8Format, Fp8LinearBuilder, is_fp8_linear
+from engine.int4_linear import Int4LinearBuilder
 from engine.int8_linear import Int8LinearBuilder
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.layers import Linear
 from engine.models.qwen3_5_weights import FUSED_LINEARS
-from engine.quantization import INT8, NVFP4LinearBuilder, QuantizationMethod, check_quantizable, is_packed, is_quantizable
+from engine.quantization import (
+    CPU_SCHEMES,
+    INT4,
+    INT8,
+    NVFP4LinearBuilder,
+    QuantizationMethod,
+    check_quantizable,
+    is_packed,
+    is_quantizable,
+)
 
-LinearBuilder = NVFP4LinearBuilder | Int8LinearBuilder | Fp8LinearBuilder
+LinearBuilder = NVFP4LinearBuilder | Int8LinearBuilder | Int4LinearBuilder | Fp8LinearBuilder
 # Linears an FP8 checkpoint may store in FP8 that stay float here: the router's softmax picks
 # experts (W8A8 would re-rank near ties) and the head scores every token.
 _FP8_FLOAT = ("lm_head", ".mlp.gate", ".shared_expert_gate")
@@ -32,10 +42,10 @@ class Unloaded(nn.Module):
 def plan_linears(model: DecoderForCausalLM, names: set[str], method: QuantizationMethod | None,
                  dtype: torch.dtype, device: torch.device, fp8: Fp8Format | None = None) -> dict[str, LinearBuilder]:
     """Builders by module path. A packed NVFP4 checkpoint: the linears whose tensors say so (exclude
-    lists vary between producers; the tensors do not lie); at load (NVFP4 or int8): q/k/v/o,
+    lists vary between producers; the tensors do not lie); at load (NVFP4, int8 or int4): q/k/v/o,
     gate/up/down; `fp8` (FP8 kept on this device): the linears stored with block scales."""
     cfg = model.config
-    if method is not None and method.quantize_at_load and method.scheme != INT8:
+    if method is not None and method.quantize_at_load and method.scheme not in CPU_SCHEMES:
         check_quantizable(cfg, "--quantization nvfp4")
     plan: dict[str, LinearBuilder] = {}
     for module_path, module in model.named_modules():
@@ -61,6 +71,9 @@ def plan_linears(model: DecoderForCausalLM, names: set[str], method: Quantizatio
             continue
         if method.scheme == INT8:
             plan[module_path] = Int8LinearBuilder(hf, module.shard_sizes, module.in_features, bias, dtype, device)
+        elif method.scheme == INT4:
+            plan[module_path] = Int4LinearBuilder(hf, module.shard_sizes, module.in_features, bias, dtype, device,
+                                                  method.int8_dense_from_rows)
         else:
             plan[module_path] = NVFP4LinearBuilder(method, hf, module.shard_sizes, module.in_features, bias, device)
     return plan

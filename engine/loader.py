@@ -18,6 +18,7 @@ from tqdm import tqdm
 from engine.checkpoint_files import checkpoint_files, iter_checkpoint, tensor_names
 from engine.config import ConfigError, ModelConfig
 from engine.fp8 import Fp8Dequantizer, Fp8Format, fp8_format, keeps_fp8
+from engine.int4_linear import Int4Linear, check_int4_device
 from engine.int8_linear import Int8Linear, check_int8_device, quantize_int8
 from engine.linear_plan import LinearBuilder, Unloaded, hf_name, plan_linears
 from engine.models.decoder import DecoderForCausalLM, make_mlp
@@ -28,7 +29,7 @@ from engine.models.qwen3_5_mtp import MTP_PREFIX, Qwen3_5MTP, map_mtp_name
 from engine.models.qwen3_5_weights import LINEAR_ATTN_RULES, canonical_name, skipped_part
 from engine.moe_loader import ExpertLoader, map_moe_name
 from engine.mtp_source import MtpSource
-from engine.quantization import INT8, LINEAR_SUFFIXES, QuantizationMethod, tensor_roles
+from engine.quantization import CPU_SCHEMES, INT4, INT8, LINEAR_SUFFIXES, QuantizationMethod, tensor_roles
 from kernels.fp8_dispatch import Fp8Experts, Fp8Linear
 from kernels.nvfp4_matmul import NVFP4Linear
 
@@ -205,10 +206,13 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                mtp_path: Path | None = None) -> DecoderForCausalLM:
     """`mtp`: load an MTP head too (`model.mtp`, --speculative-method mtp): the checkpoint's mtp.*
     tensors, or those of `mtp_path` (--speculative-model), whose body is not read."""
-    int8 = quantization is not None and quantization.scheme == INT8
-    if int8:
+    int8 = quantization is not None and quantization.scheme in CPU_SCHEMES  # int8 or int4
+    if quantization is not None and quantization.scheme == INT8:
         check_int8_device(device)
-    # int8 lm_head: a quantized copy of the head's weight (the tied embedding stays float).
+    if quantization is not None and quantization.scheme == INT4:
+        check_int4_device(device, dtype)
+    # int8/int4 lm_head: an int8 copy of the head's weight (the tied embedding stays float). int4
+    # quantizes its head to int8 too: 4 bits cost the head far more than the layers (docs/PERF.md).
     head_source = None
     if int8 and quantization is not None and quantization.int8_lm_head:
         head_source = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
@@ -336,14 +340,19 @@ def _log_left_out(left_out: dict[str, list[str]]) -> None:
 
 
 def _log_int8(model: nn.Module, dtype: torch.dtype) -> None:
-    linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    """One start-up line for the int8 or int4 linears, one more for their dense copies."""
+    linears = [m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    scheme = "int4" if isinstance(linears[0], Int4Linear) else "int8"
     nbytes = sum(m.weight_nbytes for m in linears)
     name = str(dtype).removeprefix("torch.")
-    head = "lm_head int8 too" if isinstance(getattr(model, "lm_head", None), Int8Linear) else "lm_head stays float"
-    logger.info("int8: %d linears quantized at load (%.2f MiB of int8 codes and scales; %s); activations in %s; "
-                "embeddings and norms stay in %s", len(linears), nbytes / (1 << 20), head, name, name)
+    head = "lm_head stays float"
+    if isinstance(getattr(model, "lm_head", None), Int8Linear):
+        head = "lm_head int8 too" if scheme == "int8" else "lm_head int8 (4 bits cost it more than the layers)"
+    logger.info("%s: %d linears quantized at load (%.2f MiB of %s codes and scales; %s); activations in %s; "
+                "embeddings and norms stay in %s", scheme, len(linears), nbytes / (1 << 20), scheme, head, name, name)
     dense = sum(m.dense_nbytes for m in linears)
     if dense:
-        logger.info("int8: inputs of %d rows or more (prefill, large batches) multiply a dense %s copy of the "
-                    "dequantized weights (%.2f MiB more), faster there than the int8 kernel",
-                    linears[0].dense_from_rows, name, dense / (1 << 20))
+        what = "checkpoint's weights" if scheme == "int4" else "dequantized weights"
+        logger.info("%s: inputs of %d rows or more (prefill, large batches) multiply a dense %s copy of the "
+                    "%s (%.2f MiB more), faster there than the %s kernel", scheme,
+                    linears[0].dense_from_rows, name, what, dense / (1 << 20), scheme)

@@ -17,10 +17,13 @@ from engine.checkpoint_pool import CheckpointPool
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
 from engine.core_types import SampledToken
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason
-from engine.dtype_policy import int8_dense_from_rows, resolve_dtype, resolve_quantization
+from engine.dtype_policy import int8_dense_from_rows, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
 from engine.hybrid_backend import HybridBackend
+from engine.cpu_kernels import load_cpu_ops
 from engine.hybrid_runner import make_checkpoint_pool, make_hybrid_backend, make_state_pool
 from engine.loader import load_model, weight_bytes
+from engine.models.decoder import DecoderForCausalLM, use_cpu_ops
+from engine.packed_linear import can_pack, pack_float_linears, packed_bytes
 from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
 from engine.quantization import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
@@ -88,6 +91,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         quantization = resolve_quantization(config.quantization, config.model, self.device, config.dtype)
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device, quantization)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         self.quantization: QuantizationMethod | None = detect_quantization(
@@ -103,10 +107,22 @@ class ModelRunner:
         if self.device.type == "cuda":
             # Quantize-at-load temporaries sit in torch's cache, which mem_get_info counts as used.
             torch.cuda.empty_cache()
+        if self.device.type == "cpu" and type(self.model) is DecoderForCausalLM:
+            why_not = load_cpu_ops()
+            if why_not is None:
+                use_cpu_ops(self.model)
+                logger.info("norms, residual adds, SwiGLU and RoPE run as fused CPU ops")
+            else:
+                logger.info("fused CPU ops off (norms, SwiGLU, RoPE run as torch ops): %s", why_not)
+        if can_pack(self.dtype, self.device):
+            num_packed = pack_float_linears(self.model)
+            if num_packed:
+                logger.info("%d bf16 linears hold their weights oneDNN-packed (reordered once for its GEMM)", num_packed)
         if self.device.type == "cpu":
             self.model.keep_transposed_lm_head()
         footprint = weight_bytes(self.model)
-        self.weight_nbytes = footprint.total  # resident weights, NVFP4 packed codes and scales included
+        # Resident weights: NVFP4 packed codes and scales, oneDNN-packed weights and dense copies included.
+        self.weight_nbytes = footprint.total + packed_bytes(self.model)
         self.nvfp4_weight_nbytes = footprint.nvfp4
         if footprint.num_nvfp4_linears:
             logger.info("weights: %.2f MiB resident (nvfp4 linears: %.2f MiB in %d layers)", footprint.total / _MIB,
@@ -115,7 +131,7 @@ class ModelRunner:
             logger.info("weights: %.2f MiB resident (fp8 linears: %.2f MiB in %d layers)", footprint.total / _MIB,
                         footprint.fp8 / _MIB, footprint.num_fp8_linears)
         else:
-            logger.info("weights: %.2f MiB resident (%s)", footprint.total / _MIB, str(self.dtype).removeprefix("torch."))
+            logger.info("weights: %.2f MiB resident (%s)", self.weight_nbytes / _MIB, str(self.dtype).removeprefix("torch."))
         if self.model.lm_head_t is not None:
             logger.info("plus %.2f MiB: a transposed lm_head copy for the CPU logits matmul",
                         self.model.lm_head_t.nbytes / _MIB)
@@ -141,9 +157,10 @@ class ModelRunner:
         scratch_page = self.num_kv_pages
         shape = kv_cache_shape(self.num_kv_pages + 1, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         # one [num_pages + 1, 2, block_size, Hkv, D] tensor per layer, model dtype, on the device
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(model_config.num_kv_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                          for _ in range(model_config.num_kv_layers)]
         name = choose_backend(config.attention_backend, self.device, flashinfer_import_error(self.device) is None,
-                              dtype=self.dtype, head_dim=model_config.head_dim)
+                              dtype=self.dtype, head_dim=model_config.head_dim, kv_dtype=self.kv_dtype)
         self.backend: AttentionBackend = make_backend(name, model_config, self.dtype, self.device, self.block_size)
         if self.state_pool is not None:
             self.backend = make_hybrid_backend(self.backend, self.state_pool, config, self.device, self.checkpoint_pool)
@@ -169,7 +186,7 @@ class ModelRunner:
         self.structured = structured
 
     def _num_kv_pages(self) -> int:
-        per_page = kv_bytes_per_token(self.model_config, self.dtype, int(self.use_mtp)) * self.block_size
+        per_page = kv_bytes_per_token(self.model_config, self.kv_dtype, int(self.use_mtp)) * self.block_size
         spec = self.config.kv_cache_memory
         num_bytes, fraction = parse_memory(spec) if spec else (None, None)
         if num_bytes is None:

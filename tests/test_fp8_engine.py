@@ -144,13 +144,13 @@ def _requantized_logits(path: Path, scheme: str | None, max_tokens: int = 4, **o
     return torch.cat(seen)
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4", "int8"])
+@pytest.mark.parametrize("scheme", ["nvfp4", "int8", "int4"])
 def test_requantization_starts_from_the_dequantized_weights(scheme: str, tmp_path: Path) -> None:
-    """`--quantization nvfp4|int8` on an FP8 checkpoint gives exactly what it gives on the float
+    """`--quantization nvfp4|int8|int4` on an FP8 checkpoint gives exactly what it gives on the float
     checkpoint of the dequantized weights."""
     fp8 = to_fp8_checkpoint(make_hybrid_moe_checkpoint(tmp_path / "f", hidden_size=64), tmp_path / "fp8")
     ref = dequantized_copy(fp8, tmp_path / "ref")
-    extra = {"dtype": "bfloat16"} if scheme == "int8" else {}
+    extra = {"dtype": "bfloat16"} if scheme in ("int8", "int4") else {}
     assert torch.equal(_requantized_logits(fp8, scheme, **extra), _requantized_logits(ref, scheme, **extra))
 
 

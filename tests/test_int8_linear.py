@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from api.cli import build_parser, server_config
 from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.packed_linear import can_pack
 from engine.int8_linear import Int8Linear, Int8LinearBuilder, check_int8_device, dequantize_int8, quantize_int8
 from engine.loader import load_model
 from engine.offline import OfflineEngine
@@ -192,8 +193,8 @@ def test_int8_refuses_an_already_quantized_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "NVFP4"}}')
     with pytest.raises(ConfigError, match="already quantized .hf_quant_config.json"):
         detect_quantization(tmp_path, None, "int8")
-    with pytest.raises(ConfigError, match="'int4' is not one of nvfp4, int8"):
-        detect_quantization(tmp_path, None, "int4")
+    with pytest.raises(ConfigError, match="'int2' is not one of nvfp4, int8, int4"):
+        detect_quantization(tmp_path, None, "int2")
 
 
 def test_the_flag_reaches_the_engine_config_and_the_help() -> None:
@@ -202,9 +203,9 @@ def test_the_flag_reaches_the_engine_config_and_the_help() -> None:
     serve = next(a for a in parser._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
                  if any("--quantization" in o.option_strings for o in a._actions))
     help_text = " ".join(serve.format_help().split())
-    assert "{auto,none,nvfp4,int8}" in help_text and "int8 (CPU only" in help_text
+    assert "{auto,none,nvfp4,int8,int4}" in help_text and "int8 (CPU only" in help_text
     with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--quantization", "int4"])
+        parser.parse_args(["serve", "--quantization", "int2"])
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["hybrid", "hybrid-moe"])
@@ -236,14 +237,16 @@ def test_dense_copy_serves_large_inputs_with_the_same_weights(dtype: torch.dtype
     plain = Int8Linear.from_float(w, b, dtype)
     dense = Int8Linear.from_float(w, b, dtype)
     dense.keep_dense_copy(16)
-    assert dense.dense is not None and dense.dense.shape == (40, 100) and dense.dense_nbytes > 0
+    assert dense.dense is not None and dense.dense.weight.shape == (40, 100) and dense.dense_nbytes > 0
     assert plain.dense_nbytes == 0 and "dense copy from 16 rows" in repr(dense)
     small = torch.randn(15, 100, generator=g).to(dtype)
     assert torch.equal(dense(small), plain(small))  # under the threshold: the int8 kernel
     large = torch.randn(2, 8, 100, generator=g).to(dtype)  # 16 rows: the dense path
     y = dense(large)
     assert y.shape == (2, 8, 40) and y.dtype == dtype
-    assert torch.equal(y, F.linear(large, dense.dense, dense.bias))
+    # The same GEMM over codes * scales (bf16: oneDNN-packed, engine/packed_linear.py).
+    assert dense.dense.packed == (dtype == torch.bfloat16 and can_pack(dtype, torch.device("cpu")))
+    assert torch.equal(y, F.linear(large, dequantize_int8(dense.weight_codes, dense.scales, dtype), dense.bias))
     tol = 1e-5 if dtype == torch.float32 else 2 ** -6
     torch.testing.assert_close(y.float(), reference(large, plain), rtol=tol, atol=tol)
     torch.testing.assert_close(y.float(), plain(large).float(), rtol=tol, atol=tol)

@@ -401,5 +401,5 @@ def test_quantize_at_load_needs_whole_16_element_blocks(tmp_path: Path, capsys: 
 
 
 def test_unknown_quantization_flag_is_named(ckpts: Any) -> None:
-    with pytest.raises(ConfigError, match=r"--quantization: 'int4' is not one of auto, none, nvfp4, int8"):
-        start(ckpts("qwen3"), quantization="int4")
+    with pytest.raises(ConfigError, match=r"--quantization: 'int3' is not one of auto, none, nvfp4, int8, int4"):
+        start(ckpts("qwen3"), quantization="int3")

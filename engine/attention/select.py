@@ -1,6 +1,6 @@
-"""Which attention backend a run uses (`--attention-backend auto|flashinfer|torch`), decided once at
-start-up with a plain `if`, and the one place that builds it. FlashInfer is imported only when the
-device is CUDA, so a CPU process never loads it."""
+"""Which attention backend a run uses (`--attention-backend auto|flashinfer|cpu|torch`), decided once
+at start-up with a plain `if`, and the one place that builds it. FlashInfer is imported only when the
+device is CUDA, so a CPU process never loads it; the CPU ops are compiled only when a CPU run asks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from engine.config import ConfigError, ModelConfig
 
 logger = logging.getLogger("fp4serve.attention")
 
-BACKEND_NAMES = ("auto", "flashinfer", "torch")
+BACKEND_NAMES = ("auto", "flashinfer", "cpu", "torch")
 # The head dims FlashInfer's decode kernel and its SM90 (fa3) prefill instantiate; the bundle
 # prebuilds exactly these.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
@@ -50,15 +50,28 @@ def choose_backend(
     *,
     dtype: torch.dtype | None = None,
     head_dim: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> str:
-    """"flashinfer" or "torch" for the flag value `name`.
+    """"flashinfer", "cpu" or "torch" for the flag value `name`.
 
-    auto: FlashInfer on CUDA when it imports and covers the model, else torch with the reason
-    logged. flashinfer where it cannot run is the operator's mistake: a one-line ConfigError."""
+    auto: FlashInfer on CUDA when it imports and covers the model; on a CPU the paged-attention
+    ops (compiled once per machine) when they build and cover the dtypes; else torch, with the
+    reason logged. A backend asked for where it cannot run is the operator's mistake: a one-line
+    ConfigError."""
     if name not in BACKEND_NAMES:
         raise ConfigError(f"--attention-backend: '{name}' is not one of {', '.join(BACKEND_NAMES)}")
     if name == "torch":
         return "torch"
+    if device.type == "cpu" and name in ("auto", "cpu"):
+        why_not = _cpu_ops_error(dtype, kv_dtype)
+        if why_not is None:
+            return "cpu"
+        if name == "cpu":
+            raise ConfigError(f"--attention-backend cpu: {why_not}; use auto or torch")
+        logger.info("attention backend auto: torch, since the CPU paged-attention ops %s", why_not)
+        return "torch"
+    if name == "cpu":
+        raise ConfigError(f"--attention-backend cpu: needs --device cpu, this run uses {device.type}")
     if device.type != "cuda":
         why = f"needs a CUDA device, this run uses {device.type}"
     elif not flashinfer_available:
@@ -76,6 +89,18 @@ def choose_backend(
     return "torch"
 
 
+def _cpu_ops_error(dtype: torch.dtype | None, kv_dtype: torch.dtype | None) -> str | None:
+    """Why the CPU paged-attention ops cannot serve these dtypes, or None once they are loaded."""
+    from engine.attention.cpu_paged import SUPPORTED_DTYPES
+    from engine.cpu_kernels import load_cpu_ops
+
+    if dtype is not None and (dtype, kv_dtype or dtype) not in SUPPORTED_DTYPES:
+        names = (str(t).removeprefix("torch.") for t in (dtype, kv_dtype or dtype))
+        return "do not cover %s activations with a %s KV cache" % tuple(names)
+    error = load_cpu_ops()
+    return None if error is None else f"could not be built ({error})"
+
+
 def make_backend(
     choice: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int
 ) -> AttentionBackend:
@@ -84,6 +109,10 @@ def make_backend(
         from engine.attention.flashinfer import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, dtype, device)
+    if choice == "cpu":
+        from engine.attention.cpu_paged import CpuAttentionBackend
+
+        return CpuAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device)
     assert choice == "torch", f"unknown attention backend {choice!r}"
     from engine.attention.torch_ref import TorchAttentionBackend
 

@@ -88,9 +88,7 @@ class TorchAttentionBackend:
                 decode_k_rows.append(k_rows)
                 decode_lens.append(seq_len)
                 continue
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
-            k_pos = torch.arange(seq_len, device=dev)
-            self._prefills.append(_PrefillItem(qo[i], qo[i + 1], k_rows.to(dev), k_pos[None, :] <= q_pos[:, None]))
+            self._prefills.append(self._prefill_item(qo[i], q_len, seq_len, k_rows))
         self._decode = None
         if decode_rows:
             lmax = max(decode_lens)
@@ -106,9 +104,27 @@ class TorchAttentionBackend:
                 all_rows=not self._prefills and decode_rows == list(range(len(decode_rows))),
             )
 
+    def plan_prefills(self, batch: ForwardBatch, min_rows: int) -> None:
+        """Plan only the requests of at least `min_rows` query rows, for `attend_prefills` alone
+        (engine/attention/cpu_paged.py attends the other rows itself)."""
+        bs = batch.block_size
+        self._block_size = bs
+        qo, kv_ptr, kv_idx = batch.qo_indptr.tolist(), batch.kv_indptr.tolist(), batch.kv_indices.tolist()
+        offsets = torch.arange(bs)
+        self._prefills = []
+        for i, (q_len, seq_len) in enumerate(zip(batch.query_lens, batch.seq_lens)):
+            if q_len >= min_rows:
+                pages = torch.tensor(kv_idx[kv_ptr[i] : kv_ptr[i + 1]], dtype=torch.int64)
+                k_rows = ((pages * (2 * bs))[:, None] + offsets[None, :]).flatten()[:seq_len]  # [seq_len]
+                self._prefills.append(self._prefill_item(qo[i], q_len, seq_len, k_rows))
+
+    def _prefill_item(self, q_start: int, q_len: int, seq_len: int, k_rows: torch.Tensor) -> _PrefillItem:
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=self.device)
+        k_pos = torch.arange(seq_len, device=self.device)
+        return _PrefillItem(q_start, q_start + q_len, k_rows.to(self.device), k_pos[None, :] <= q_pos[:, None])
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         assert self._new_k_rows is not None, "plan() must run before forward()"
-        bs = self._block_size
         flat = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [P*2*bs, Hkv, D]
         d = self._decode
         if d is not None and d.all_rows:
@@ -119,6 +135,14 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         if d is not None:
             out[d.rows] = self._decode_attention(q[d.rows], flat, d)
+        self.attend_prefills(q, kv_cache, out)
+        return out
+
+    def attend_prefills(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
+        """The planned prefill chunks' rows of `out` (the K/V already written): one SDPA call each
+        over the request's gathered keys, causal from the tokens already cached."""
+        bs = self._block_size
+        flat = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [P*2*bs, Hkv, D]
         for p in self._prefills:
             keys = flat.index_select(0, p.k_rows)  # [L, Hkv, D]
             values = flat.index_select(0, p.k_rows + bs)
@@ -131,7 +155,6 @@ class TorchAttentionBackend:
                 enable_gqa=True,
             )
             out[p.q_start : p.q_end] = o[0].transpose(0, 1)
-        return out
 
     def _write_kv(self, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write every new K/V of the batch first: same-step prefix hits read them."""

@@ -18,6 +18,7 @@ from engine.config import ModelConfig
 from engine.cpu_threads import serial_cpu_ops
 from engine.models.layers import Linear, PositionedRotary, RMSNorm, RotaryEmbedding
 from engine.models.moe import SparseMoeBlock
+from kernels import cpu_elementwise
 
 
 class Attention(nn.Module):
@@ -66,12 +67,27 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], bias=cfg.mlp_bias)
+        self.cpu_ops = False  # silu(gate) * up as one C++ op (use_cpu_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_ops:
+            return self.down_proj(cpu_elementwise.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         with serial_cpu_ops(x.device.type == "cpu" and x.shape[0] <= cpu_threads.SERIAL_ELEMENTWISE_TOKENS):
             h = F.silu(gate).mul_(up)  # silu's output is ours to write
         return self.down_proj(h)
+
+
+def use_cpu_ops(model: nn.Module) -> int:
+    """Run the dense decoder's norms, residual-add-and-norm, SwiGLU activation and RoPE through the
+    fused C++ ops of kernels/cpu_elementwise.py (loaded by engine/cpu_kernels.py): one op each
+    where eager torch runs 2-7. How many modules switched."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, MLP, DecoderLayer, DecoderForCausalLM)):
+            module.cpu_ops = True
+            switched += 1
+    return switched
 
 
 def make_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
@@ -88,6 +104,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_mlp(cfg, layer_idx)
+        self.cpu_ops = False  # the residual add and the post-attention norm as one C++ op (use_cpu_ops)
 
     def forward(
         self,
@@ -97,7 +114,12 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, backend)
+        attn = self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, backend)
+        if self.cpu_ops:
+            norm = self.post_attention_layernorm
+            x, h = cpu_elementwise.add_rms_norm(attn, x, norm.weight, norm.eps)
+            return x + self.mlp(h)
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -112,6 +134,7 @@ class DecoderForCausalLM(nn.Module):
         # With tied embeddings lm_head shares embed_tokens' weight (set by the loader).
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size])
         self.lm_head_t: torch.Tensor | None = None  # see keep_transposed_lm_head
+        self.cpu_ops = False  # RoPE by the C++ op (use_cpu_ops)
 
     def forward(
         self,
@@ -122,7 +145,7 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)
-        rotary = self.rotary.at(positions, x.dtype)  # cos/sin gathered once for all layers
+        rotary = self.rotary.at(positions, x.dtype, self.cpu_ops)  # cos/sin gathered once for all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, rotary, kv_cache, backend)
         return self.norm(x)

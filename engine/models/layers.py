@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import RopeConfig
+from kernels import cpu_elementwise
 
 
 class RMSNorm(nn.Module):
@@ -20,8 +21,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.cpu_ops = False  # the fused C++ op of kernels/cpu_elementwise.py (decoder.use_cpu_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_ops:
+            return cpu_elementwise.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # One fused aten op; bit-identical to the ops below in float32 (checked in tests).
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -101,9 +105,9 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> PositionedRotary:
+    def at(self, positions: torch.Tensor, dtype: torch.dtype, cpu_ops: bool = False) -> PositionedRotary:
         """The tables gathered once for this step's positions, for every layer to reuse."""
-        return PositionedRotary(self.cos[positions].to(dtype), self.sin[positions].to(dtype))
+        return PositionedRotary(self.cos[positions].to(dtype), self.sin[positions].to(dtype), cpu_ops)
 
 
 class PositionedRotary:
@@ -113,14 +117,18 @@ class PositionedRotary:
     rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi] exactly (the two halves of the
     table are equal, and negating is exact), so results are bit-identical to `RotaryEmbedding`."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, cpu_ops: bool = False) -> None:
+        """`cpu_ops`: rotate with the fused C++ op of kernels/cpu_elementwise.py."""
         half = cos.shape[-1] // 2
         self.half = half
+        self.cpu_ops = cpu_ops
         self.cos = cos[:, None, :]  # [T, 1, D], the activation dtype
         self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]  # [T, 1, D]
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] -> rotated [T, H, D] (a new tensor)."""
+        if self.cpu_ops:
+            return cpu_elementwise.rotary(x, self.cos[:, 0], self.signed_sin[:, 0])
         return x * self.cos + x.roll(self.half, dims=-1) * self.signed_sin
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,92 @@
+"""The compiled CPU ops (`torch.ops.fp4serve_cpu.*`: paged attention, kernels/cpu_attention.cpp;
+norms, activation, RoPE, kernels/cpu_elementwise.cpp): how the library is compiled for the machine
+at hand (g++ -O3 -march=native against torch's headers), loaded into torch, and given fake
+(shape-only) implementations for torch.compile. Their wrappers and pure-torch references live in
+kernels/cpu_attention.py and kernels/cpu_elementwise.py."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "cpu_attention.cpp", _HERE / "cpu_elementwise.cpp")
+HEADERS = (_HERE / "cpu_vec.h",)
+LIBRARY_NAME = "libfp4serve_cpu.so"
+NAMESPACE = "fp4serve_cpu"
+
+
+def build_key() -> str:
+    """What the compiled library depends on: the sources, torch's version and ABI, the compiler's
+    target (-march=native: the CPU's model and flags)."""
+    parts = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
+    parts += [torch.__version__.encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+              platform.machine().encode(), _cpu_signature().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _cpu_signature() -> str:
+    """The CPU's model name and flags (Linux); the compiled code uses every extension it has."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return "\n".join(sorted({ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))}))
+
+
+def compile_library(folder: Path, compiler: str = "g++") -> Path:
+    """Compile the sources into `folder`/LIBRARY_NAME for this machine; RuntimeError with the
+    compiler's output when it fails or cannot run."""
+    from torch.utils import cpp_extension
+
+    out = folder / LIBRARY_NAME
+    lib_dirs = cpp_extension.library_paths()
+    argv = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            *[f"-I{p}" for p in cpp_extension.include_paths()], *map(str, SOURCES), "-o", str(out),
+            *[f"-L{p}" for p in lib_dirs], "-lc10", "-ltorch_cpu", *[f"-Wl,-rpath,{p}" for p in lib_dirs]]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True)
+    except OSError as e:
+        raise RuntimeError(f"{compiler} could not run ({e})") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    return out
+
+
+def ops_loaded() -> bool:
+    return hasattr(torch.ops, NAMESPACE) and hasattr(getattr(torch.ops, NAMESPACE), "paged_attention")
+
+
+def load_library(path: Path) -> None:
+    """Load the compiled ops into torch (once per process) and register their fake implementations."""
+    if ops_loaded():
+        return
+    torch.ops.load_library(str(path))
+    for name, fake in _FAKES.items():
+        torch.library.register_fake(f"{NAMESPACE}::{name}")(fake)
+
+
+def _like(x: Tensor, *rest: object) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _add_rms_norm_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return _like(x), _like(x)
+
+
+def _silu_and_mul_fake(x: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def _reshape_and_cache_fake(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    return None
+
+
+_FAKES = {"paged_attention": _like, "reshape_and_cache": _reshape_and_cache_fake, "rms_norm": _like,
+          "add_rms_norm": _add_rms_norm_fake, "silu_and_mul": _silu_and_mul_fake, "rotary": _like}
