@@ -1,67 +1,68 @@
-"""POST /v1/messages requests (Anthropic's Messages API) as a chat request: the typed model of
-the fields we serve and the mapping of `system`, content blocks (text, tool_use, tool_result,
-thinking), `tools`, `tool_choice` and `thinking` onto the chat body api/protocol.py validates."""
+"""POST /v1/messages requests (Anthropic's Messages API): the typed model of the fields we serve,
+and its mapping onto the chat request the pipeline runs (`to_chat_request`): `system`, content
+blocks (text, tool_use, tool_result, thinking), `tools`, `tool_choice` and `thinking` become chat's
+normalised messages, tools and template switches, each checked here under Anthropic's own
+parameter names, once."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from api.errors import bad_request
-from api.models import Bool, Int, Number, Request, Str, validate
+from api.messages import function_tool, parse_tool_choice, tool_call
+from api.models import ChatCompletionRequest
+from api.validation import Bool, Int, Number, Str, ToolsRequest, output_cap, stop_limit
 
 
-class MessagesRequestModel(Request):
+class MessagesRequestModel(ToolsRequest):
     messages: Any = None
     system: Any = None
-    max_tokens: Int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)  # required by create (the route checks), not count_tokens
     stop_sequences: list[Str] | None = None
     temperature: Number | None = Field(None, ge=0.0, le=1.0)
     top_p: Number | None = Field(None, gt=0.0, le=1.0)
     top_k: Int | None = Field(None, ge=0)
     stream: Bool | None = None
-    tools: Any = None
     tool_choice: Any = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return output_cap(value, "max_tokens", info)
 
-def parse_messages_request(body: dict[str, Any], need_max_tokens: bool) -> MessagesRequestModel:
-    m: MessagesRequestModel = validate(MessagesRequestModel, body)
-    if need_max_tokens and m.max_tokens is None:
-        raise bad_request("max_tokens: Field required", "max_tokens")
-    return m
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stop_limit(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        return stop_limit(value, "stop_sequences", info)
 
-
-def chat_body(m: MessagesRequestModel) -> dict[str, Any]:
-    """The /v1/chat/completions body this request means."""
-    messages = _system(m.system) + _messages(m.messages)
-    body: dict[str, Any] = {"model": m.model, "messages": messages, "stream": bool(m.stream)}
-    for name, value in (("max_tokens", m.max_tokens), ("temperature", m.temperature), ("top_p", m.top_p),
-                        ("stop", m.stop_sequences)):
-        if value is not None:
-            body[name] = value
-    if m.top_k:
-        body["top_k"] = m.top_k
-    if m.tools is not None:
-        body["tools"] = _tools(m.tools)
-    if m.tool_choice is not None:
-        body["tool_choice"], parallel = _tool_choice(m.tool_choice)
-        if parallel is not None:
-            body["parallel_tool_calls"] = parallel
-    kind = (m.thinking or {}).get("type")
-    if kind in ("enabled", "disabled"):
-        body["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
-    return body
+    def to_chat_request(self) -> ChatCompletionRequest:
+        """The chat request this one means."""
+        tools = _tools(self.tools) if self.tools is not None else None
+        tool_choice, parallel = _tool_choice(self.tool_choice) if self.tool_choice is not None else (None, None)
+        kind = (self.thinking or {}).get("type")
+        return ChatCompletionRequest.mapped(
+            model=self.model,
+            messages=_system(self.system) + _messages(self.messages),
+            tools=tools,
+            tool_choice=parse_tool_choice(tool_choice, tools),
+            parallel_tool_calls=parallel,
+            chat_template_kwargs={"enable_thinking": kind == "enabled"} if kind in ("enabled", "disabled") else None,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k or None,
+            stop=self.stop_sequences,
+            stream=self.stream,
+        )
 
 
 def _system(raw: Any) -> list[dict[str, Any]]:
     if raw is None or raw == "":
         return []
-    if isinstance(raw, str):
-        return [{"role": "system", "content": raw}]
     return [{"role": "system", "content": _texts(raw, "system")}]
 
 
@@ -123,20 +124,18 @@ def _assistant_blocks(blocks: list[Any], param: str) -> dict[str, Any]:
         if kind == "text" and isinstance(block.get("text"), str):
             message["content"] += block["text"]
         elif kind == "thinking" and isinstance(block.get("thinking"), str):
-            message["reasoning_content"] = block["thinking"]
+            if block["thinking"]:
+                message["reasoning_content"] = block["thinking"]  # Qwen3 templates read this name
         elif kind == "redacted_thinking":
             continue
         elif kind == "tool_use" and isinstance(block.get("id"), str) and isinstance(block.get("name"), str):
-            message.setdefault("tool_calls", []).append({
-                "id": block["id"], "type": "function",
-                "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})},
-            })
+            message.setdefault("tool_calls", []).append(tool_call(block["id"], block["name"], block.get("input") or {}))
         else:
             raise bad_request(f"{param}[{j}]: block type {kind!r} is not supported here", f"{param}[{j}].type")
     return message
 
 
-def _tools(raw: Any) -> Any:
+def _tools(raw: Any) -> list[dict[str, Any]] | None:
     if not isinstance(raw, list):
         raise bad_request("tools must be an array of tool objects", "tools")
     tools = []
@@ -146,8 +145,8 @@ def _tools(raw: Any) -> Any:
         function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
-        tools.append({"type": "function", "function": function})
-    return tools
+        tools.append(function_tool(function, f"tools[{i}].name", f"tools[{i}].input_schema"))
+    return tools or None
 
 
 def _tool_choice(raw: Any) -> tuple[Any, bool | None]:

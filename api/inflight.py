@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api.client_watch import watched
 from api.deadline import Deadline
 from api.errors import APIError
 from api.metrics import ServerMetrics
@@ -78,19 +79,24 @@ class InFlight:
 
 
 class InFlightMiddleware:
-    """Pure ASGI (no body buffering), outermost, so a request counts until its last byte is sent."""
+    """Pure ASGI (no body buffering), outermost, so a request counts until its last byte is sent,
+    and no longer: every HTTP request runs under a ClientWatch (api/client_watch.py), so one whose
+    client left ends, and its count and key slot (api/keys.py) are released, on any protocol."""
 
     def __init__(self, app: ASGIApp, in_flight: InFlight) -> None:
         self.app = app
         self.in_flight = in_flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(TRACKED_PREFIX):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if not scope["path"].startswith(TRACKED_PREFIX):
+            await watched(self.app, scope, receive, send)
             return
         with self.in_flight.track() as deadline:
             state: dict[str, Any] = {**scope.get("state", {}), DEADLINE_KEY: deadline}
-            await self.app({**scope, "state": state}, receive, send)
+            await watched(self.app, {**scope, "state": state}, receive, send)
 
 
 def request_deadline(scope: Scope) -> Deadline | None:

@@ -6,9 +6,11 @@ SHA-256 digests only and never logged; names go to logs, metrics and /v1/usage. 
 SIGHUP) swaps the records in one assignment: requests in flight keep the record they started with.
 
 `resolve_key(headers, ring)` is the one function that maps a request's headers to its record,
-for any route or middleware (an `x-api-key` header, Anthropic's, can be added to `token_from_headers`).
-`KeyMiddleware` guards /v1/*, applies the key's limits (api/rate_limit.py) and binds the request's
-`Owner` (engine/core_types.py) for the scheduler's fair share.
+for any route or middleware (`token_from_headers` reads `Authorization: Bearer` and Anthropic's
+`x-api-key`); a request whose headers name two different keys is refused (`credentials_conflict`).
+`KeyMiddleware` guards /v1/*, applies the key's limits (api/rate_limit.py) and leaves the key's record
+in scope["state"]; `request_owner` makes the request's `Owner` (engine/core_types.py) from it, which
+the handler passes to the engine for the scheduler's fair share.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from api.anthropic_errors import anthropic_error_response, is_messages_path, to_
 from api.auth import _is_protected, bearer_token
 from api.errors import error_response
 from engine.config import ConfigError
-from engine.core_types import Owner, current_owner
+from engine.core_types import Owner
 
 logger = logging.getLogger("fp4serve")
 DEFAULT_NAME = "default"
+API_KEY_ENV = "FP4SERVE_API_KEY"  # the single key's environment variable (api/cli.py)
 KEY_STATE = "fp4serve.key"  # the request's KeyRecord, in scope["state"]
 _FIELDS = {"name", "key", "key_sha256", "weight", "priority", "max_concurrent", "rpm", "tpm", "admin"}
 
@@ -128,7 +131,8 @@ class KeyRing:
 
     def __init__(self, api_key: str | None = None, keys_file: str | None = None) -> None:
         if api_key and keys_file:
-            raise ConfigError("--api-key and --api-keys-file: give one of them")
+            raise ConfigError(f"--api-keys-file and a single key (--api-key, --api-key-file or ${API_KEY_ENV}): "
+                              "give one of them")
         self.keys_file = keys_file
         if keys_file:
             records: tuple[KeyRecord, ...] = parse_keys_file(keys_file)
@@ -177,9 +181,25 @@ class KeyRing:
         return None
 
 
+def credentials_conflict(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether the request names more than one credential: `Authorization` headers that differ,
+    `x-api-key` headers that differ, or both kinds not carrying the same key. NOTE: the one rule for
+    every reader of a credential (authentication, and the owner of stored Responses): a request
+    that could be read as two keys is refused, so no two readers can ever see two keys."""
+    authorization = {v for k, v in headers if k == b"authorization"}
+    x_api_key = {v for k, v in headers if k == b"x-api-key"}
+    if len(authorization) > 1 or len(x_api_key) > 1:
+        return True
+    tokens = {bearer_token(v) for v in authorization} | {v.strip() or None for v in x_api_key}
+    return len(tokens) > 1
+
+
 def token_from_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bytes | None, bool]:
-    """(the presented secret, whether any credential header was sent)."""
+    """(the presented secret, whether any credential header was sent); no secret when the headers
+    name several (credentials_conflict)."""
     headers = list(headers)
+    if credentials_conflict(headers):
+        return None, True
     authorization = next((v for k, v in headers if k == b"authorization"), None)
     if authorization is None:  # Anthropic clients (Claude Code) send `x-api-key: <key>` instead
         x_api_key = next((v for k, v in headers if k == b"x-api-key"), None)
@@ -205,15 +225,16 @@ def unauthorized(sent: bool, path: str = "") -> Any:
     return error_response(401, unauthorized_message(sent), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def bind_request_priority(priority: int | None) -> None:
-    """The body's vLLM `priority` joins the request's owner (call it in the route's task)."""
-    if priority:
-        current_owner.set(replace(current_owner.get(), priority=priority))
+def request_owner(scope: Scope, priority: int | None) -> Owner:
+    """Who a request is for: its key's record (left by KeyMiddleware; OPEN where none is set) and
+    the body's vLLM `priority`."""
+    record: KeyRecord = scope.get("state", {}).get(KEY_STATE, OPEN)
+    return replace(record.owner, priority=priority or 0)
 
 
 class KeyMiddleware:
     """Pure ASGI: authenticates /v1/*, checks the key's limits (a refused request holds nothing),
-    and runs the app with the key's record in scope["state"] and its Owner bound."""
+    and runs the app with the key's record in scope["state"]."""
 
     def __init__(self, app: ASGIApp, ring: KeyRing, limiter: Any) -> None:
         self.app = app
@@ -223,6 +244,13 @@ class KeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _is_protected(scope["path"]) or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
+            return
+        if credentials_conflict(scope["headers"]):
+            logger.warning("refused %s %s: several different credentials (Authorization / x-api-key)",
+                           scope["method"], scope["path"])
+            refusal = error_response(400, "the request carries more than one API key (Authorization and x-api-key "
+                                     "headers that differ); send exactly one", code="ambiguous_credentials")
+            await (to_anthropic(refusal) if is_messages_path(scope["path"]) else refusal)(scope, receive, send)
             return
         token, sent = token_from_headers(scope["headers"])
         record = self.ring.lookup(token)
@@ -240,7 +268,6 @@ class KeyMiddleware:
                 refusal = to_anthropic(refusal)
             await refusal(scope, receive, send)
             return
-        token_var = current_owner.set(record.owner)
         headers = self.limiter.headers(record)
 
         async def send_with_headers(message: Any) -> None:
@@ -252,5 +279,4 @@ class KeyMiddleware:
         try:
             await self.app(scope, receive, send_with_headers)
         finally:
-            current_owner.reset(token_var)
             self.limiter.release(record)

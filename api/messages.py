@@ -1,5 +1,6 @@
 """Chat messages, tools and tool_choice as the OpenAI API sends them, normalised into the
-plain dicts chat templates expect (text content as one string, tool-call arguments as objects)."""
+plain dicts chat templates expect (text content as one string, tool-call arguments as objects).
+The other protocols build the same shapes from their own (`tool_call`, `function_tool`)."""
 
 from __future__ import annotations
 
@@ -77,14 +78,17 @@ def _tool_calls(raw: Any, param: str) -> list[dict[str, Any]] | None:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise bad_request(f"{call_param}.function.name must be a string", f"{call_param}.function.name")
-        normalised: dict[str, Any] = {
-            "type": "function",
-            "function": {"name": function["name"], "arguments": _arguments(function.get("arguments"))},
-        }
-        if isinstance(call.get("id"), str):
-            normalised["id"] = call["id"]
-        calls.append(normalised)
+        calls.append(tool_call(call["id"] if isinstance(call.get("id"), str) else None, function["name"],
+                               function.get("arguments")))
     return calls
+
+
+def tool_call(call_id: str | None, name: str, arguments: Any) -> dict[str, Any]:
+    """One assistant tool call as templates read it; `arguments` a JSON string or an object."""
+    call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": _arguments(arguments)}}
+    if call_id is not None:
+        call["id"] = call_id
+    return call
 
 
 def _arguments(raw: Any) -> Any:
@@ -111,13 +115,19 @@ def parse_tools(raw: Any) -> list[dict[str, Any]] | None:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
             raise bad_request(f"{param} must be {{\"type\": \"function\", \"function\": {{...}}}}", param)
-        if not isinstance(function.get("name"), str) or not function["name"]:
-            raise bad_request(f"{param}.function.name must be a non-empty string", f"{param}.function.name")
-        parameters = function.get("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise bad_request(f"{param}.function.parameters must be a JSON schema object", f"{param}.function.parameters")
-        tools.append({"type": "function", "function": function})
+        tools.append(function_tool(function, f"{param}.function.name", f"{param}.function.parameters"))
     return tools or None
+
+
+def function_tool(function: dict[str, Any], name_param: str, parameters_param: str) -> dict[str, Any]:
+    """A tool in chat's nested shape, `{"type": "function", "function": {name, description?,
+    parameters?}}`, its name and schema checked (the params name them in the caller's protocol)."""
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise bad_request(f"{name_param} must be a non-empty string", name_param)
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise bad_request(f"{parameters_param} must be a JSON schema object", parameters_param)
+    return {"type": "function", "function": function}
 
 
 def parse_tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> str | dict[str, Any] | None:

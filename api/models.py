@@ -1,67 +1,42 @@
-"""Typed request models (pydantic v2) of the OpenAI protocol and vLLM's /tokenize and
-/detokenize: each field's JSON type and OpenAI's documented range is declared once here; unknown
-fields are ignored; JSON null counts as absent. A `ValidationError` becomes OpenAI's 400 body with
-`param` taken from the error's location (`request_error`). The nested shapes with their own
-parameter paths (messages, tools, tool_choice, response_format) are read by api/messages.py and
-api/response_format.py; api/protocol.py turns a model into the frozen request the routes use."""
+"""The OpenAI protocol's request models (pydantic v2) for chat and completions: each
+field's JSON type and OpenAI's documented range is declared once here, and the nested shapes with
+their own parameter paths (messages, tools, tool_choice, response_format, prompt) are normalised by
+the models' own validators (api/messages.py, api/response_format.py). So a validated model is the
+request the pipeline runs (api/pipeline.py), and `to_sampling_params()` gives its sampling
+parameters; no second copy of it exists. /v1/responses and /v1/messages map their own models onto
+`ChatCompletionRequest` (`ChatCompletionRequest.mapped`); /tokenize's are in api/tokenize.py."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Annotated, Any
 
-from pydantic import (
-    AfterValidator,
-    AllowInfNan,
-    BaseModel,
-    ConfigDict,
-    Field,
-    Strict,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-)
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
-from api.errors import APIError, bad_request
-from api.limits import RequestLimits
+from api.errors import bad_request
+from api.messages import parse_messages, parse_tool_choice, parse_tools
+from api.response_format import parse_response_format, refuse_with_tool_choice
+from api.validation import (
+    Bool,
+    Int,
+    Number,
+    RequestModel,
+    Str,
+    ToolsRequest,
+    at_most,
+    integral,
+    limits_of,
+    output_cap,
+    stop_limit,
+    too_many,
+)
+from scheduler.request import SamplingParams
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-DEFAULT_LIMITS = RequestLimits()
-
-
-def _limits(info: ValidationInfo) -> RequestLimits:
-    """The server's limits (--max-n, ...), handed in as the validation context."""
-    return (info.context or {}).get("limits") or DEFAULT_LIMITS
-
-
-def _at_most(value: int | None, name: str, low: int, cap: int, flag: str) -> int | None:
-    if value is not None and value > cap:
-        raise ValueError(f"{name} must be between {low} and {cap} on this server ({flag}), got {value}")
-    return value
-
-
-def _too_many(name: str, count: int, cap: int, flag: str) -> ValueError:
-    return ValueError(f"{name} has {count} entries; this server allows at most {cap} ({flag})")
-
-
-def _output_cap(value: int | None, name: str, limits: RequestLimits) -> int | None:
-    cap = limits.max_output_tokens
-    if value is not None and cap is not None and value > cap:
-        raise ValueError(f"{name} is {value}; this server generates at most {cap} tokens per request (--max-output-tokens)")
-    return value
-
-
-def _integral(value: Any) -> Any:
-    """Some clients serialise every number as a float: 12.0 is the integer 12."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    return value
-
-
-Int = Annotated[int, Strict()]  # integral floats are taken too (Request._integral_floats)
-Number = Annotated[float, Strict(), AllowInfNan(False)]
-Bool = Annotated[bool, Strict()]
-Str = Annotated[str, Strict()]
+# Arguments the server itself passes to the template (or that would swap the template out).
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "add_generation_prompt", "tokenize",
+                                      "chat_template"})
 
 
 def _stop(value: Any) -> Any:
@@ -89,7 +64,7 @@ def _logit_bias(value: Any) -> Any:
     return out
 
 
-def _token_id_list(value: Any) -> Any:
+def token_id_list(value: Any) -> Any:
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
@@ -97,39 +72,22 @@ def _token_id_list(value: Any) -> Any:
     return value
 
 
-class Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    model: Str | None = None
-
-    # NOTE: a validator on the fields, not a BeforeValidator in `Int`: that would hide the ranges
-    # from /openapi.json.
-    @field_validator("n", "max_tokens", "min_tokens", "top_k", "seed", "top_logprobs", "max_completion_tokens",
-                     mode="before", check_fields=False)
-    @classmethod
-    def _integral_floats(cls, value: Any) -> Any:
-        return _integral(value)
+def template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None) -> dict[str, Any]:
+    """chat_template_kwargs, plus a top-level enable_thinking (which they override)."""
+    merged = dict(kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(merged))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    if enable_thinking is not None:
+        merged = {"enable_thinking": enable_thinking, **merged}
+    return merged
 
 
-class StreamOptionsModel(Request):
+class StreamOptionsModel(RequestModel):
     include_usage: Bool | None = None
 
 
-class ToolsRequest(Request):
-    """`tools` (shapes read by api/messages.py), at most --max-tools of them."""
-
-    tools: Any = None
-
-    @field_validator("tools")
-    @classmethod
-    def _tools_limit(cls, value: Any, info: ValidationInfo) -> Any:
-        cap = _limits(info).max_tools
-        if isinstance(value, list) and len(value) > cap:
-            raise _too_many("tools", len(value), cap, "--max-tools")
-        return value
-
-
-class SamplingRequest(Request):
+class SamplingRequest(RequestModel):
     """The fields chat and completions share: how to sample and when to stop (OpenAI's ranges;
     top_k, min_p, repetition_penalty and the rest as vLLM accepts them)."""
 
@@ -146,14 +104,14 @@ class SamplingRequest(Request):
     logit_bias: Annotated[Any, AfterValidator(_logit_bias)] = None
     seed: Int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: Annotated[Any, AfterValidator(_stop)] = None
-    stop_token_ids: Annotated[Any, AfterValidator(_token_id_list)] = None
+    stop_token_ids: Annotated[Any, AfterValidator(token_id_list)] = None
     ignore_eos: Bool | None = None
     skip_special_tokens: Bool | None = None
     include_stop_str_in_output: Bool | None = None
     stream: Bool | None = None
     stream_options: StreamOptionsModel | None = None
     return_token_ids: Bool | None = None
-    response_format: Any = None  # api/response_format.py
+    response_format: Any = None  # api/response_format.py: a ResponseFormat (or None) once validated
     priority: Int | None = Field(None, ge=-(1 << 31), le=(1 << 31) - 1)  # vLLM's: lower is served first
     speculative_decoding: Bool | None = None  # false: this request never drafts (extra body field)
 
@@ -161,37 +119,70 @@ class SamplingRequest(Request):
     @field_validator("n")
     @classmethod
     def _n_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return _at_most(value, "n", 1, _limits(info).max_n, "--max-n")
+        return at_most(value, "n", 1, limits_of(info).max_n, "--max-n")
 
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return _output_cap(value, "max_tokens", _limits(info))
+        return output_cap(value, "max_tokens", info)
 
     @field_validator("stop")
     @classmethod
     def _stop_limit(cls, value: Any, info: ValidationInfo) -> Any:
-        limits = _limits(info)
-        stop = [value] if isinstance(value, str) else (value or [])
-        if len(stop) > limits.max_stop:
-            raise _too_many("stop", len(stop), limits.max_stop, "--max-stop")
-        longest = max((len(s) for s in stop), default=0)
-        if longest > limits.max_stop_length:
-            raise ValueError(f"stop has a string of {longest} characters; this server allows at most "
-                             f"{limits.max_stop_length} (--max-stop-length)")
-        return value
+        return stop_limit(value, "stop", info)
 
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids_limit(cls, value: Any, info: ValidationInfo) -> Any:
-        limits = _limits(info)
+        limits = limits_of(info)
         if value is not None and len(value) > limits.max_stop:
-            raise _too_many("stop_token_ids", len(value), limits.max_stop, "--max-stop")
+            raise too_many("stop_token_ids", len(value), limits.max_stop, "--max-stop")
         return value
+
+    # ---- what the pipeline reads -----------------------------------------------------------------
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        """A last chunk with `choices: []` and the usage (streaming only)."""
+        return self.streaming and bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """`max_tokens` None: absent (the input processor resolves it against the prompt).
+        ParamError (a 400 naming the field) for what SamplingParams refuses."""
+        min_tokens = self.min_tokens or 0
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
+        return SamplingParams(
+            n=self.n or 1,
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            temperature=_default(self.temperature, 1.0),
+            top_p=_default(self.top_p, 1.0),
+            top_k=self.top_k or 0,
+            min_p=_default(self.min_p, 0.0),
+            presence_penalty=_default(self.presence_penalty, 0.0),
+            frequency_penalty=_default(self.frequency_penalty, 0.0),
+            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+            seed=self.seed,
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=_default(self.ignore_eos, False),
+            logprobs=logprobs,
+            skip_special_tokens=_default(self.skip_special_tokens, True),
+            include_stop_str_in_output=_default(self.include_stop_str_in_output, False),
+            speculative=_default(self.speculative_decoding, True),
+        )
 
 
 class ChatCompletionRequest(SamplingRequest, ToolsRequest):
-    messages: Any = None  # api/messages.py
+    """Once validated: `messages` normalised for the chat template (api/messages.py), `tools` in
+    chat's nested shape, `tool_choice` checked against them, `response_format` a ResponseFormat."""
+
+    messages: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -204,18 +195,68 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return _at_most(value, "top_logprobs", 0, _limits(info).max_logprobs, "--max-logprobs")
+        return at_most(value, "top_logprobs", 0, limits_of(info).max_logprobs, "--max-logprobs")
 
     @field_validator("max_completion_tokens")
     @classmethod
     def _max_completion_tokens_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return _output_cap(value, "max_completion_tokens", _limits(info))
+        return output_cap(value, "max_completion_tokens", info)
+
+    @model_validator(mode="after")
+    def _normalised(self) -> ChatCompletionRequest:
+        """The nested shapes and the rules across fields, once every field has its type."""
+        tools = parse_tools(self.tools)
+        tool_choice = parse_tool_choice(self.tool_choice, tools)
+        response_format = parse_response_format(self.response_format)
+        refuse_with_tool_choice(response_format, tool_choice)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        messages = parse_messages(self.messages)
+        template_kwargs(self.chat_template_kwargs, self.enable_thinking)
+        return self.model_copy(update={"messages": messages, "tools": tools, "tool_choice": tool_choice,
+                                       "response_format": response_format})
+
+    @classmethod
+    def mapped(cls, **fields: Any) -> ChatCompletionRequest:
+        """The chat request another protocol's request means (api/responses_request.py,
+        api/anthropic_request.py), built from values that protocol's model has already checked,
+        in the normalised shapes (messages, tools, tool_choice, a ResponseFormat): not validated
+        again."""
+        return cls.model_construct(**fields)
+
+    @property
+    def max_tokens_requested(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return template_kwargs(self.chat_template_kwargs, self.enable_thinking)
+
+    @property
+    def calls_in_parallel(self) -> bool:
+        return self.parallel_tool_calls is not False
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """tool_choice "required" or a named function: a grammar binds the output (api/tool_grammar.py)."""
+        return bool(self.tools) and self.tool_choice not in (None, "auto", "none")
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self.sampling_params(self.max_tokens_requested, self.num_top_logprobs)
 
 
 class CompletionRequestModel(SamplingRequest):
-    prompt: Any = None  # api/protocol.py parse_prompts
+    """Once validated: `prompt` is a list of prompts, each a string or a list of token ids (ids
+    are checked against the vocabulary by the engine's input processor)."""
+
+    prompt: Any = None
     logprobs: Int | None = Field(None, ge=0)
-    # max_tokens 0 is vLLM's "the prompt alone", taken with echo only (api/protocol.py)
+    # max_tokens 0 is vLLM's "the prompt alone", taken with echo only
     max_tokens: Int | None = Field(None, ge=0)
     echo: Bool | None = None  # the prompt (and, with logprobs, its tokens' logprobs) before the completion
     # vLLM's: each choice's `prompt_logprobs`, with this many top alternatives (at most --max-logprobs)
@@ -225,111 +266,63 @@ class CompletionRequestModel(SamplingRequest):
     @field_validator("logprobs", "prompt_logprobs", mode="before")
     @classmethod
     def _integral_logprobs(cls, value: Any) -> Any:
-        return _integral(value)
+        return integral(value)
 
     @field_validator("logprobs", "prompt_logprobs")
     @classmethod
     def _logprobs_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return _at_most(value, info.field_name or "logprobs", 0, _limits(info).max_logprobs, "--max-logprobs")
+        return at_most(value, info.field_name or "logprobs", 0, limits_of(info).max_logprobs, "--max-logprobs")
+
+    @model_validator(mode="after")
+    def _normalised(self) -> CompletionRequestModel:
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        response_format = parse_response_format(self.response_format)
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1, got 0 (0 is taken with echo only)", "max_tokens")
+        return self.model_copy(update={"prompt": parse_prompts(self.prompt), "response_format": response_format})
+
+    @property
+    def prompt_only(self) -> bool:
+        """vLLM's echo semantics: max_tokens 0 returns the prompt alone (one token runs, unshown)."""
+        return self.max_tokens == 0
+
+    def to_sampling_params(self) -> SamplingParams:
+        params = self.sampling_params(1 if self.prompt_only else self.max_tokens, self.logprobs)
+        # The engine scores the prompt for `prompt_logprobs`, and for echo with logprobs.
+        scored = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return replace(params, prompt_logprobs=max(scored)) if scored else params
 
 
-class TokenizeRequestModel(ToolsRequest):
-    prompt: Str | None = None
-    messages: Any = None
-    add_generation_prompt: Bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    enable_thinking: Bool | None = None
-    add_special_tokens: Bool | None = None
-    return_token_strs: Bool | None = None
+def parse_prompts(raw: Any) -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of those."""
+    if isinstance(raw, str):
+        return [_nonempty_text(raw, "prompt")]
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of those", "prompt")
+    if all(_is_int(x) for x in raw):
+        return [list(raw)]
+    prompts: list[str | list[int]] = []
+    for i, item in enumerate(raw):
+        param = f"prompt[{i}]"
+        if isinstance(item, str):
+            prompts.append(_nonempty_text(item, param))
+        elif isinstance(item, list) and item and all(_is_int(x) for x in item):
+            prompts.append(list(item))
+        else:
+            raise bad_request(f"{param} must be a non-empty string or a non-empty list of token ids", param)
+    return prompts
 
 
-class DetokenizeRequestModel(Request):
-    tokens: Annotated[Any, AfterValidator(_token_id_list)] = None
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
-def validate(model: type[Request], body: dict[str, Any], limits: RequestLimits = DEFAULT_LIMITS) -> Any:
-    """The body as `model` within the server's `limits`; APIError (400 naming the parameter)
-    when a field is wrong."""
-    try:
-        return model.model_validate(body, context={"limits": limits})
-    except ValidationError as e:
-        raise request_error(e) from None
+def _nonempty_text(text: str, param: str) -> str:
+    if not text:
+        raise bad_request(f"{param} must not be empty", param)
+    return text
 
 
-def request_error(error: ValidationError) -> APIError:
-    """OpenAI's 400 for the first problem pydantic found, `param` from its location."""
-    first = error.errors(include_url=False)[0]
-    param = _param(first["loc"])
-    kind, ctx, value = first["type"], first.get("ctx") or {}, first.get("input")
-    got = _json_type(value)
-    if kind == "value_error":
-        text = str(ctx.get("error", first["msg"]))
-        message = text if text.startswith(param.split(".")[0]) else f"{param} {text}"
-    elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-        bound = next(iter(ctx.values()))
-        relation = {"greater_than_equal": "at least", "less_than_equal": "at most",
-                    "greater_than": "greater than", "less_than": "less than"}[kind]
-        message = f"{param} must be {relation} {bound}, got {value}"
-    elif kind.startswith("int"):
-        message = f"{param} must be an integer, got {got}"
-    elif kind.startswith("float") or kind == "finite_number":
-        message = f"{param} must be a number, got {got}"
-    elif kind.startswith("bool"):
-        message = f"{param} must be a boolean, got {got}"
-    elif kind.startswith("string"):
-        message = f"{param} must be a string, got {got}"
-    elif kind in ("dict_type", "model_type", "model_attributes_type"):
-        message = f"{param} must be an object, got {got}"
-    else:
-        message = f"{param}: {first['msg']}"
-    return bad_request(message, param or None)
-
-
-def _param(loc: tuple[int | str, ...]) -> str:
-    """('stream_options', 'include_usage') -> 'stream_options.include_usage'; ('stop', 1) -> 'stop[1]'."""
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _json_type(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return f"number {value}"
-    return {str: "string", list: "array", dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-# ---- /openapi.json -------------------------------------------------------------------------------------
-_REQUEST_BODIES = {
-    "/v1/chat/completions": ChatCompletionRequest,
-    "/v1/completions": CompletionRequestModel,
-    "/tokenize": TokenizeRequestModel,
-    "/detokenize": DetokenizeRequestModel,
-}
-
-
-def openapi_schema(version: str) -> dict[str, Any]:
-    """An OpenAPI 3.1 document of the request bodies, generated from the models above."""
-    from pydantic.json_schema import models_json_schema
-
-    # NOTE: imported here: those modules build on this one.
-    from api.anthropic_request import MessagesRequestModel
-    from api.responses_request import ResponsesRequestModel
-
-    bodies = {**_REQUEST_BODIES, "/v1/responses": ResponsesRequestModel, "/v1/messages": MessagesRequestModel,
-              "/v1/messages/count_tokens": MessagesRequestModel}
-    _, schemas = models_json_schema(
-        [(model, "validation") for model in dict.fromkeys(bodies.values())], ref_template="#/components/schemas/{model}"
-    )
-    paths = {
-        path: {"post": {
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
-            "responses": {"200": {"description": "OK"}, "400": {"description": "OpenAI error body naming `param`"}},
-        }}
-        for path, model in bodies.items()
-    }
-    return {"openapi": "3.1.0", "info": {"title": "fp4serve", "version": version}, "paths": paths,
-            "components": {"schemas": schemas.get("$defs", {})}}
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -7,8 +7,8 @@ by api/keys.py). Admitted requests carry the same headers.
 
 Windows slide over the last 60 s. Requests count when admitted. Tokens (prompt + completion) count
 as the output processor sees them (engine/metrics.py `usage`, read through `tokens_used`): a key
-that has used its `tpm` in the last minute is refused until the window moves on; a request already
-running is never cut off.
+that has used its `tpm` in the last minute is refused until enough of those tokens have left the
+window (Retry-After says when); a request already running is never cut off.
 """
 
 from __future__ import annotations
@@ -56,17 +56,28 @@ class RateLimiter:
         if record.tpm is None:
             return
         marks = self._token_marks[name]
-        marks.append((now, self._tokens_used(name)))
+        used = self._tokens_used(name)
+        if not marks or marks[-1][1] != used:  # a mark that adds no tokens changes no answer
+            marks.append((now, used))
         # Keep one mark at or before the window's start: the baseline the window's tokens count from.
         while len(marks) > 1 and marks[1][0] <= now - WINDOW_S:
             marks.popleft()
 
-    def _tokens_in_window(self, name: str) -> tuple[int, float]:
-        """(tokens used in the window, seconds until the oldest of them leaves it)."""
+    def _token_window(self, name: str, tpm: int, now: float) -> tuple[int, float, float]:
+        """(tokens used in the window, seconds until fewer than `tpm` are, seconds until none are).
+
+        Mark i's tokens (cumulative_i - cumulative_{i-1}) count from its time t_i and leave the
+        window at t_i + WINDOW_S; the key reopens once the tokens after some mark are under `tpm`."""
         marks = self._token_marks[name]
-        now, cumulative = marks[-1]
-        base_time, base = marks[0]
-        return cumulative - base, max(base_time + WINDOW_S - now, 0.0) if len(marks) > 1 else WINDOW_S
+        if len(marks) < 2:
+            return 0, 0.0, 0.0
+        (_, base), (last_time, last) = marks[0], marks[-1]
+        reopen = 0.0
+        if last - base >= tpm:
+            reopen_time = next(t for t, cumulative in list(marks)[1:] if last - cumulative < tpm)
+            reopen = max(reopen_time + WINDOW_S - now, 0.0)
+        empty = max(last_time + WINDOW_S - now, 0.0) if last > base else 0.0
+        return last - base, reopen, empty
 
     # ---- a request --------------------------------------------------------------------------------
     def acquire(self, record: KeyRecord) -> Response | None:
@@ -80,9 +91,9 @@ class RateLimiter:
             return self._refuse(record, "requests", f"{record.rpm} requests per minute",
                                 requests[0] + WINDOW_S - now)
         if record.tpm is not None:
-            used, reset = self._tokens_in_window(name)
+            used, reopen, _ = self._token_window(name, record.tpm, now)
             if used >= record.tpm:
-                return self._refuse(record, "tokens", f"{record.tpm} tokens per minute", reset)
+                return self._refuse(record, "tokens", f"{record.tpm} tokens per minute", reopen)
         if record.rpm is not None:  # NOTE: a key without the limit keeps no window
             requests.append(now)
         self.in_flight[name] += 1
@@ -102,10 +113,11 @@ class RateLimiter:
             out["x-ratelimit-remaining-requests"] = str(max(record.rpm - len(requests), 0))
             out["x-ratelimit-reset-requests"] = format_reset(requests[0] + WINDOW_S - now if requests else 0.0)
         if record.tpm is not None:
-            used, reset = self._tokens_in_window(record.name)
+            used, _, empty = self._token_window(record.name, record.tpm, now)
             out["x-ratelimit-limit-tokens"] = str(record.tpm)
             out["x-ratelimit-remaining-tokens"] = str(max(record.tpm - used, 0))
-            out["x-ratelimit-reset-tokens"] = format_reset(reset if used else 0.0)
+            # OpenAI's meaning: until the limit is back to its initial state (the window empty).
+            out["x-ratelimit-reset-tokens"] = format_reset(empty)
         return out
 
     def _refuse(self, record: KeyRecord, kind: str, what: str, retry_after_s: float) -> Response:

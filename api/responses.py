@@ -1,30 +1,12 @@
-"""Response pieces shared by chat and completions: ids, usage, token counting across the n
-samples, and logprobs in the chat and the legacy completions shapes."""
+"""Response pieces shared by chat and completions: usage, token counting across the n samples, and
+logprobs in the chat and the legacy completions shapes."""
 
 from __future__ import annotations
 
-import time
-import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from engine.outputs import RequestOutput, TokenLogprob
-
-
-@dataclass(frozen=True)
-class ResponseHeader:
-    """What every chunk and body of one response repeats: the same id and created time."""
-
-    id: str
-    created: int
-    model: str
-
-    @staticmethod
-    def new(prefix: str, model: str) -> ResponseHeader:
-        return ResponseHeader(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model)
-
-    def fields(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
 class UsageCounter:

@@ -1,6 +1,6 @@
-"""The Responses API's output: parsed deltas (api/parsed_stream.py) become output items —
-`reasoning`, `message` (one `output_text` part), `function_call` — and, when streaming, the
-events the OpenAI SDK's `responses.stream()` consumes, in its order:
+"""The Responses API's output (`ResponsesEncoder`, an api/pipeline.py Encoder): parsed deltas
+become output items — `reasoning`, `message` (one `output_text` part), `function_call` — and,
+when streaming, the events the OpenAI SDK's `responses.stream()` consumes, in its order:
 
     response.created, response.in_progress,
     per item: response.output_item.added,
@@ -10,7 +10,8 @@ events the OpenAI SDK's `responses.stream()` consumes, in its order:
     response.output_item.done,
     response.completed, or response.incomplete (reason max_output_tokens).
 
-A non-streamed reply runs the same builder and keeps only the items."""
+A non-streamed reply runs the same builder and keeps only the items. A finished response is put
+in the store (api/responses_store.py) unless the request said `store: false`."""
 
 from __future__ import annotations
 
@@ -18,8 +19,15 @@ import secrets
 import time
 from typing import Any
 
-from api.parsed_stream import Totals
+import orjson
+
+from api.errors import APIError
+from api.messages import tool_call
+from api.models import ChatCompletionRequest
 from api.parsers.base import ParsedDelta
+from api.pipeline import ChoiceDelta, Started, Totals
+from api.responses_request import ResponsesRequestModel
+from api.responses_store import ResponseStore, StoredResponse
 
 
 def new_id(prefix: str) -> str:
@@ -133,9 +141,9 @@ def response_body(
     incomplete = None
     if totals is not None:
         status = "completed"
-        if totals.finish_reason in ("length", "abort"):
+        if totals.ended_as in ("length", "abort"):
             status = "incomplete"
-            incomplete = {"reason": "max_output_tokens" if totals.finish_reason == "length" else None}
+            incomplete = {"reason": "max_output_tokens" if totals.ended_as == "length" else None}
     body: dict[str, Any] = {
         "id": response_id,
         "object": "response",
@@ -175,7 +183,8 @@ def now() -> int:
 
 
 def assistant_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The output items as the chat messages a later turn (`previous_response_id`) replays."""
+    """The output items as the chat messages a later turn (`previous_response_id`) replays, in
+    chat's normalised shape (api/messages.py)."""
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     for item in items:
         if item["type"] == "message":
@@ -183,8 +192,74 @@ def assistant_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif item["type"] == "reasoning":
             message["reasoning_content"] = item["content"][0]["text"]
         elif item["type"] == "function_call":
-            message.setdefault("tool_calls", []).append(
-                {"id": item["call_id"], "type": "function",
-                 "function": {"name": item["name"], "arguments": item["arguments"]}}
-            )
+            message.setdefault("tool_calls", []).append(tool_call(item["call_id"], item["name"], item["arguments"]))
+    if not message.get("reasoning_content"):
+        message.pop("reasoning_content", None)
     return [message]
+
+
+class ResponsesEncoder:
+    """One response's events and body; the finished response goes to the store."""
+
+    def __init__(self, started: Started, request: ResponsesRequestModel, chat: ChatCompletionRequest,
+                 store: ResponseStore, owner: bytes) -> None:
+        self.request = request
+        self.chat = chat
+        self.store = store
+        self.owner = owner
+        self.response_id = new_id("resp")
+        self.model = started.header.model
+        self.created_at = now()
+        self.should_store = request.store is not False
+        self.items = OutputItems()
+        self.totals = Totals()
+        self._sequence = 0
+
+    def start(self) -> list[bytes]:
+        pending = self._body(None)
+        return [self._encode({"type": "response.created", "response": pending}),
+                self._encode({"type": "response.in_progress", "response": pending})]
+
+    def add(self, delta: ChoiceDelta) -> list[bytes]:
+        self.totals.add(delta)
+        self.items.mark_broken(delta.broken_calls)
+        if not delta.parsed.is_empty:
+            self.items.add(delta.parsed)
+        return self._drain()
+
+    def end(self) -> list[bytes]:
+        final = self.body()
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        return [*self._drain(), self._encode({"type": kind, "response": final})]
+
+    def error(self, error: APIError) -> list[bytes]:
+        return [self._encode({"type": "error", "code": error.code or "server_error", "message": error.message,
+                              "param": None})]
+
+    def done(self) -> list[bytes]:
+        return []
+
+    def body(self) -> dict[str, Any]:
+        """The finished response, stored unless `store: false`."""
+        self.items.close(incomplete=self.totals.ended_as == "length")
+        final = self._body(self.totals)
+        if self.should_store:
+            instructions = self.request.instructions
+            own = [msg for msg in self.chat.messages if not (instructions and msg is self.chat.messages[0])]
+            self.store.put(self.response_id, StoredResponse(self.owner, final, own + assistant_messages(self.items.items)))
+        return final
+
+    def _body(self, totals: Totals | None) -> dict[str, Any]:
+        m = self.request
+        return response_body(self.response_id, self.model, self.created_at, m, self.items.items if totals else [],
+                             totals, m.previous_response_id, self.should_store)
+
+    def _drain(self) -> list[bytes]:
+        events = [self._encode(event) for event in self.items.events]
+        self.items.events.clear()
+        return events
+
+    def _encode(self, event: dict[str, Any]) -> bytes:
+        event = {**event, "sequence_number": self._sequence}
+        self._sequence += 1
+        return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"

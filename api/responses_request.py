@@ -1,24 +1,29 @@
-"""POST /v1/responses requests (OpenAI's Responses API) as a chat request: the typed model of
-the fields we serve, and the mapping of `input` items, `instructions`, `tools`, `tool_choice`
-and `text.format` onto the chat body that api/protocol.py already validates. A new API is a new
-set of models and a mapping, not a new pipeline."""
+"""POST /v1/responses requests (OpenAI's Responses API): the typed model of the fields we serve,
+and its mapping onto the chat request the pipeline runs (`to_chat_request`): `input` items,
+`instructions`, `tools`, `tool_choice`, `text.format` and `reasoning.effort` become chat's
+normalised messages, tools, response format and template switches, each checked here under the
+Responses API's own parameter names, once. A new API is a new set of models and a mapping, not a
+new pipeline (api/pipeline.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from api.errors import bad_request
-from api.models import Bool, Int, Number, Request, Str, validate
+from api.messages import function_tool, parse_tool_choice, tool_call
+from api.models import ChatCompletionRequest
+from api.response_format import parse_response_format, refuse_with_tool_choice
+from api.validation import Bool, Int, Number, Str, ToolsRequest, output_cap
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+ROLES = ("system", "developer", "user", "assistant")
 
 
-class ResponsesRequestModel(Request):
+class ResponsesRequestModel(ToolsRequest):
     input: Any = None
     instructions: Str | None = None
-    tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Bool | None = None
     max_output_tokens: Int | None = Field(None, ge=1)
@@ -31,36 +36,38 @@ class ResponsesRequestModel(Request):
     previous_response_id: Str | None = None
     metadata: dict[str, Any] | None = None
 
+    @field_validator("max_output_tokens")
+    @classmethod
+    def _max_output_tokens_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        return output_cap(value, "max_output_tokens", info)
 
-def parse_responses_request(body: dict[str, Any]) -> ResponsesRequestModel:
-    return validate(ResponsesRequestModel, body)
-
-
-def chat_body(m: ResponsesRequestModel, history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The /v1/chat/completions body this request means; `history`: the messages of the
-    `previous_response_id` chain (already in chat shape), or []."""
-    messages = list(history)
-    if m.instructions:
-        # NOTE: as OpenAI does, instructions apply to this turn only: they are not carried
-        # into the stored history, and they lead the prompt.
-        messages.insert(0, {"role": "system", "content": m.instructions})
-    messages.extend(input_messages(m.input))
-    body: dict[str, Any] = {"model": m.model, "messages": messages, "stream": bool(m.stream)}
-    for name, value in (("max_tokens", m.max_output_tokens), ("temperature", m.temperature), ("top_p", m.top_p),
-                        ("parallel_tool_calls", m.parallel_tool_calls)):
-        if value is not None:
-            body[name] = value
-    if m.tools is not None:
-        body["tools"] = _tools(m.tools)
-    if m.tool_choice is not None:
-        body["tool_choice"] = _tool_choice(m.tool_choice)
-    response_format = _text_format(m.text)
-    if response_format is not None:
-        body["response_format"] = response_format
-    effort = (m.reasoning or {}).get("effort")
-    if effort in ("none", "minimal"):
-        body["chat_template_kwargs"] = {"enable_thinking": False}
-    return body
+    def to_chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat request this one means; `history`: the messages of the `previous_response_id`
+        chain (stored in chat's normalised shape), or []."""
+        messages = list(history)
+        if self.instructions:
+            # NOTE: as OpenAI does, instructions apply to this turn only: they are not carried
+            # into the stored history, and they lead the prompt.
+            messages.insert(0, {"role": "system", "content": self.instructions})
+        messages.extend(input_messages(self.input))
+        tools = _tools(self.tools) if self.tools is not None else None
+        tool_choice = parse_tool_choice(_tool_choice(self.tool_choice), tools)
+        response_format = parse_response_format(_text_format(self.text))
+        refuse_with_tool_choice(response_format, tool_choice)
+        effort = (self.reasoning or {}).get("effort")
+        return ChatCompletionRequest.mapped(
+            model=self.model,
+            messages=messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=response_format,
+            chat_template_kwargs={"enable_thinking": False} if effort in ("none", "minimal") else None,
+            max_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stream=self.stream,
+        )
 
 
 def input_messages(raw: Any) -> list[dict[str, Any]]:
@@ -77,24 +84,25 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
             raise bad_request(f"{param} must be an object", param)
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item.get("role"), "content": _text(item.get("content"), f"{param}.content")})
+            role = item.get("role")
+            if role not in ROLES:
+                raise bad_request(f"{param}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{param}.role")
+            # `developer` is the newer name for the system role; templates know only `system`.
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text(item.get("content"), f"{param}.content")})
         elif kind == "function_call":
-            call = {
-                "id": _string(item, "call_id", param),
-                "type": "function",
-                "function": {"name": _string(item, "name", param), "arguments": _string(item, "arguments", param)},
-            }
+            call = tool_call(_string(item, "call_id", param), _string(item, "name", param),
+                             _string(item, "arguments", param))
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
             messages.append({
                 "role": "tool",
                 "tool_call_id": _string(item, "call_id", param),
-                "content": _text(output, f"{param}.output"),
+                "content": _text(item.get("output"), f"{param}.output"),
             })
         elif kind == "reasoning":
             continue  # the template drops past turns' reasoning anyway
@@ -124,12 +132,12 @@ def _text(content: Any, param: str) -> str:
     return "".join(texts)
 
 
-def _tools(raw: Any) -> Any:
+def _tools(raw: Any) -> list[dict[str, Any]] | None:
     """Responses tools are flat (`{"type": "function", "name", "parameters"}`); chat nests them.
     Built-in tools (web_search, file_search, custom grammar tools, ...) are left out: this
     server runs none of them, and agents such as Codex offer them beside their functions."""
     if not isinstance(raw, list):
-        return raw  # api/messages.py answers with the error
+        raise bad_request("tools must be an array of tool objects", "tools")
     tools = []
     for i, tool in enumerate(raw):
         if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
@@ -137,8 +145,8 @@ def _tools(raw: Any) -> Any:
         if tool["type"] != "function":
             continue
         function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-        tools.append({"type": "function", "function": function})
-    return tools
+        tools.append(function_tool(function, f"tools[{i}].name", f"tools[{i}].parameters"))
+    return tools or None
 
 
 def _tool_choice(raw: Any) -> Any:
@@ -148,6 +156,7 @@ def _tool_choice(raw: Any) -> Any:
 
 
 def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`text.format` as chat's response_format (api/response_format.py checks it)."""
     fmt = (text or {}).get("format")
     if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
         return None

@@ -45,6 +45,10 @@ class Server:
         from hypercorn.asyncio import serve as hypercorn_serve
         from hypercorn.config import Config as HypercornConfig
 
+        from api.hypercorn_h2 import mend_hypercorn_h2
+
+        mend_hypercorn_h2(self.config.body_timeout_s)
+
         self._loop = asyncio.get_running_loop()
         if handle_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,6 +1,8 @@
 """The server's configuration (`ServerConfig`) and its lifecycle (`ServerState`: loading → ready →
-stopping, or failed — a failed load, or an engine that died): the one mutable object of the app,
-which the routes read. Its own module, so api/app.py (the Starlette app) and api/routes.py (the
+stopping, or failed — a failed load, or an engine that died and will not be restarted): the one
+mutable object of the app, which the routes read. While the engine process restarts
+(engine/supervisor.py) the phase stays ready: requests wait for the new engine, and /health
+answers 503 `restarting` (`health`). Its own module, so api/app.py (the Starlette app) and api/routes.py (the
 handlers) both import it and not each other."""
 
 from __future__ import annotations
@@ -14,15 +16,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from api.admission import Admission
-from api.chat import ParserSettings
 from api.errors import APIError
 from api.inflight import InFlight
 from api.keys import KeyRing
 from api.limits import RequestLimits
 from api.metrics import ServerMetrics
+from api.parsers import ParserSettings
 from api.rate_limit import RateLimiter
-from engine.async_engine import QueueLimits
+from engine.admission import QueueLimits
 from engine.config import ConfigError, EngineConfig
 
 if TYPE_CHECKING:
@@ -102,7 +103,6 @@ class ServerState:
         self.load_error: str | None = None  # why the phase is "failed"
         self.parsers = ParserSettings()
         self.metrics = ServerMetrics()
-        self.admission = Admission(config.queue, self.metrics)
         self.in_flight = InFlight(config.request_timeout_s, self.metrics)
         self.keys = KeyRing(config.api_key, config.api_keys_file)
         self.limiter = RateLimiter(self.tokens_used, self.metrics)
@@ -143,7 +143,8 @@ class ServerState:
         try:
             engine = await asyncio.to_thread(self._loader, self.config.engine)
             self.parsers = _resolve_parsers(self.config, engine.tokenizer.chat_template)
-            await engine.start(self.config.queue, on_dead=self._engine_died)
+            await engine.start(self.config.queue, on_dead=self._engine_died,
+                               max_output_tokens=self.config.limits.max_output_tokens)
         except Exception as e:
             self._fail(e)
             return
@@ -164,13 +165,40 @@ class ServerState:
             self._on_fatal()
 
     def _engine_died(self, reason: str) -> None:
-        """The engine cannot serve any more: /health turns 503 and the process exits non-zero,
-        so a supervisor restarts it (every in-flight request has had its error already)."""
-        logger.critical("the engine stopped (%s): exiting so that a supervisor can restart the server", reason)
+        """The engine cannot serve any more, and will not be restarted here: /health turns 503 and
+        the process exits non-zero, so that systemd (or whatever started it) can restart it. Every
+        in-flight request has had its error already."""
+        logger.critical("the engine stopped (%s): exiting with status 1", reason)
         self.load_error = reason
         self.phase = "failed"
         if self._on_fatal is not None:
             self._on_fatal()
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """/health's status code and body: 200 `ok` only while an engine is serving."""
+        engine = self.engine
+        if self.phase != "ready" or engine is None:
+            return 503, {"status": self.phase,
+                         "error": {"message": self.unavailable_reason(), "type": "unavailable_error"}}
+        core = engine.core_status()
+        last = core.last_restart
+        body: dict[str, Any] = {
+            "status": "ok",
+            "engine_pid": core.pid,
+            "engine_restarts": core.num_restarts,
+            "last_restart": None if last is None else {
+                "reason": last.reason, "detail": last.detail, "at": int(last.at),
+                "duration_s": None if last.duration_s is None else round(last.duration_s, 1),
+            },
+        }
+        if core.state == "restarting":
+            assert last is not None, "a restart has a cause"
+            message = f"the engine was lost ({last.detail}) and is restarting; requests wait for it"
+            return 503, {**body, "status": "restarting", "error": {"message": message, "type": "unavailable_error"}}
+        info = engine.info
+        return 200, {**body, "model": info.model_name, "device": info.device,
+                     "attention_backend": info.attention_backend, "dtype": info.dtype,
+                     "max_model_len": info.max_model_len, "kv_capacity_tokens": info.kv_capacity_tokens}
 
     def begin_shutdown(self) -> None:
         if self.phase in ("loading", "ready"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api.routes import json_response, server_state
+from api.http import json_response, server_state
 
 LATENCY_WINDOW_S = 60.0  # percentiles cover about the last minute
 RATE_WINDOW_S = 5.0  # tokens/s cover about the last five seconds
@@ -198,13 +198,14 @@ class StatsFeed:
     """What /stats serves: one window per app, and the latest summary, which many open dashboards
     share for REUSE_S."""
 
-    def __init__(self) -> None:
-        self.window = StatsWindow(time.monotonic())
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock  # seconds, monotonic (a test passes its own)
+        self.window = StatsWindow(clock())
         self._last: dict[str, Any] | None = None
         self._last_t = 0.0
 
     def read(self, registries: Iterable[CollectorRegistry]) -> dict[str, Any]:
-        now = time.monotonic()
+        now = self.clock()
         if self._last is None or now - self._last_t >= REUSE_S:
             self._last = {"object": "stats", "time": time.time(), **summarize(self.window, registries, now)}
             self._last_t = now

@@ -1,4 +1,5 @@
-"""`python -m bench {serve,plot,compare,offline,profile,soak,context,tiny-model,moe-models,quality,lm-eval,peers}`: flags to
+"""`python -m bench {serve,plot,compare,offline,profile,soak,context,tiny-model,moe-models,quality,lm-eval,peers,
+agent-replay}`: flags to
 configs, runs, tables and files."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 import orjson
 from tqdm import tqdm
 
+from bench.agent_replay import add_arguments as add_agent_replay_arguments
+from bench.agent_replay import cmd_agent_replay
 from bench.datasets import DATASETS, DatasetSpec, TokenCounter, build_dataset, load_tokenizer
 from bench.lm_eval_run import add_arguments as add_lm_eval_arguments
 from bench.lm_eval_run import cmd_lm_eval
@@ -174,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("lm-eval", help="lm-eval's local-completions loglikelihood run on a local task against a "
                        "server it starts, checked against transformers")
     add_lm_eval_arguments(e)
+    a = sub.add_parser("agent-replay", help="a coding agent's multi-turn conversation with a long system prompt, "
+                       "and users sharing it: cached share and TTFT per request, prefix caching on and off")
+    add_agent_replay_arguments(a)
     return parser
 
 
@@ -389,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {"serve": cmd_serve, "plot": cmd_plot, "compare": cmd_compare,
                 "offline": cmd_offline, "soak": cmd_soak, "context": cmd_context, "tiny-model": cmd_tiny_model,
                 "moe-models": cmd_moe_models, "peers": cmd_peers, "profile": cmd_profile, "quality": cmd_quality,
-                "lm-eval": cmd_lm_eval}
+                "lm-eval": cmd_lm_eval, "agent-replay": cmd_agent_replay}
     return commands[args.command](args)
 
 

@@ -80,7 +80,7 @@ def format_curves(curves: dict[str, list[CurvePoint]]) -> str:
 def write_tiny_model(dst: Path, kind: str, hidden: int, num_layers: int, seed: int = 0) -> Path:
     """A random-weight checkpoint: kind "dense" (Qwen3ForCausalLM) or "hybrid" (Qwen3_5ForCausalLM,
     3 Gated DeltaNet layers per gated-attention layer), same width and depth, vocab 1024, with a
-    word-level tokenizer (w0 .. w1022, <eos>)."""
+    word-level tokenizer (w0 .. w1022, <eos>) and a plain chat template."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
@@ -104,8 +104,11 @@ def write_tiny_model(dst: Path, kind: str, hidden: int, num_layers: int, seed: i
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(dst / "tokenizer.json"))
+    # A plain chat template (roles as words), so `bench agent-replay` can chat with it.
+    template = ("{% for m in messages %}w1 {{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}w1 assistant {% endif %}")
     (dst / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                           "eos_token": "<eos>"}))
+                                                           "eos_token": "<eos>", "chat_template": template}))
     return dst
 
 

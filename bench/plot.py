@@ -157,3 +157,32 @@ def plot_throughput_bars(rows: Sequence[dict[str, object]], path: str | Path) ->
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, Path(path))
+
+
+def plot_soak_timeline(samples: Sequence[dict[str, float]], ttfts: Sequence[tuple[float, float]],
+                       path: str | Path, title: str = "") -> Path:
+    """`bench soak --abuse`: resident memory (engine, HTTP) and the grammar cache's bytes against
+    time, above the well-behaved clients' TTFTs (seconds since the start, TTFT)."""
+    fig = Figure(figsize=(11, 6.4))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    t = [s["t"] for s in samples]
+    for key, label in (("engine_rss_mib", "engine RSS"), ("http_rss_mib", "HTTP RSS"),
+                       ("grammar_cache_mib", "grammar cache (xgrammar's size)"),
+                       ("grammar_held_mib", "grammars held by requests past the cache")):
+        ys = [s.get(key) for s in samples]
+        if any(y is not None for y in ys):
+            top.plot(t, [y if y is not None else float("nan") for y in ys], label=label)
+    budget = next((s["grammar_budget_mib"] for s in samples if s.get("grammar_budget_mib")), None)
+    if budget:
+        top.axhline(budget, color="grey", linestyle=":", label="grammar budget")
+    top.set_ylabel("MiB")
+    top.grid(True, alpha=0.3)
+    top.legend(fontsize=8)
+    top.set_title(title, fontsize=9)
+    bottom.plot([x for x, _ in ttfts], [y * 1000 for _, y in ttfts], ".", markersize=3, label="well-behaved TTFT")
+    bottom.set_xlabel("seconds")
+    bottom.set_ylabel("TTFT (ms)")
+    bottom.set_yscale("log")
+    bottom.grid(True, alpha=0.3)
+    bottom.legend(fontsize=8)
+    return _save(fig, Path(path))

@@ -2,7 +2,8 @@
 requests, invalid ones, clients that walk away mid-stream — then checks that nothing was lost or
 leaked: every greedy answer equals the reference taken alone at the start, every refusal is an
 OpenAI-shaped 4xx (or a 503 with Retry-After), and once idle the server runs nothing and holds no
-KV page, with its resident memory flat. Prints one screen; exits 1 on any failure."""
+KV page, with its resident memory flat. Prints one screen; exits 1 on any failure. With --abuse:
+well-behaved streams beside abusive clients instead (bench/abuse_soak.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Any
 import httpx
 import orjson
 
+from bench.abuse_soak import add_abuse_arguments, cmd_abuse_soak
 from bench.serve import EndpointError, discover_model
 
 PROMPTS = ("Tell me about the sea.", "Count to ten.", "Write a haiku about rust.", "What is a KV cache?")
@@ -371,12 +373,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rss-growth-mib", type=float, default=64.0,
                    help="largest growth of the server's resident memory from warm-up to the end (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    add_abuse_arguments(p)
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
     if (args.base_url is None) == (not args.spawn):
         print("error: give --base-url or --spawn (one of them)", file=sys.stderr)
         return 2
+    if args.abuse:
+        return cmd_abuse_soak(args)
     server = None
     try:
         if args.spawn:

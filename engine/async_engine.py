@@ -4,9 +4,12 @@ core (in its own process, or on a thread: engine/core_client.py), and turns the 
 back into each request's stream of `RequestOutput`s on the event loop
 (engine/output_processor.py). A request arriving during step N joins the batch at step N+1.
 
-It also guards the engine: a bounded waiting queue (`QueueLimits`, checked where a request enters
-the engine) and failures: a failed step ends its in-flight requests with an error and the engine
-goes on; repeated failures, a crashed loop or a dead engine process mark it dead.
+It also guards the engine: a bounded waiting queue (engine/admission.py, fed by the core's own
+counts, checked where a request enters the engine) and failures: a failed step ends its in-flight
+requests with an error and the engine goes on. A lost engine process (crashed, hung, or dead after
+failed steps) ends every request it held, and engine/supervisor.py starts a new one, which the
+requests arriving meanwhile wait for; when the supervisor gives up, or an in-process engine dies,
+the engine is dead.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from engine.admission import Admission, QueueLimits
 from engine.config import EngineConfig
 from engine.core_proc import MAX_CONSECUTIVE_FAILURES
-from engine.core_types import EngineCoreOutputs, EngineCoreRequest, Owner, current_owner
+from engine.core_types import EngineCoreOutputs, EngineCoreProtocol, EngineCoreRequest, Owner
+from engine.input_processor import child_request_id
 from engine.outputs import RequestOutput
 from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerStats
@@ -27,27 +32,11 @@ from scheduler.scheduler import SchedulerStats
 # NOTE: no torch here (EngineCore loads it): api/ imports this module's types and errors at
 # start-up, before the model loads, and a test keeps it that way.
 if TYPE_CHECKING:
-    from engine.core_client import CoreClient
+    from engine.core_client import CoreClient, CoreStatus
 
-__all__ = ["MAX_CONSECUTIVE_FAILURES", "AsyncEngine", "EngineDeadError", "EngineOverloadedError", "EngineStats",
-           "QueueLimits"]
+__all__ = ["MAX_CONSECUTIVE_FAILURES", "AsyncEngine", "EngineDeadError", "EngineRestartingError", "EngineStats"]
 
 logger = logging.getLogger("fp4serve.engine")
-
-
-@dataclass(frozen=True)
-class QueueLimits:
-    """Bounds on what waits for a batch slot (admitted, not yet running, and beyond the slots the
-    next step will fill); None: no bound."""
-
-    max_queued_requests: int | None = None  # each of a request's n samples counts
-    max_queued_tokens: int | None = None  # prompt tokens still to compute
-
-    def __post_init__(self) -> None:
-        for name in ("max_queued_requests", "max_queued_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be positive or None, got {value}")
 
 
 @dataclass(frozen=True)
@@ -67,12 +56,13 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped; no request can be served."""
 
 
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is at a `QueueLimits` bound; the request was not admitted."""
+class EngineRestartingError(RuntimeError):
+    """The engine process was lost before the request's first output; a new one is starting, and
+    the request may be sent again (it will wait for the new engine)."""
 
 
 class AsyncEngine:
-    def __init__(self, core: Any = None, client: CoreClient | None = None) -> None:
+    def __init__(self, core: EngineCoreProtocol | None = None, client: CoreClient | None = None) -> None:
         """`core`: an EngineCore (or a test's proxy of one) to run on a thread of this process;
         or `client`: a started core elsewhere (engine/core_client.py)."""
         from engine.input_processor import InputProcessor
@@ -88,13 +78,14 @@ class AsyncEngine:
         self.client = client
         self.info = info = client.info
         self.tokenizer = Tokenizer(info.model_path, info.eos_token_ids)
-        self.metrics = EngineMetrics(info.model_name)
+        self.metrics = EngineMetrics(info.model_name, info)
         self.input_processor = InputProcessor(
             info.vocab_size, info.max_model_len, self.tokenizer.eos_token_ids, self.tokenizer
         )
-        self.output_processor = OutputProcessor(self.tokenizer, self.metrics, info.max_num_seqs)
-        self.limits = QueueLimits()
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
+        self.admission = Admission(QueueLimits(), info.max_num_seqs)
+        # Each request's outputs; an EngineRestartingError when the engine process holding it was lost.
+        self._queues: dict[str, asyncio.Queue[RequestOutput | EngineRestartingError]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_dead: Callable[[str], None] | None = None
         self._stats = SchedulerStats(0, 0, 0, max(info.num_kv_pages, 1), 0, 0, 0)
@@ -109,15 +100,15 @@ class AsyncEngine:
         """Load the model (blocking: call it from a thread while /health answers 503): in an engine
         process of its own unless `config.engine_process` is off."""
         if config.engine_process:
-            from engine.core_client import MPClient
+            from engine.supervisor import EngineSupervisor
 
-            return cls(client=MPClient(config))
+            return cls(client=EngineSupervisor(config))
         from engine.core import EngineCore
 
         return cls(EngineCore(config))
 
     @property
-    def core(self) -> Any:
+    def core(self) -> EngineCoreProtocol:
         """The EngineCore, in in-process mode only (tests and debugging)."""
         return self.client.core  # type: ignore[attr-defined]
 
@@ -125,10 +116,17 @@ class AsyncEngine:
     def ready(self) -> bool:
         return self._started and not self._stopping and not self.dead
 
-    async def start(self, limits: QueueLimits | None = None, on_dead: Callable[[str], None] | None = None) -> None:
-        """Start the engine loop. `on_dead(reason)` is called (on the loop) if the engine dies."""
+    def core_status(self) -> CoreStatus:
+        """The engine core's process, restarts and state (running, restarting, stopped)."""
+        return self.client.status()
+
+    async def start(self, limits: QueueLimits | None = None, on_dead: Callable[[str], None] | None = None,
+                    max_output_tokens: int | None = None) -> None:
+        """Start the engine loop. `on_dead(reason)` is called (on the loop) if the engine dies;
+        `max_output_tokens` caps an absent max_tokens (--max-output-tokens)."""
         assert not self._started, "engine already started"
-        self.limits = limits or QueueLimits()
+        self.admission.limits = limits or QueueLimits()
+        self.input_processor.max_output_tokens = max_output_tokens
         self._on_dead = on_dead
         self._loop = asyncio.get_running_loop()
         self._started = True
@@ -142,23 +140,12 @@ class AsyncEngine:
         if self._started:
             await asyncio.to_thread(self.client.shutdown)
 
-    # ---- the admission queue ------------------------------------------------------------------------
-    def num_queued_requests(self, arriving: int = 0) -> int:
-        """Requests that will still wait after the next step fills the free batch slots, with
-        `arriving` more: a burst at an idle server starts at once, so it is not a queue."""
-        return self.output_processor.num_queued_requests(arriving)
-
-    def num_queued_tokens(self) -> int:
-        """Prompt tokens still to compute of the requests counted by num_queued_requests (the
-        scheduler starts the oldest first)."""
-        return self.output_processor.num_queued_tokens()
-
     def stats(self) -> EngineStats:
         s = self._stats
         return EngineStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
-            num_queued_tokens=self.num_queued_tokens(),
+            num_queued_tokens=self.admission.num_queued_tokens(),
             num_kv_pages_used=s.num_used_blocks,
             num_kv_pages_total=s.num_blocks,
             prefix_cache_queried_tokens=s.prefix_cache_queried_tokens,
@@ -169,9 +156,10 @@ class AsyncEngine:
 
     # ---- requests ---------------------------------------------------------------------------------
     def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, owner: Owner | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, owner: Owner = Owner()
     ) -> AsyncIterator[RequestOutput]:
-        """Validate now (raises ParamError), then stream the request's outputs.
+        """Validate now (raises ParamError; max_tokens is resolved here), then stream the request's
+        outputs. `owner`: who asked (the HTTP request's API key and priority), for fair share.
 
         The request enters the engine when iteration starts (EngineOverloadedError then, if the
         queue is full) and is aborted, its pages freed, when the consumer stops early (the
@@ -179,7 +167,6 @@ class AsyncEngine:
         """
         if self.dead:
             raise EngineDeadError(f"the engine has stopped: {self.death_reason}")
-        owner = owner or current_owner.get()  # the HTTP request's API key (api/keys.py)
         children = self.input_processor.process(request_id, prompt_token_ids, params, owner=owner)
         return self._stream(request_id, children)
 
@@ -187,17 +174,25 @@ class AsyncEngine:
         if self.dead:
             raise EngineDeadError(f"the engine has stopped: {self.death_reason}")
         assert self._started, "engine not started"
-        # NOTE: the check and add_request below run with no await between them, so concurrent
+        # NOTE: the check and the sending below run with no await between them, so concurrent
         # arrivals cannot all see the same free room.
-        self._admit(len(children[0].prompt_token_ids), len(children))
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        num_prompt_tokens = len(children[0].prompt_token_ids)
+        self.admission.admit(len(children), num_prompt_tokens)
+        queue: asyncio.Queue[RequestOutput | EngineRestartingError] = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(request_id, children)
         self.client.add_requests(children)
+        self.admission.on_sent(len(children), num_prompt_tokens)
         remaining = len(children)
+        started = False
         try:
             while remaining:
                 out = await queue.get()
+                if isinstance(out, EngineRestartingError):
+                    if not started:
+                        raise out  # nothing sent yet: the API answers 503 + Retry-After
+                    out = RequestOutput(request_id, 0, (), "", "abort", 0, 0, error=str(out))
+                started = True
                 if out.finish_reason is not None:
                     remaining -= 1
                 yield out
@@ -207,24 +202,6 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if remaining and not self.dead:
                 await self.abort(request_id)
-
-    def _admit(self, num_prompt_tokens: int, n: int) -> None:
-        """Raises EngineOverloadedError past a bound. An empty queue takes any request, so none is
-        refused merely for being large (api/ bounds n and the prompt length)."""
-        queued = self.num_queued_requests()
-        if queued == 0:
-            return
-        max_requests, max_tokens = self.limits.max_queued_requests, self.limits.max_queued_tokens
-        if max_requests is not None and self.num_queued_requests(arriving=n) > max_requests:
-            raise EngineOverloadedError(
-                f"{queued} requests are already waiting for a batch slot (limit {max_requests})"
-            )
-        if max_tokens is not None:
-            queued = self.num_queued_tokens()
-            if queued + n * num_prompt_tokens > max_tokens:
-                raise EngineOverloadedError(
-                    f"{queued} prompt tokens are already waiting for a batch slot (limit {max_tokens})"
-                )
 
     async def abort(self, request_id: str) -> None:
         """End the request now; the core frees its pages when it reads the abort."""
@@ -254,11 +231,16 @@ class AsyncEngine:
         if self.dead:
             return
         if step.dead is not None:
-            if not self._stopping:
+            if self._stopping:
+                pass
+            elif step.restart is not None:
+                self._core_lost(step.restart, step.dead)
+            else:
                 self._die(step.dead)
             return
         if step.stats is not None:
             self._stats = step.stats
+            self.admission.on_stats(step.stats)
         if step.step_time_s is not None:
             self._num_steps += 1
         if step.error is not None:
@@ -272,6 +254,24 @@ class AsyncEngine:
         if finished_by_stop:
             self.client.abort_requests(finished_by_stop)
         self._deliver(outputs)
+
+    def _core_lost(self, reason: str, detail: str) -> None:
+        """The engine process was lost and a new one is starting (engine/supervisor.py): every
+        request it held ends now; those not yet streaming raise EngineRestartingError."""
+        self.metrics.engine_restarts.labels(reason=reason).inc()
+        error = EngineRestartingError(f"the engine was lost ({detail}) and is restarting; retry the request")
+        try:
+            outputs = self.output_processor.fail_all(str(error))
+        except Exception:
+            logger.exception("could not fail the in-flight requests cleanly")
+            outputs = []
+        logger.error("engine lost (%s: %s): %d in-flight requests failed; a new engine is starting", reason, detail,
+                     len(outputs))
+        # Some may have gone to the supervisor after the loss, to wait for the new engine: not any more.
+        self.client.abort_requests([child_request_id(out.request_id, out.index) for out in outputs])
+        self.admission.on_core_lost()
+        for queue in self._queues.values():
+            queue.put_nowait(error)
 
     def _die(self, reason: str) -> None:
         """No request can be served any more: every live stream gets an error, now."""

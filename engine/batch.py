@@ -33,6 +33,10 @@ class ForwardBatch:
     # Hybrid models: each request's recurrent-state slot (host side; the linear-attention backend
     # plans from it). Empty for models without recurrent state.
     state_slots: tuple[int, ...] = ()
+    # Hybrid prefix caching: states to keep part way through a request's rows this step, as
+    # (request index, rows of it done, checkpoint id); those at a request's last row are copied
+    # from its slot after the forward instead (the model runner).
+    interior_saves: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +61,8 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
     request_ids: list[str] = []
     sample_ids: list[str] = []
     state_slots: list[int] = []
-    for r in out.requests:
+    interior_saves: list[tuple[int, int, int]] = []
+    for index, r in enumerate(out.requests):
         n = r.num_new_tokens
         seq_len = r.seq_len
         num_pages = -(-seq_len // block_size)
@@ -75,6 +80,8 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
         request_ids.append(r.request_id)
         if r.state_slot is not None:
             state_slots.append(r.state_slot)
+        interior_saves.extend((index, s.num_tokens - r.start_pos, s.checkpoint_id)
+                              for s in r.checkpoint_saves if s.num_tokens < seq_len)
         if r.sample:  # the last row, and with drafts the row before each draft too
             logits_indices.extend(range(qo_indptr[-1] - 1 - r.num_draft_tokens, qo_indptr[-1]))
             sample_ids.append(r.request_id)
@@ -97,4 +104,5 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
         request_ids=request_ids,
         sample_request_ids=sample_ids,
         state_slots=tuple(state_slots),
+        interior_saves=tuple(interior_saves),
     )

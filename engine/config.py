@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.errors import ConfigError
 from engine.hybrid_config import (
     HYBRID_ARCHITECTURES,
     HYBRID_MOE_ARCHITECTURES,
@@ -29,10 +30,6 @@ SUPPORTED_ARCHITECTURES = {
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 # our model_type -> the MoE config's model_type (Qwen3.5-MoE's text config: qwen3_5_moe_text)
 _MOE_CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text"}
-
-
-class ConfigError(ValueError):
-    """A checkpoint or flag the server cannot run; the message is one line naming the field."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +215,10 @@ def parse_memory(text: str) -> tuple[int | None, float | None]:
     return int(number * _UNITS[unit]), None
 
 
+# Compiled grammars kept for reuse, in bytes of xgrammar's own accounting (engine/grammar_cache.py):
+# vLLM's default for xgrammar's cache (VLLM_XGRAMMAR_CACHE_MB).
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
+
 # Most prefill tokens one request gets per step, so decodes and short prompts keep flowing while a
 # long prompt prefills (docs/PERF.md "Fair team endpoint" has the measurement behind it).
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 512
@@ -241,6 +242,11 @@ class EngineConfig:
     # auto: int8 for the built-in SmolLM2 on CPU, else none (engine/dtype_policy.py)
     quantization: str | None = "auto"
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots; None: max_num_seqs (GPU: capped)
+    # Hybrid prefix caching: DeltaNet state checkpoints (None: sized from memory; 0: hybrid prefix
+    # caching off), and the most spacing, as a fraction of the position, between the snapshots taken
+    # inside a prefill (None: as dense as half the checkpoints allow; 0: none).
+    num_state_checkpoints: int | None = None
+    state_checkpoint_spacing: float | None = None
     linear_attention_backend: str = "auto"  # hybrid models: auto | torch | fla
     seed: int = 0
     engine_process: bool = True  # the engine core in a process of its own; False: a thread of the server's
@@ -252,6 +258,15 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     speculative_max_batch: int | None = None  # None: engine/spec_decode/config.py's measured default
+    kv_events_config: KVEventsConfig | None = None  # None: no KV-cache events (engine/kv_events.py)
+    # mtp: take the MTP head (mtp.*) from this second checkpoint folder (FP8 or float) of the same model
+    speculative_model: str | None = None
+    # The engine process's supervisor, in the server's process (engine/supervisor.py).
+    engine_step_timeout_s: float = 60.0  # a step making no progress this long is a hang; 0: no watchdog
+    engine_start_timeout_s: float = 600.0  # most seconds an engine process may take to load; 0: no limit
+    engine_max_restarts: int = 5  # lost engines replaced within the window; 0: a lost engine stops the server
+    engine_restart_window_s: float = 600.0
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES  # compiled grammars kept (LRU); 0: none kept
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -264,11 +279,77 @@ class EngineConfig:
             parse_memory(self.kv_cache_memory)
         if self.num_state_slots is not None and self.num_state_slots < 1:
             raise ConfigError(f"--num-state-slots: must be positive, got {self.num_state_slots}")
+        if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
+            raise ConfigError(f"--num-state-checkpoints: must not be negative, got {self.num_state_checkpoints}")
+        if self.state_checkpoint_spacing is not None and not 0.0 <= self.state_checkpoint_spacing <= 1.0:
+            raise ConfigError(f"--state-checkpoint-spacing: must be in [0, 1], got {self.state_checkpoint_spacing}")
         if self.scheduling_policy not in ("fair", "fcfs", "priority"):
             raise ConfigError(f"--scheduling-policy: '{self.scheduling_policy}' is not one of fair, fcfs, priority")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError(f"--long-prefill-token-threshold: must not be negative, got {self.long_prefill_token_threshold}")
         if self.quantization not in (None, "auto", "none", "nvfp4", "int8"):
             raise ConfigError(f"--quantization: '{self.quantization}' is not one of auto, none, nvfp4, int8")
+        if self.speculative_model is not None and self.speculative_method != "mtp":
+            raise ConfigError(f"--speculative-model: takes the MTP head of another checkpoint, so it needs "
+                              f"--speculative-method mtp, not {self.speculative_method}")
+        if self.grammar_cache_bytes < 0:
+            raise ConfigError(f"--grammar-cache-bytes: must not be negative, got {self.grammar_cache_bytes}")
         if self.linear_attention_backend not in ("auto", "torch", "fla"):
             raise ConfigError(f"--linear-attention-backend: '{self.linear_attention_backend}' is not one of auto, torch, fla")
+        for flag, value in (("--engine-step-timeout", self.engine_step_timeout_s),
+                            ("--engine-start-timeout", self.engine_start_timeout_s),
+                            ("--engine-max-restarts", self.engine_max_restarts)):
+            if value < 0:
+                raise ConfigError(f"{flag}: must not be negative, got {value:g}")
+        if self.engine_restart_window_s <= 0:
+            raise ConfigError(f"--engine-restart-window: must be positive, got {self.engine_restart_window_s:g}")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `--kv-events-config` (its `KVEventsConfig` fields and defaults): KV-cache events
+    published over ZMQ for routers that track what each replica caches (engine/kv_events.py)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" | "null"; None: "zmq" when enabled, as vLLM derives it
+    endpoint: str = "tcp://*:5557"  # bound when it holds "*", "::", ipc:// or inproc://, else connected to
+    replay_endpoint: str | None = None  # a ROUTER socket that resends buffered batches from a sequence number
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # ZMQ high-water mark of the PUB socket
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher not in (None, "zmq", "null"):
+            raise ConfigError(f"--kv-events-config: publisher '{self.publisher}' is not one of zmq, null")
+        for name in ("buffer_steps", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--kv-events-config: {name} must be positive, got {getattr(self, name)}")
+        if self.hwm < 0:
+            raise ConfigError(f"--kv-events-config: hwm must not be negative, got {self.hwm}")
+
+    @property
+    def enabled(self) -> bool:
+        """Events are recorded and sent: enabled, and a real publisher (vLLM's "null" sends nothing)."""
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    @staticmethod
+    def from_json(text: str) -> KVEventsConfig:
+        """The flag's JSON object; unknown fields and wrong types are a ConfigError naming the field."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--kv-events-config: invalid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--kv-events-config: expected a JSON object")
+        fields = [f.name for f in dataclasses.fields(KVEventsConfig)]
+        kinds = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int, "max_queue_size": int}
+        for key, value in raw.items():
+            if key not in fields:
+                raise ConfigError(f"--kv-events-config: unknown field '{key}'; known: {', '.join(fields)}")
+            kind = kinds.get(key, str)
+            if value is None and key in ("publisher", "replay_endpoint"):
+                continue
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ConfigError(f"--kv-events-config: field '{key}' must be {kind.__name__}, got {value!r}")
+        return KVEventsConfig(**raw)

@@ -10,6 +10,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.core_types import (
@@ -19,16 +20,20 @@ from engine.core_types import (
     EngineCoreRequest,
     EngineInfo,
     PromptLogprobsChunk,
+    SampledToken,
 )
 from engine.model_path import default_model_name, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
-from engine.outputs import SampledToken
 from engine.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
+from engine.grammar_cache import DEFAULT_COMPILE_WORKERS
 from engine.structured import StructuredOutputs
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Drafter, Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from engine.kv_events import KVEvents
 
 __all__ = ["VERSION", "EngineCore", "EngineInfo", "resolve_model_path"]
 
@@ -43,8 +48,12 @@ class EngineCore:
         mc = self.model_config
         max_model_len = config.max_model_len or mc.max_position_embeddings
         # The tokenizer loads on a constrained request's first compile only (xgrammar needs it).
-        self.structured = StructuredOutputs(path, mc.vocab_size)
+        self.structured = StructuredOutputs(path, mc.vocab_size, config.grammar_cache_bytes)
+        logger.info("grammar cache: compiled grammars kept up to %.0f MiB (--grammar-cache-bytes), least recently "
+                    "used out; %d compile threads, each API key compiling one grammar at a time",
+                    config.grammar_cache_bytes / (1 << 20), DEFAULT_COMPILE_WORKERS)
         self.speculative = self._speculative_config(config, mc)  # before the runner: MTP changes what it loads
+        self.kv_events = self._kv_events(config)  # before the model loads: a taken port fails start-up at once
         spec = self.speculative
         self.runner = ModelRunner(path, mc, config, max_model_len, self.structured)
         capacity = self.runner.num_kv_pages * config.block_size
@@ -59,8 +68,12 @@ class EngineCore:
                 max_model_len=max_model_len,
                 block_size=config.block_size,
                 num_blocks=self.runner.num_kv_pages,
-                enable_prefix_caching=config.enable_prefix_caching and mc.hybrid is None,
+                # Hybrid models: only with state checkpoints (the runner logs their budget).
+                enable_prefix_caching=config.enable_prefix_caching and (
+                    mc.hybrid is None or self.runner.num_state_checkpoints > 0),
                 num_state_slots=self.runner.num_state_slots,
+                num_state_checkpoints=self.runner.num_state_checkpoints,
+                state_checkpoint_bits=self.runner.state_checkpoint_bits,
                 scheduling_policy=config.scheduling_policy,  # type: ignore[arg-type]
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
@@ -68,9 +81,14 @@ class EngineCore:
             ),
             drafter=self._drafter(spec),
         )
-        if mc.hybrid is not None and config.enable_prefix_caching:
-            logger.info("prefix caching off: %s is a hybrid model, and a cached prefix would need the "
-                        "Gated DeltaNet state at its end (not kept yet)", mc.architecture)
+        if self.kv_events is not None:
+            self.scheduler.block_manager.event_sink = self.kv_events.recorder
+            if not self.scheduler.config.enable_prefix_caching:
+                logger.warning("KV events: prefix caching is off, so no page ever enters the cache and no "
+                               "BlockStored event will be sent")
+        if mc.hybrid is not None and not self.scheduler.config.enable_prefix_caching:
+            logger.info("prefix caching off for %s (a hybrid model): %s", mc.architecture,
+                        "--no-prefix-caching" if not config.enable_prefix_caching else "--num-state-checkpoints 0")
         self.info = EngineInfo(
             model_name=config.served_model_name or default_model_name(config),
             model_path=str(path),
@@ -125,6 +143,19 @@ class EngineCore:
                         spec.max_batch)
         return spec
 
+    @staticmethod
+    def _kv_events(config: EngineConfig) -> KVEvents | None:
+        if config.kv_events_config is None or not config.kv_events_config.enabled:
+            return None
+        from engine.kv_events import KVEvents  # zmq, msgspec and cbor2 only with events on
+
+        return KVEvents(config.kv_events_config, config.block_size)
+
+    def close(self) -> None:
+        """Send the KV events still queued and close their sockets (the model needs nothing)."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+
     @property
     def model_path(self) -> Path:
         return Path(self.info.model_path)
@@ -137,7 +168,7 @@ class EngineCore:
         assert params.n == 1, f"{request.request_id}: the front fans n out"
         grammar_ready = None
         if params.grammar is not None:
-            compiled = self.structured.prepare(params.grammar)
+            compiled = self.structured.prepare(params.grammar, request.owner.key, request.request_id)
             grammar_ready = compiled.done
         self.scheduler.add_request(
             Request(
@@ -147,10 +178,10 @@ class EngineCore:
                 request.eos_token_ids,
                 arrival_time=request.arrival_time,
                 grammar_ready=grammar_ready,
-                key=request.key,
-                weight=request.weight,
-                key_priority=request.key_priority,
-                priority=request.priority,
+                key=request.owner.key,
+                weight=request.owner.weight,
+                key_priority=request.owner.key_priority,
+                priority=request.owner.priority,
             )
         )
 
@@ -158,13 +189,17 @@ class EngineCore:
         """End the requests now, their pages free on return; unknown or finished ids are ignored."""
         for request_id in request_ids:
             self.scheduler.abort_request(request_id)
+            self.structured.remove_request(request_id)  # a grammar nobody waits for is not compiled
 
     def fail_all(self) -> list[str]:
         """After a failed step: end every live request and forget cached KV (the batch's KV state
         is suspect). Returns the ids it ended."""
         ids = list(self.scheduler.requests)
-        self.abort_requests(ids)
-        self.scheduler.block_manager.reset_prefix_cache()
+        for request_id in ids:  # no state checkpoint of a suspect state
+            self.scheduler.abort_request(request_id, keep_state=False)
+        self.scheduler.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()  # the failed step's BlockStored events, then AllBlocksCleared
         return ids
 
     def has_unfinished(self) -> bool:
@@ -193,6 +228,9 @@ class EngineCore:
             # The tokens the scheduler kept: a stop inside the accepted drafts ends the list there.
             toks = emitted[request.request_id][: request.num_output_tokens - before[request.request_id]]
             reason = request.finish_reason if request.is_finished else None
+            if reason is not None and request.params.grammar is not None:
+                # Its grammar goes now, not at the runner's next step (which may be long in coming).
+                self.structured.remove_request(request.request_id)
             with_logprobs = request.params.logprobs is not None
             single = toks[0] if with_logprobs and len(toks) == 1 else None
             outputs.append(
@@ -213,9 +251,12 @@ class EngineCore:
         # speculating step is a decode (drafts follow the last sampled token), so it carries none.
         outputs.extend(EngineCoreOutput(rid, (), prompt_logprobs=chunk) for rid, chunk in scored.items())
         drafted, accepted = self._acceptance(out, emitted)
+        if self.kv_events is not None:
+            self.kv_events.flush()  # what this step's schedule() stored in and evicted from the cache
         return EngineCoreOutputs(
             outputs=tuple(outputs),
             stats=self.scheduler.stats(),
+            grammar_cache=self.structured.stats(),
             num_batched_requests=len(out.requests),
             num_batched_tokens=out.num_batched_tokens,
             num_drafts_by_position=drafted,
@@ -253,7 +294,7 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.schedule()
         if out.is_empty:
-            return EngineCoreOutputs(stats=self.scheduler.stats())
+            return EngineCoreOutputs(stats=self.scheduler.stats(), grammar_cache=self.structured.stats())
         result = self.update(out, self.execute(out))
         return replace(result, step_time_s=time.perf_counter() - t0)
 

@@ -9,6 +9,7 @@ itself, end it with a `dead` message. The same loop runs on a thread of the serv
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import queue
 import signal
@@ -19,8 +20,11 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
+from engine.allocator import memory_releaser
 from engine.config import ConfigError, EngineConfig
 from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, Shutdown
+from engine.heartbeat import Heartbeat
+from scheduler.scheduler import SchedulerStats
 
 logger = logging.getLogger("fp4serve.engine")
 
@@ -34,10 +38,19 @@ Message = AddRequests | AbortRequests | Shutdown
 class EngineCoreLoop:
     """Runs on one thread; `core` is an engine.core.EngineCore (or a test's proxy of one)."""
 
-    def __init__(self, core: Any, emit: Callable[[EngineCoreOutputs], None]) -> None:
+    def __init__(
+        self,
+        core: Any,
+        emit: Callable[[EngineCoreOutputs], None],
+        heartbeat: Heartbeat | None = None,
+        release_memory: Callable[[], None] | None = None,
+    ) -> None:
         self.core = core
         self.emit = emit
+        self.heartbeat = heartbeat  # what the server's watchdog reads (engine/supervisor.py)
+        self.release_memory = release_memory  # run when the loop idles after work (engine/allocator.py)
         self.num_failures = 0  # consecutive failed steps
+        self._stepped = False  # since the loop last idled
 
     def run(self, inbox: queue.SimpleQueue[Message]) -> None:
         try:
@@ -55,6 +68,9 @@ class EngineCoreLoop:
             idle = not self.core.has_unfinished()
             if idle:  # gauges read zero once drained
                 self.emit(EngineCoreOutputs(stats=self.core.scheduler.stats()))
+                if self._stepped and self.release_memory is not None:
+                    self.release_memory()
+                self._stepped = False
             # Block only when there is nothing to step; else take what has arrived and go on.
             messages = [inbox.get()] if idle else []
             while True:
@@ -62,6 +78,8 @@ class EngineCoreLoop:
                     messages.append(inbox.get_nowait())
                 except queue.Empty:
                     break
+            if self.heartbeat is not None:
+                self.heartbeat.beat()
             for message in messages:
                 if isinstance(message, Shutdown):
                     return
@@ -77,14 +95,21 @@ class EngineCoreLoop:
         """One step, its outputs emitted; False once the engine is dead."""
         t0 = time.perf_counter()
         out = self.core.schedule()
+        beat = self.heartbeat
         if out.is_empty:
             # Everything waits for a grammar, or for pages only an abort can free.
             time.sleep(0.001)
             return True
+        if beat is not None:
+            beat.step_begins(out.requests)
+        self._stepped = True
         try:
             result = self.core.execute(out)
         except Exception as e:
             return self._step_failed(e)
+        finally:
+            if beat is not None:
+                beat.step_ends()
         self.num_failures = 0
         outputs = self.core.update(out, result)
         self.emit(replace(outputs, step_time_s=time.perf_counter() - t0))
@@ -106,19 +131,35 @@ class EngineCoreLoop:
 
 
 # ---- the engine process ---------------------------------------------------------------------------
-def run_engine_core_proc(config: EngineConfig, conn: Connection) -> None:
+def run_engine_core_proc(
+    config: EngineConfig, conn: Connection, heartbeat_slots: Any = None, carried: SchedulerStats | None = None
+) -> None:
     """The engine process's main: load, say ready (EngineInfo) or why not, then loop until the
-    front says shutdown or goes away (its end of the pipe closes)."""
+    front says shutdown or goes away (its end of the pipe closes). `heartbeat_slots`: the shared
+    array the server's watchdog reads (engine/heartbeat.py); `carried`: the last stats of the
+    engine this one replaces, whose cumulative and fair-share counters it continues
+    (engine/supervisor.py)."""
     # NOTE: the front handles SIGINT/SIGTERM and drains; it stops this process through the pipe,
     # so a signal to the whole process group must not kill the engine under in-flight requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the front reloads its API keys on SIGHUP (api/keys.py)
+    # The watchdog sends SIGUSR1 before it kills a hung engine: every thread's stack goes to stderr
+    # (the server's log), even from inside a C call that never returns.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # tqdm's default lock (the load's progress bars) also makes a multiprocessing semaphore, which a
+    # killed engine leaves to the resource tracker, and the server warns of it at exit: one
+    # process, one thread lock is enough.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     try:
         from engine.core import EngineCore
 
         core = EngineCore(config)
+        if carried is not None:
+            core.scheduler.restore(carried)
     except ConfigError as e:
         conn.send(("failed", "config", str(e)))
         return
@@ -146,4 +187,6 @@ def run_engine_core_proc(config: EngineConfig, conn: Connection) -> None:
             except (BrokenPipeError, OSError):
                 pass
 
-    EngineCoreLoop(core, emit).run(inbox)
+    heartbeat = None if heartbeat_slots is None else Heartbeat(heartbeat_slots)
+    EngineCoreLoop(core, emit, heartbeat, memory_releaser()).run(inbox)
+    core.close()

@@ -8,12 +8,13 @@ scheduler's gauges), or a failure / death notice.
 
 from __future__ import annotations
 
-from contextvars import ContextVar
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from engine.outputs import SampledToken
+from scheduler.output import SchedulerOutput
 from scheduler.request import SamplingParams
-from scheduler.scheduler import SchedulerStats
+from scheduler.scheduler import Scheduler, SchedulerStats
 
 VERSION = "0.1.0"
 
@@ -40,17 +41,14 @@ class EngineInfo:
 @dataclass(frozen=True)
 class Owner:
     """Who a request is for, as the scheduler's fair share sees it: the API key's name (never the
-    secret), its weight and priority, and the request's own vLLM `priority` (lower first)."""
+    secret), its weight and priority, and the request's own vLLM `priority` (lower first). The HTTP
+    handler builds it from the key's record and the body, and passes it to AsyncEngine.generate."""
 
     key: str = "default"
     weight: float = 1.0
     key_priority: int = 0
     priority: int = 0
 
-
-# Set by api/keys.py's middleware for each HTTP request (a task inherits it), read by
-# AsyncEngine.generate when no owner is passed: the routes need not thread it through.
-current_owner: ContextVar[Owner] = ContextVar("fp4serve_owner", default=Owner())
 
 
 @dataclass(frozen=True)
@@ -62,12 +60,17 @@ class EngineCoreRequest:
     params: SamplingParams  # n == 1
     eos_token_ids: tuple[int, ...]
     arrival_time: float  # time.monotonic() in the front's process
-    # Who asked, for fair share (scheduler/fair_queue.py): the API key's name (never the secret),
-    # its weight and priority, and the request's own vLLM `priority`.
-    key: str = "default"
-    weight: float = 1.0
-    key_priority: int = 0
-    priority: int = 0
+    owner: Owner = Owner()  # who asked, for fair share (scheduler/fair_queue.py) and per-key usage
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token of one request in a step, as the runner returns it."""
+
+    token_id: int
+    logprob: float | None = None  # log-softmax of the raw logits at the sampled id
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,21 @@ class EngineCoreOutput:
 
 
 @dataclass(frozen=True)
+class GrammarCacheStats:
+    """The compiled-grammar cache of engine/grammar_cache.py, as one step leaves it."""
+
+    num_bytes: int  # kept, charged to the budget: xgrammar's size of each
+    budget_bytes: int  # --grammar-cache-bytes
+    num_entries: int  # grammars kept
+    held_bytes: int  # grammars out of the cache (evicted, or larger than the budget) that requests still hold
+    num_compiling: int
+    num_queued: int  # waiting for a compile worker (each key compiles one at a time)
+    hits: int  # cumulative: requests whose grammar was kept or already compiling
+    misses: int  # cumulative: requests that started a compile
+    evictions: int  # cumulative: kept grammars dropped for the budget, or too large to keep
+
+
+@dataclass(frozen=True)
 class EngineCoreOutputs:
     """One message from the core: a step's outputs, or a failure that ended requests."""
 
@@ -119,6 +137,10 @@ class EngineCoreOutputs:
     failed_request_ids: tuple[str, ...] = ()  # ended by a failed step, with `error`
     error: str | None = None
     dead: str | None = None  # the core stopped for this reason: nothing more will come
+    # With `dead`: the supervisor is starting a new core in its place, after a "crash", a "hang" or
+    # an "error" (engine/supervisor.py); None: no core will follow.
+    restart: str | None = None
+    grammar_cache: GrammarCacheStats | None = None  # None until the first constrained request
 
 
 @dataclass(frozen=True)
@@ -136,3 +158,20 @@ class AbortRequests:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+class EngineCoreProtocol(Protocol):
+    """What the core loop (engine/core_proc.py) and AsyncEngine's in-process client need of an
+    engine core: engine/core.py's `EngineCore`, or a test's proxy of one."""
+
+    info: EngineInfo
+    scheduler: Scheduler  # its stats() are reported while idle
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+    def abort_requests(self, request_ids: Sequence[str]) -> None: ...
+    def fail_all(self) -> list[str]: ...
+    def has_unfinished(self) -> bool: ...
+    def schedule(self) -> SchedulerOutput: ...
+    # The step's forward result, handed back to update() unread (engine/model_runner.py StepResult).
+    def execute(self, out: SchedulerOutput) -> Any: ...
+    def update(self, out: SchedulerOutput, result: Any) -> EngineCoreOutputs: ...

@@ -1,7 +1,8 @@
 """GGUF files as HF checkpoint folders. The `gguf` package reads and dequantizes the tensors and
-transformers' GGUF support reads the config and builds the tokenizer (chat template included);
-ours is the tensor-name map, llama.cpp's q/k row order undone, and a folder written once under
-the cache root, so later starts load it in seconds."""
+transformers' GGUF support builds the tokenizer (chat template included) and, for llama and
+qwen3, the config; ours (engine/gguf_arch.py) is each architecture's tensor-name map, llama.cpp's
+value transforms undone, the config of the MoE and hybrid architectures, and a folder written
+once under the cache root, shard by shard, so later starts load it in seconds."""
 
 from __future__ import annotations
 
@@ -13,37 +14,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.cache_folder import build_once, cache_root, is_complete
 from engine.config import ConfigError
+from engine.gguf_arch import GGUF_ARCHITECTURES, OWN_CONFIG, own_config, tensor_map
+from engine.gguf_arch import unpermute_qk as unpermute_qk  # re-exported: tests and tools import it from here
 
 logger = logging.getLogger("fp4serve.gguf")
 
 # GGUF `general.architecture` -> the HF architecture our loader serves
-SUPPORTED_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-CONVERTER_VERSION = 1  # bump whenever the written folder changes, so old cache entries are rebuilt
+SUPPORTED_GGUF_ARCHITECTURES = {arch: hf for arch, (hf, _) in GGUF_ARCHITECTURES.items()}
+CONVERTER_VERSION = 2  # bump whenever the written folder changes, so old cache entries are rebuilt
 FLOAT32_MAX_PARAMS = 2_000_000_000  # above this the folder is written in bfloat16 (half the disk)
 _SHARD_BYTES = 2 << 30
-
-# GGUF tensor name (after `blk.N.`) -> HF name (after `model.layers.N.`)
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 @dataclass(frozen=True)
@@ -54,29 +40,7 @@ class GGUFSummary:
     name: str  # general.name, or the file stem
     num_params: int
     tensor_types: dict[str, int]  # quant type name -> number of tensors
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown names."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        return None
-    if stem in _TOP_NAMES:
-        return f"{_TOP_NAMES[stem]}.{suffix}"
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    return None
-
-
-def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's llama q/k row order (it interleaves each head's two rotary halves)."""
-    rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
+    config: dict[str, Any]  # the HF config.json to write
 
 
 def _reader(path: Path) -> Any:
@@ -109,13 +73,15 @@ def inspect_gguf(path: Path) -> GGUFSummary:
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ConfigError(f"{path}: unsupported GGUF rope scaling '{scaling}' ({arch}.rope.scaling.type)")
+    config = _hf_config(path, reader, arch)
+    names = tensor_map(arch, config)
     types: dict[str, int] = {}
     checked: set[GGMLQuantizationType] = set()
     num_params = 0
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             raise ConfigError(f"{path}: unsupported GGUF tensor rope_freqs.weight (Llama 3.1 rope scaling)")
-        if hf_tensor_name(tensor.name) is None:
+        if not names.known(tensor.name):
             raise ConfigError(f"{path}: unsupported GGUF tensor '{tensor.name}' for architecture '{arch}'")
         qtype = GGMLQuantizationType(tensor.tensor_type)
         if qtype not in checked:  # dequantize one row: the gguf package raises for types it lacks
@@ -129,7 +95,7 @@ def inspect_gguf(path: Path) -> GGUFSummary:
         types[qtype.name] = types.get(qtype.name, 0) + 1
         num_params += int(tensor.n_elements)
     name = _field(reader, "general.name") or path.stem
-    return GGUFSummary(architecture=arch, name=str(name), num_params=num_params, tensor_types=types)
+    return GGUFSummary(architecture=arch, name=str(name), num_params=num_params, tensor_types=types, config=config)
 
 
 def gguf_cache_folder(path: Path, root: Path | None = None) -> Path:
@@ -162,40 +128,45 @@ def ensure_gguf_checkpoint(path: Path, root: Path | None = None) -> Path:
 
 def convert_gguf(path: Path, dst: Path, summary: GGUFSummary | None = None) -> None:
     """Write `dst` (an existing empty folder) as an HF checkpoint: config, generation config,
-    dequantized safetensors, tokenizer with the GGUF's chat template."""
+    dequantized safetensors (each shard written when full), tokenizer with the GGUF's chat template."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     summary = summary or inspect_gguf(path)
     dtype = torch.float32 if summary.num_params <= FLOAT32_MAX_PARAMS else torch.bfloat16
     reader = _reader(path)
-    config = _hf_config(load_gguf_checkpoint(str(path))["config"], reader, summary.architecture, dtype)
+    config = {**summary.config, "torch_dtype": str(dtype).removeprefix("torch.")}
     _write_json(dst / "config.json", config)
     _write_json(dst / "generation_config.json", _generation_config(config, reader))
-    num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
+    names = tensor_map(summary.architecture, config)
+    shards = _ShardWriter(dst)
     for tensor in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor"):
-        name = hf_tensor_name(tensor.name)
-        assert name is not None, f"inspect_gguf let {tensor.name} through"
         weight = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))  # numpy float32
-        if summary.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            weight = unpermute_qk(weight, num_heads if "q_proj" in name else num_kv_heads)
-        value = torch.from_numpy(np.require(weight, requirements=["C", "W"])).to(dtype)
-        if shard_bytes + value.nbytes > _SHARD_BYTES and shards[-1]:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = value
-        shard_bytes += value.nbytes
-    _write_shards(dst, shards)
+        for name, value in names.convert(tensor.name, weight):
+            shards.add(name, value.to(dtype))
+    shards.close()
     _write_tokenizer(path, dst)
 
 
-def _hf_config(raw: dict[str, Any], reader: Any, arch: str, dtype: torch.dtype) -> dict[str, Any]:
+def _hf_config(path: Path, reader: Any, arch: str) -> dict[str, Any]:
+    """config.json: transformers' reading of the metadata for llama / qwen3, ours for the MoE and
+    hybrid architectures (engine/gguf_arch.py)."""
+    if arch in OWN_CONFIG:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+        try:
+            shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # GGUF lists dims reversed
+            config = own_config(arch, lambda key: _field(reader, f"{arch}.{key}"), shapes, int(vocab or 0))
+        except KeyError as e:
+            raise ConfigError(f"{path}: GGUF metadata key {e} is missing (a {arch} model needs it)") from None
+        config["bos_token_id"] = _field(reader, "tokenizer.ggml.bos_token_id")
+        config["eos_token_id"] = _field(reader, "tokenizer.ggml.eos_token_id")
+        return config
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    raw = load_gguf_checkpoint(str(path))["config"]
     config = {k: v for k, v in raw.items() if not k.startswith("_")}
     config["architectures"] = [SUPPORTED_GGUF_ARCHITECTURES[arch]]
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
     if config.get("head_dim") is None:  # qwen3 GGUFs give it as the attention key length
         key_length = _field(reader, f"{arch}.attention.key_length")
         config["head_dim"] = int(key_length) if key_length else config["hidden_size"] // config["num_attention_heads"]
@@ -210,16 +181,37 @@ def _generation_config(config: dict[str, Any], reader: Any) -> dict[str, Any]:
     return {"bos_token_id": config.get("bos_token_id"), "eos_token_id": ids, "do_sample": False}
 
 
-def _write_shards(dst: Path, shards: list[dict[str, torch.Tensor]]) -> None:
-    if len(shards) == 1:
-        save_file(shards[0], str(dst / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(dst / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    _write_json(dst / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})
+class _ShardWriter:
+    """safetensors files of at most _SHARD_BYTES, each written as soon as it is full, so the
+    conversion holds one shard in memory, not the model."""
+
+    def __init__(self, dst: Path) -> None:
+        self.dst = dst
+        self.files: list[str] = []
+        self.weight_map: dict[str, str] = {}
+        self.current: dict[str, torch.Tensor] = {}
+        self.nbytes = 0
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        if self.nbytes + value.nbytes > _SHARD_BYTES and self.current:
+            self._flush()
+        self.current[name] = value
+        self.nbytes += value.nbytes
+
+    def _flush(self) -> None:
+        file = f"model-{len(self.files) + 1:05d}.safetensors"
+        save_file(self.current, str(self.dst / file), metadata={"format": "pt"})
+        self.files.append(file)
+        self.weight_map.update(dict.fromkeys(self.current, file))
+        self.current, self.nbytes = {}, 0
+
+    def close(self) -> None:
+        if not self.files:  # one shard: the usual single model.safetensors
+            save_file(self.current, str(self.dst / "model.safetensors"), metadata={"format": "pt"})
+            return
+        if self.current:
+            self._flush()
+        _write_json(self.dst / "model.safetensors.index.json", {"metadata": {}, "weight_map": self.weight_map})
 
 
 def _write_tokenizer(path: Path, dst: Path) -> None:
@@ -227,8 +219,16 @@ def _write_tokenizer(path: Path, dst: Path) -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:  # transformers raises many types for a tokenizer it cannot convert
-        raise ConfigError(f"{path}: cannot build the tokenizer from the GGUF metadata ({type(e).__name__}: {e})") from None
+    except Exception as first:  # transformers raises many types for a tokenizer it cannot convert
+        # NOTE: AutoTokenizer reads the model config too, which older transformers cannot for the
+        # hybrid architectures; the fast tokenizer class reads the tokenizer keys only.
+        from transformers import PreTrainedTokenizerFast
+
+        try:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception:
+            raise ConfigError(f"{path}: cannot build the tokenizer from the GGUF metadata "
+                              f"({type(first).__name__}: {first})") from None
     tokenizer.save_pretrained(str(dst))
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import ConfigError
+
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 # The same hybrid layers with a sparse MoE block (and a shared expert) in every MLP slot.
 HYBRID_MOE_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -73,8 +75,6 @@ def text_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 def hybrid_from_dict(raw: dict[str, Any], source: str) -> HybridConfig:
     """HybridConfig from the (flattened) text fields; a missing or bad field is a ConfigError."""
-    from engine.config import ConfigError  # NOTE: engine.config imports this module
-
     def need(key: str) -> int:
         value = raw.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -1,23 +1,32 @@
 """What the model runner adds for a hybrid model (Qwen3.5/3.6): the state-slot pool, sized at
-start-up (`--num-state-slots`), and the linear-attention backend (`--linear-attention-backend`),
-chosen once with a plain `if`: fla-core's Triton kernels on CUDA when they import, else torch."""
+start-up (`--num-state-slots`), the state-checkpoint pool of prefix caching
+(`--num-state-checkpoints`, `--state-checkpoint-spacing`), and the linear-attention backend
+(`--linear-attention-backend`), chosen once with a plain `if`: fla-core's Triton kernels on CUDA
+when they import, else torch."""
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.checkpoint_pool import CheckpointPool
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.hybrid_backend import HybridBackend
 from engine.linear_attention import LinearAttentionBackend, TorchLinearAttentionBackend
 from engine.state_pool import StatePool
+from scheduler.checkpoint_manager import MAX_GRID_BITS, grid_bits_for
 
 logger = logging.getLogger("fp4serve.runner")
 
 _MIB = 1 << 20
 _DEFAULT_GPU_STATE_FRACTION = 0.25
+# Checkpoints by default: on a GPU a fifth of the memory free after the weights and slots (before
+# the KV pages: a 27B hybrid's KV needs little); on CPU this many bytes, at most one per KV page.
+_DEFAULT_GPU_CHECKPOINT_FRACTION = 0.2
+_DEFAULT_CPU_CHECKPOINT_BYTES = 256 << 20
 
 
 def make_state_pool(cfg: ModelConfig, config: EngineConfig, device: torch.device) -> StatePool | None:
@@ -39,6 +48,45 @@ def make_state_pool(cfg: ModelConfig, config: EngineConfig, device: torch.device
     logger.info("state slots: %d x %.2f MiB = %.2f MiB (conv + recurrent state of %d Gated DeltaNet layers, float32)",
                 num_slots, per_slot / _MIB, pool.nbytes / _MIB, len(cfg.hybrid.linear_layers))
     return pool
+
+
+def make_checkpoint_pool(cfg: ModelConfig, config: EngineConfig, device: torch.device,
+                         kv_page_shape: tuple[int, ...], num_kv_layers: int, kv_dtype: torch.dtype,
+                         num_kv_pages: int | None, max_model_len: int) -> tuple[CheckpointPool | None, int]:
+    """The checkpoint pool of hybrid prefix caching (None: off) and its snapshot grid's bits
+    (scheduler/checkpoint_manager.py `on_grid`). `num_kv_pages`: known on CPU, caps the default."""
+    if cfg.hybrid is None or not config.enable_prefix_caching or config.num_state_checkpoints == 0:
+        return None, 0
+    page_bytes = math.prod(kv_page_shape) * torch.tensor([], dtype=kv_dtype).element_size()
+    per_checkpoint = cfg.hybrid.state_bytes_per_slot() + num_kv_layers * page_bytes
+    num = config.num_state_checkpoints
+    if num is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            num = max(1, int(free * _DEFAULT_GPU_CHECKPOINT_FRACTION) // per_checkpoint)
+        else:
+            num = max(4, _DEFAULT_CPU_CHECKPOINT_BYTES // per_checkpoint)
+            num = min(num, num_kv_pages) if num_kv_pages else num
+    pool = CheckpointPool(cfg.hybrid, num, kv_page_shape, num_kv_layers, kv_dtype, device)
+    spacing = config.state_checkpoint_spacing
+    max_pages = -(-max_model_len // config.block_size)
+    # Auto: the densest grid whose snapshots of one max_model_len context take at most half the pool
+    # (they are evicted before any prompt end or sequence end, scheduler/checkpoint_manager.py).
+    bits = grid_bits_for(max_pages, num // 2) if spacing is None else spacing_bits(spacing)
+    grid = (f"page counts with at most {bits} significant bits (spacing <= {2.0 ** (1 - bits):.3g} of the "
+            f"position)" if bits else "none")
+    logger.info("hybrid prefix caching on: %d state checkpoints x %.2f MiB = %.2f MiB (the DeltaNet state of %d "
+                "layers, float32, plus one KV page of %d attention layers); snapshots at prompt ends, sequence ends, "
+                "shared-prefix junctions and inside prefills at %s", num, pool.bytes_per_checkpoint / _MIB,
+                pool.nbytes / _MIB, len(cfg.hybrid.linear_layers), num_kv_layers, grid)
+    return pool, bits
+
+
+def spacing_bits(spacing: float) -> int:
+    """--state-checkpoint-spacing F as grid bits: the fewest whose spacing 2^(1 - bits) is <= F."""
+    if spacing <= 0:
+        return 0
+    return min(MAX_GRID_BITS, 1 + max(0, math.ceil(-math.log2(spacing))))
 
 
 def fla_import_error(device: torch.device) -> str | None:
@@ -67,13 +115,13 @@ def choose_linear_backend(name: str, device: torch.device) -> str:
 
 
 def make_hybrid_backend(attention: AttentionBackend, pool: StatePool, config: EngineConfig,
-                        device: torch.device) -> HybridBackend:
+                        device: torch.device, checkpoints: CheckpointPool | None = None) -> HybridBackend:
     choice = choose_linear_backend(config.linear_attention_backend, device)
     linear: LinearAttentionBackend
     if choice == "fla":
         from engine.linear_attention_fla import FlaLinearAttentionBackend
 
-        linear = FlaLinearAttentionBackend(pool, device)
+        linear = FlaLinearAttentionBackend(pool, device, checkpoints=checkpoints)
     else:
-        linear = TorchLinearAttentionBackend(pool, device)
+        linear = TorchLinearAttentionBackend(pool, device, checkpoints=checkpoints)
     return HybridBackend(attention, linear)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import ConfigError
-from engine.quantization import check_shape, copy_bias_shard
+from engine.shard_checks import check_shape, copy_bias_shard
 
 _QMAX = 127  # symmetric: -127..127, so negating a weight never overflows
 # The activation dtypes `_weight_int8pack_mm` takes on CPU (its scales must be the same dtype).

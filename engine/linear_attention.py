@@ -12,6 +12,10 @@ starting at position 0 has its slot zeroed at plan time.
     prefill rows [[a0 .. a39]]                         short rows [[c0 c1 pad], [d0 d1 d2]]
     decode rows  [b0, e0]                              short mask [[1 1 0], [1 1 1]]
 
+Hybrid prefix caching: a state to keep part way through a request's rows (`ForwardBatch.
+interior_saves`) is taken inside the conv and the rule of the request's group and written straight
+into the checkpoint pool; no extra pass over the tokens.
+
 SHORT_ROW_MAX = 16 by measurement (docs/PERF.md, "Short rows"): the chunked form pays for a whole
 padded chunk of 64 whatever the row's length, the recurrence pays per token; on tiny test models
 they break even near 16 tokens, at Qwen3.5's DeltaNet sizes the recurrence is still far cheaper.
@@ -25,8 +29,9 @@ from typing import Protocol
 import torch
 
 from engine.batch import ForwardBatch
-from engine.models.gated_delta import (causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule,
-                                       sequential_gated_delta_rule)
+from engine.checkpoint_pool import CheckpointPool
+from engine.models.gated_delta import (causal_conv1d, chunk_gated_delta_rule, conv_states_at,
+                                       recurrent_gated_delta_rule, sequential_gated_delta_rule)
 from engine.state_pool import StatePool
 
 SHORT_ROW_MAX = 16  # rows of up to this many tokens run the recurrence (see the module docstring)
@@ -57,15 +62,22 @@ class Segments:
     lengths: torch.Tensor  # [B] int64
     slots: torch.Tensor  # [B] int64 state slot of each request
     flat_rows: torch.Tensor  # [sum(lengths)] int64 = rows[mask]
+    # States kept part way: (row, tokens of it done) on the host, and their checkpoint ids [S] int64.
+    saves: tuple[tuple[int, int], ...] = ()
+    save_ids: torch.Tensor | None = None
 
     @staticmethod
-    def build(starts: list[int], lengths: list[int], slots: list[int], device: torch.device) -> Segments:
+    def build(starts: list[int], lengths: list[int], slots: list[int], device: torch.device,
+              saves: list[tuple[int, int, int]] | None = None) -> Segments:
+        """saves: (row, tokens done, checkpoint id) of the states to keep part way."""
         width = max(lengths)
         rows = torch.tensor([[s + min(j, n - 1) for j in range(width)] for s, n in zip(starts, lengths)],
                             dtype=torch.int64)
         mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+        save_ids = torch.tensor([c for _, _, c in saves], dtype=torch.int64).to(device) if saves else None
         return Segments(rows.to(device), mask.to(device), torch.tensor(lengths, device=device),
-                        torch.tensor(slots, dtype=torch.int64, device=device), rows[mask].to(device))
+                        torch.tensor(slots, dtype=torch.int64, device=device), rows[mask].to(device),
+                        tuple((r, t) for r, t, _ in saves or ()), save_ids)
 
 
 @dataclass(frozen=True)
@@ -87,10 +99,17 @@ class LinearAttentionPlan:
             offset += n
         kinds = ("decode", "short", "prefill")
         groups: dict[str, tuple[list[int], list[int], list[int]]] = {kind: ([], [], []) for kind in kinds}
+        saves: dict[str, list[tuple[int, int, int]]] = {kind: [] for kind in kinds}
+        by_request: dict[int, list[tuple[int, int]]] = {}
+        for index, done, checkpoint_id in batch.interior_saves:
+            by_request.setdefault(index, []).append((done, checkpoint_id))
         fresh: list[int] = []
-        for start, n, seq_len, slot in zip(starts, batch.query_lens, batch.seq_lens, batch.state_slots):
+        for index, (start, n, seq_len, slot) in enumerate(
+                zip(starts, batch.query_lens, batch.seq_lens, batch.state_slots)):
             assert slot >= 0, "a hybrid request without a state slot"
-            g = groups["decode" if n == 1 else "short" if n <= short_max else "prefill"]
+            kind = "decode" if n == 1 else "short" if n <= short_max else "prefill"
+            g = groups[kind]
+            saves[kind].extend((len(g[0]), done, c) for done, c in by_request.get(index, ()))
             g[0].append(start)
             g[1].append(n)
             g[2].append(slot)
@@ -99,7 +118,7 @@ class LinearAttentionPlan:
 
         def segments(kind: str) -> Segments | None:
             s, n, slots = groups[kind]
-            return Segments.build(s, n, slots, device) if s else None
+            return Segments.build(s, n, slots, device, saves[kind]) if s else None
 
         return LinearAttentionPlan(segments("decode"), segments("prefill"), offset, segments("short")), fresh
 
@@ -110,8 +129,10 @@ class TorchLinearAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, pool: StatePool, device: torch.device, short_max: int = SHORT_ROW_MAX) -> None:
+    def __init__(self, pool: StatePool, device: torch.device, short_max: int = SHORT_ROW_MAX,
+                 checkpoints: CheckpointPool | None = None) -> None:
         self.pool = pool
+        self.checkpoints = checkpoints  # hybrid prefix caching: where states kept part way go
         self.device = device
         self.short_max = short_max  # rows of 2..short_max tokens run the recurrence; 0: every row chunked
         self._plan: LinearAttentionPlan | None = None
@@ -129,7 +150,12 @@ class TorchLinearAttentionBackend:
         states = self.pool.conv[layer]  # [S, C, K-1] float32
         out = torch.empty_like(x)
         for seg in self._groups():  # three groups at most, never one per sequence
-            y, new_state = causal_conv1d(x[seg.rows].transpose(1, 2), states[seg.slots], weight, seg.lengths)
+            rows_x, rows_state = x[seg.rows].transpose(1, 2), states[seg.slots]
+            if seg.save_ids is not None:  # before the slots are overwritten below
+                assert self.checkpoints is not None, "interior saves without a checkpoint pool"
+                rows, done = (torch.tensor(v, dtype=torch.int64, device=x.device) for v in zip(*seg.saves))
+                self.checkpoints.write(layer, seg.save_ids, conv=conv_states_at(rows_x, rows_state, weight, rows, done))
+            y, new_state = causal_conv1d(rows_x, rows_state, weight, seg.lengths)
             states.index_copy_(0, seg.slots, new_state.float())
             out[seg.flat_rows] = y.transpose(1, 2)[seg.mask]
         return out
@@ -149,8 +175,12 @@ class TorchLinearAttentionBackend:
             if seg is None:
                 continue
             keep = seg.mask[..., None]  # pads: g = 0 and beta = 0 leave the state as it was
+            kept = None if seg.save_ids is None else torch.empty(
+                len(seg.saves), *states.shape[1:], dtype=torch.float32, device=states.device)
             o, new_state = rule(q[seg.rows], k[seg.rows], v[seg.rows], g[seg.rows] * keep, beta[seg.rows] * keep,
-                                states[seg.slots])
+                                states[seg.slots], snapshots=seg.saves, snapshot_states=kept)
             states.index_copy_(0, seg.slots, new_state)
+            if kept is not None and seg.save_ids is not None and self.checkpoints is not None:
+                self.checkpoints.write(layer, seg.save_ids, recurrent=kept)
             out[seg.flat_rows] = o[seg.mask]
         return out

@@ -1,43 +1,39 @@
 """Weights from a local HF checkpoint (one safetensors file or a sharded index) straight into
-our modules: float, or NVFP4 linears packed in the checkpoint or quantized here. A missing or
-mis-shaped tensor fails start-up with one line naming it."""
+our modules, tensor by tensor: float; NVFP4 linears packed in the checkpoint or quantized here;
+int8 at load; block-wise FP8 kept as FP8 on GPUs with FP8 tensor cores or dequantized as it streams
+(engine/fp8.py); and the MTP head, from the checkpoint or a second folder (engine/mtp_source.py).
+A missing or mis-shaped tensor fails start-up with one line naming it."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from engine.checkpoint_files import checkpoint_files, iter_checkpoint, tensor_names
 from engine.config import ConfigError, ModelConfig
+from engine.fp8 import Fp8Dequantizer, Fp8Format, fp8_format, keeps_fp8
+from engine.int8_linear import Int8Linear, check_int8_device, quantize_int8
+from engine.linear_plan import LinearBuilder, Unloaded, hf_name, plan_linears
 from engine.models.decoder import DecoderForCausalLM, make_mlp
 from engine.models.layers import Linear, RotaryEmbedding
+from engine.models.moe import NVFP4Experts
 from engine.models.qwen3_5 import HybridForCausalLM
 from engine.models.qwen3_5_mtp import MTP_PREFIX, Qwen3_5MTP, map_mtp_name
-from engine.models.qwen3_5_weights import FUSED_LINEARS, LINEAR_ATTN_RULES, canonical_name, skipped_part
-from engine.models.moe import NVFP4Experts
+from engine.models.qwen3_5_weights import LINEAR_ATTN_RULES, canonical_name, skipped_part
 from engine.moe_loader import ExpertLoader, map_moe_name
-from engine.int8_linear import Int8Linear, Int8LinearBuilder, check_int8_device, quantize_int8
-from engine.quantization import (
-    INT8,
-    LINEAR_SUFFIXES,
-    NVFP4LinearBuilder,
-    QuantizationMethod,
-    check_quantizable,
-    is_packed,
-    is_quantizable,
-    tensor_roles,
-)
+from engine.mtp_source import MtpSource
+from engine.quantization import INT8, LINEAR_SUFFIXES, QuantizationMethod, tensor_roles
+from kernels.fp8_dispatch import Fp8Experts, Fp8Linear
 from kernels.nvfp4_matmul import NVFP4Linear
 
 logger = logging.getLogger("fp4serve.loader")
+_MIB = 1 << 20
 
 _LINEAR = "(" + "|".join(LINEAR_SUFFIXES) + ")"
 # HF tensor name -> (our parameter path, shard index within a fused Linear or None)
@@ -56,38 +52,6 @@ _LAYER_RULES: list[tuple[re.Pattern[str], str, int | None]] = [
 ]
 _LM_HEAD = re.compile(rf"lm_head\.{_LINEAR}$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-
-
-def checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / f for f in weight_map.values()})
-        for f in files:
-            if not f.is_file():
-                raise ConfigError(f"{index}: shard {f.name} not found")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{path}: no *.safetensors weights found")
-    return files
-
-
-def tensor_names(files: list[Path]) -> list[str]:
-    """Every tensor name in the checkpoint, read from the safetensors headers only."""
-    names: list[str] = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            names.extend(st.keys())
-    return names
-
-
-def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = checkpoint_files(path)
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                yield name, st.get_tensor(name)
 
 
 def map_name(name: str) -> tuple[str, int | None] | None:
@@ -113,57 +77,22 @@ def map_name(name: str) -> tuple[str, int | None] | None:
 
 @dataclass(frozen=True)
 class WeightBytes:
-    total: int  # every resident weight tensor, tied ones once, NVFP4 scales included
-    nvfp4: int  # of which the NVFP4 linears' packed codes and scales
+    total: int  # every resident weight tensor, tied ones once, NVFP4 and FP8 scales included
+    nvfp4: int  # of which the NVFP4 linears' (and experts') packed codes and scales
     num_nvfp4_linears: int
+    fp8: int = 0  # of which the FP8 linears' (and experts') codes and block scales
+    num_fp8_linears: int = 0
 
 
 def weight_bytes(model: nn.Module) -> WeightBytes:
     """Resident weight bytes (not the rotary tables, which are derived, not loaded)."""
-    # NOTE: an NVFP4Linear's prepared operand is deliberately no buffer, so state_dict misses it.
+    # NOTE: NVFP4 operands and FP8 weights are deliberately no buffers, so state_dict misses them.
     tensors = {t.data_ptr(): t.nbytes for t in model.state_dict().values()}
-    linears = [m for m in model.modules() if isinstance(m, (NVFP4Linear, NVFP4Experts))]
-    nvfp4 = sum(m.weight_nbytes for m in linears)
-    return WeightBytes(sum(tensors.values()) + nvfp4, nvfp4, len(linears))
-
-
-class _Unloaded(nn.Module):
-    """Holds an NVFP4 linear's place until its shards have all streamed in."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise AssertionError("an NVFP4 linear was used before the loader finished it")
-
-
-def _nvfp4_plan(model: DecoderForCausalLM, names: set[str], method: QuantizationMethod | None,
-                dtype: torch.dtype, device: torch.device) -> dict[str, NVFP4LinearBuilder | Int8LinearBuilder]:
-    """Which of the model's Linears are quantized: for a packed checkpoint, those whose tensors say
-    so (exclude lists vary between producers; the tensors do not lie); at load (NVFP4 or int8),
-    q/k/v/o, gate/up/down."""
-    if method is None:
-        return {}
-    cfg = model.config
-    if method.quantize_at_load and method.scheme != INT8:
-        check_quantizable(cfg, "--quantization nvfp4")
-    plan: dict[str, NVFP4LinearBuilder | Int8LinearBuilder] = {}
-    for module_path, module in model.named_modules():
-        if not isinstance(module, Linear) or (module_path == "lm_head" and cfg.tie_word_embeddings):
-            continue
-        hf = [_hf_name(f"{module_path}.weight", i).removesuffix(".weight") for i in range(len(module.shard_sizes))]
-        fmt = method.checkpoint_format
-        flags = [is_quantizable(h) if fmt is None else is_packed(fmt, names, h) for h in hf]
-        if any(flags) and not all(flags):
-            raise ConfigError(f"{hf[flags.index(True)]} is NVFP4 but {hf[flags.index(False)]} is not; "
-                              f"the linears fused into {module_path} need one format")
-        if all(flags):
-            bias = None
-            if module.bias is not None:
-                bias = torch.zeros(sum(module.shard_sizes), dtype=dtype, device=device)  # [N]
-            if method.scheme == INT8:
-                plan[module_path] = Int8LinearBuilder(hf, module.shard_sizes, module.in_features, bias, dtype, device)
-            else:
-                plan[module_path] = NVFP4LinearBuilder(method, hf, module.shard_sizes, module.in_features, bias,
-                                                       device)
-    return plan
+    nvfp4 = [m for m in model.modules() if isinstance(m, (NVFP4Linear, NVFP4Experts))]
+    fp8 = [m for m in model.modules() if isinstance(m, (Fp8Linear, Fp8Experts))]
+    nvfp4_bytes = sum(m.weight_nbytes for m in nvfp4)
+    fp8_bytes = sum(m.weight_nbytes for m in fp8)
+    return WeightBytes(sum(tensors.values()) + nvfp4_bytes + fp8_bytes, nvfp4_bytes, len(nvfp4), fp8_bytes, len(fp8))
 
 
 def _meta_model(cfg: ModelConfig, dtype: torch.dtype, max_len: int, mtp: bool = False) -> DecoderForCausalLM:
@@ -184,11 +113,11 @@ def _meta_model(cfg: ModelConfig, dtype: torch.dtype, max_len: int, mtp: bool = 
         torch.set_default_dtype(default_dtype)
 
 
-def _materialize(model: DecoderForCausalLM, nvfp4_paths: list[str], device: torch.device, max_len: int) -> None:
-    """Uninitialized float tensors on `device` (the checkpoint fills them); placeholders for NVFP4 linears."""
-    for module_path in nvfp4_paths:
+def _materialize(model: DecoderForCausalLM, built_paths: list[str], device: torch.device, max_len: int) -> None:
+    """Uninitialized float tensors on `device` (the checkpoint fills them); placeholders for built linears."""
+    for module_path in built_paths:
         parent, _, child = module_path.rpartition(".")
-        setattr(model.get_submodule(parent), child, _Unloaded())
+        setattr(model.get_submodule(parent), child, Unloaded())
     model.to_empty(device=device)
     cfg = model.config
     # NOTE: the meta build left the derived cos/sin tables without values: compute them.
@@ -214,9 +143,68 @@ def _expected_tensors(params: dict[str, nn.Parameter], modules: dict[str, nn.Mod
     return expected
 
 
+@dataclass
+class _Sink:
+    """Where each (canonical) checkpoint tensor goes: the expert loader, a builder, or a float
+    parameter; what was seen, skipped or unused."""
+
+    model: DecoderForCausalLM
+    dtype: torch.dtype
+    experts: ExpertLoader
+    pending: dict[str, LinearBuilder]
+    skipped_suffixes: tuple[str, ...]  # W4A4 activation scales of packed NVFP4 linears
+    head_source: str | None  # int8: the parameter whose stored values become the int8 lm_head
+    params: dict[str, nn.Parameter] = field(init=False)
+    modules: dict[str, nn.Module] = field(init=False)
+    seen: set[tuple[str, int | None]] = field(default_factory=set)
+    unused: list[str] = field(default_factory=list)
+    num_skipped: int = 0
+    head_int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes [V, H] int8, scales [V])
+
+    def __post_init__(self) -> None:
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.modules = dict(self.model.named_modules())
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        cfg = self.model.config
+        if self.experts.add(name, tensor):
+            return
+        mapped = map_mtp_name(name, map_name) if name.startswith(MTP_PREFIX) else map_name(name)
+        if mapped is None or (mapped[0].startswith("lm_head.") and cfg.tie_word_embeddings):
+            self.unused.append(name)
+            return
+        pname, shard = mapped
+        module_path, _, leaf = pname.rpartition(".")
+        if module_path in self.pending and leaf in self.skipped_suffixes:
+            self.num_skipped += 1  # W4A4 activation scales: NVFP4 runs weight-only here
+            return
+        if module_path in self.pending:
+            assert shard is not None, f"{name}: a linear's tensor without a shard"
+            self.pending[module_path].add(shard, leaf, tensor)
+            return
+        if leaf not in ("weight", "bias") and isinstance(self.modules.get(module_path), Linear):
+            self.unused.append(name)  # a quantization tensor of a linear the checkpoint keeps in float
+            return
+        if pname not in self.params:
+            raise ConfigError(f"tensor '{name}' does not fit this model's configuration")
+        target = self.params[pname]
+        if shard is not None:
+            module = self.modules[module_path]
+            assert isinstance(module, Linear)
+            target = target[module.shard_slice(shard)]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ConfigError(f"tensor '{name}' has shape {list(tensor.shape)}, expected {list(target.shape)}")
+        target.copy_(tensor.to(self.dtype))
+        self.seen.add((pname, shard))
+        if pname == self.head_source:
+            self.head_int8 = quantize_int8(tensor, self.dtype)  # from the stored values, not the dtype copy
+
+
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-               quantization: QuantizationMethod | None = None, mtp: bool = False) -> DecoderForCausalLM:
-    """`mtp`: load the checkpoint's mtp.* head too (`model.mtp`, --speculative-method mtp)."""
+               quantization: QuantizationMethod | None = None, mtp: bool = False,
+               mtp_path: Path | None = None) -> DecoderForCausalLM:
+    """`mtp`: load an MTP head too (`model.mtp`, --speculative-method mtp): the checkpoint's mtp.*
+    tensors, or those of `mtp_path` (--speculative-model), whose body is not read."""
     int8 = quantization is not None and quantization.scheme == INT8
     if int8:
         check_int8_device(device)
@@ -224,121 +212,118 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     head_source = None
     if int8 and quantization is not None and quantization.int8_lm_head:
         head_source = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    head_int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (codes [V, H] int8, scales [V])
+    fp8 = fp8_format(cfg.quantization)
+    keep_fp8 = fp8 if fp8 is not None and keeps_fp8(fp8, device, requantized=quantization is not None) else None
     files = checkpoint_files(path)
     names = [canonical_name(n) for n in tensor_names(files)]  # ConditionalGeneration: text model as model.*
+    num_tensors = len(names)
+    source = MtpSource.open(mtp_path, cfg) if mtp and mtp_path is not None else None
+    if source is not None:
+        names = [n for n in names if not n.startswith(MTP_PREFIX)] + list(source.names)
     num_mtp = sum(n.startswith(MTP_PREFIX) for n in names)
     if mtp and not num_mtp:
         raise ConfigError(f"--speculative-method mtp: {path} has no mtp.* tensors (this checkpoint carries no MTP "
-                          "head); use --speculative-method ngram")
+                          "head); take one from another checkpoint of the model with --speculative-model PATH, "
+                          "or use --speculative-method ngram")
     model = _meta_model(cfg, dtype, max_len, mtp)
-    pending = _nvfp4_plan(model, set(names), quantization, dtype, device)
+    pending = plan_linears(model, set(names), quantization, dtype, device, keep_fp8)
     # NOTE: routed experts stay in the model dtype under int8 (no int8 expert kernel here).
-    experts = ExpertLoader(model, set(names), None if int8 else quantization, dtype, device)
+    experts = ExpertLoader(model, set(names), None if int8 else quantization, dtype, device, keep_fp8)
     _materialize(model, list(pending), device, max_len)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    modules = dict(model.named_modules())
-    expected = {e for e in _expected_tensors(params, modules, cfg) if e[0] not in experts.float_param_paths()}
-    skipped = tensor_roles(quantization.checkpoint_format)[1] if quantization and quantization.checkpoint_format else ()
-    seen: set[tuple[str, int | None]] = set()
-    unused: list[str] = []
-    num_skipped = 0
+    sink = _Sink(model, dtype, experts, pending,
+                 tensor_roles(quantization.checkpoint_format)[1] if quantization and quantization.checkpoint_format else (),
+                 head_source)
+    expected = {e for e in _expected_tensors(sink.params, sink.modules, cfg) if e[0] not in experts.float_param_paths()}
+    dequantizer = None
+    if fp8 is not None:
+        kept = {hf for b in pending.values() for hf in b.hf_modules} if keep_fp8 is not None else set()
+        dequantizer = Fp8Dequantizer(fp8, lambda n: n.rpartition(".")[0] in kept or experts.keeps_fp8(n))
     left_out: dict[str, list[str]] = {}  # "vision" | "mtp" -> tensor names a text server does not load
     with torch.no_grad():
-        for name, tensor in tqdm(iter_checkpoint(path), total=len(names), desc="loading weights", unit="tensor",
-                                 disable=None):
-            part = skipped_part(name)
-            if part is not None and not (part == "mtp" and mtp):
-                left_out.setdefault(part, []).append(name)
-                continue
-            name = canonical_name(name)
-            try:
-                if experts.add(name, tensor):
-                    continue
-            except ConfigError as e:
-                raise ConfigError(f"{path}: {e}") from None
-            mapped = map_mtp_name(name, map_name) if name.startswith(MTP_PREFIX) else map_name(name)
-            if mapped is None or (mapped[0].startswith("lm_head.") and cfg.tie_word_embeddings):
-                unused.append(name)
-                continue
-            pname, shard = mapped
-            module_path, _, leaf = pname.rpartition(".")
-            if module_path in pending and leaf in skipped:
-                num_skipped += 1  # W4A4 activation scales: NVFP4 runs weight-only here
-                continue
-            if module_path in pending:
-                assert shard is not None, f"{name}: a linear's tensor without a shard"
-                try:
-                    pending[module_path].add(shard, leaf, tensor)
-                except ConfigError as e:
-                    raise ConfigError(f"{path}: {e}") from None
-                continue
-            if leaf not in ("weight", "bias") and isinstance(modules.get(module_path), Linear):
-                unused.append(name)  # a quantization tensor of a linear the checkpoint keeps in float
-                continue
-            if pname not in params:
-                raise ConfigError(f"{path}: tensor '{name}' does not fit this model's configuration")
-            target = params[pname]
-            if shard is not None:
-                module = modules[module_path]
-                assert isinstance(module, Linear)
-                target = target[module.shard_slice(shard)]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ConfigError(f"{path}: tensor '{name}' has shape {list(tensor.shape)}, expected {list(target.shape)}")
-            target.copy_(tensor.to(dtype))
-            seen.add((pname, shard))
-            if pname == head_source:
-                head_int8 = quantize_int8(tensor, dtype)  # from the stored values, not the dtype copy
-    missing = sorted(expected - seen, key=str)
-    if missing:
-        pname, shard = missing[0]
-        raise ConfigError(f"{path}: missing tensor for '{_hf_name(pname, shard)}' ({len(missing)} missing in all)")
-    try:
-        experts.finish()
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    for module_path, builder in pending.items():
         try:
-            finished = builder.build()
+            for name, tensor in tqdm(iter_checkpoint(path), total=num_tensors, desc="loading weights",
+                                     unit="tensor", disable=None):
+                part = skipped_part(name)
+                if part is not None and not (part == "mtp" and mtp and source is None):
+                    left_out.setdefault(part, []).append(name)
+                    continue
+                name = canonical_name(name)
+                for placed, value in dequantizer.feed(name, tensor) if dequantizer else ((name, tensor),):
+                    sink.put(placed, value)
+            if dequantizer is not None:
+                dequantizer.finish()
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
-        parent, _, child = module_path.rpartition(".")
-        setattr(model.get_submodule(parent), child, finished)
-    if head_int8 is not None:
+        if source is not None:
+            try:
+                for name, tensor in tqdm(source.tensors(), total=source.num_tensors, desc="loading MTP head",
+                                         unit="tensor", disable=None):
+                    sink.put(name, tensor)
+            except ConfigError as e:
+                message = str(e)
+                raise ConfigError(message if message.startswith("--speculative-model") else
+                                  f"--speculative-model {source.path}: {message}") from None
+    _finish(model, path, sink, expected, experts, pending)
+    if sink.head_int8 is not None:
         bias = model.lm_head.bias
-        model.lm_head = Int8Linear(*head_int8, None if bias is None else bias.detach().clone())
+        model.lm_head = Int8Linear(*sink.head_int8, None if bias is None else bias.detach().clone())
     if int8:
         if quantization is not None and quantization.int8_dense_from_rows:
             for m in model.modules():
                 if isinstance(m, Int8Linear):
                     m.keep_dense_copy(quantization.int8_dense_from_rows)
         _log_int8(model, dtype)
-    if num_skipped:
+    if sink.num_skipped:
+        skipped = "/".join(sink.skipped_suffixes)
         logger.info("skipped %d W4A4 activation scales (%s): weight-only NVFP4, activations stay in %s",
-                    num_skipped, "/".join(skipped), str(dtype).removeprefix("torch."))
+                    sink.num_skipped, skipped, str(dtype).removeprefix("torch."))
     _log_left_out(left_out)
+    if fp8 is not None:
+        _log_fp8(model, fp8, keep_fp8 is not None, quantization, dtype, device, dequantizer)
     if mtp:
-        logger.info("MTP head loaded: %d mtp.* tensors (fc, 1 gated-attention layer, norms; embedding and lm_head "
-                    "shared with the main model)", num_mtp)
-    if unused:
-        logger.warning("ignored %d checkpoint tensors (e.g. %s)", len(unused), unused[0])
+        where = f"from {source.path}{' (FP8, dequantized)' if source.fp8 else ''}; the body's own mtp.* unread" \
+            if source is not None else "from the checkpoint"
+        logger.info("MTP head loaded: %d mtp.* tensors %s (fc, 1 gated-attention layer, norms; embedding and lm_head "
+                    "shared with the main model)", num_mtp, where)
+    if sink.unused:
+        logger.warning("ignored %d checkpoint tensors (e.g. %s)", len(sink.unused), sink.unused[0])
     return model.eval()
 
 
-def _hf_name(pname: str, shard: int | None) -> str:
-    """Our parameter path back to the checkpoint's tensor name, for error messages."""
-    fused = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-        **FUSED_LINEARS,
-    }
-    name = pname
-    for ours, theirs in fused.items():
-        if ours in name and shard is not None:
-            name = name.replace(ours, theirs[shard])
-    if name.startswith(("layers.", "embed_tokens.", "norm.")):
-        name = "model." + name
-    return name
+def _finish(model: DecoderForCausalLM, path: Path, sink: _Sink, expected: set[tuple[str, int | None]],
+            experts: ExpertLoader, pending: dict[str, LinearBuilder]) -> None:
+    """Fail on the first missing tensor; put the built linears and experts in place."""
+    missing = sorted(expected - sink.seen, key=str)
+    if missing:
+        pname, shard = missing[0]
+        where = "--speculative-model" if pname.startswith(MTP_PREFIX) else str(path)
+        raise ConfigError(f"{where}: missing tensor for '{hf_name(pname, shard)}' ({len(missing)} missing in all)")
+    try:
+        experts.finish()
+        for module_path, builder in pending.items():
+            parent, _, child = module_path.rpartition(".")
+            setattr(model.get_submodule(parent), child, builder.build())
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _log_fp8(model: nn.Module, fmt: Fp8Format, kept: bool, quantization: QuantizationMethod | None,
+             dtype: torch.dtype, device: torch.device, dequantizer: Fp8Dequantizer | None) -> None:
+    """One line: the checkpoint's format, what became of it, and the resident bytes."""
+    footprint = weight_bytes(model)
+    name = str(dtype).removeprefix("torch.")
+    if kept:
+        what = (f"{footprint.num_fp8_linears} linears and expert blocks kept in FP8 on {device} (W8A8: activations "
+                f"quantized per token and group of {fmt.block[1]}); {footprint.fp8 / _MIB:.2f} MiB of e4m3 codes "
+                "and block scales")
+    elif quantization is not None:
+        what = f"dequantized at load and re-quantized ({quantization.describe()})"
+    else:
+        why = "this device has no FP8 tensor cores" if device.type != "cpu" else "CPU"
+        what = f"dequantized at load to {name} ({why})"
+    count = dequantizer.num_dequantized if dequantizer is not None else 0
+    logger.info("checkpoint format: %s; %s; %d FP8 tensors dequantized; weights resident: %.2f MiB",
+                fmt.describe(), what, count, footprint.total / _MIB)
 
 
 def _log_left_out(left_out: dict[str, list[str]]) -> None:

@@ -1,11 +1,17 @@
-"""Prometheus metrics of one engine, in its own registry (served by api/ at /metrics)."""
+"""Prometheus metrics of one engine: the aggregate registry (served open by api/ at /metrics), with
+our own `fp4serve_*` series and vLLM's names beside them (engine/vllm_metrics.py), and the per-key
+one (`key_registry`: the same token, request and TTFT series by API key name, served only to an
+admin key at /metrics/keys, as /v1/usage shows a user key only its own row)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from engine.core_types import EngineInfo, GrammarCacheStats
+from engine.vllm_metrics import VllmMetrics
 from scheduler.scheduler import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -30,33 +36,68 @@ class KeyUsage:
                 "cached_tokens": self.cached_tokens, "mean_ttft_seconds": mean}
 
 
+# ---- per-key series -------------------------------------------------------------------------------
+class _Both:
+    """One labelled child in each registry."""
+
+    def __init__(self, total: Any, by_key: Any) -> None:
+        self._total = total
+        self._by_key = by_key
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._total.inc(amount)
+        self._by_key.inc(amount)
+
+    def observe(self, value: float) -> None:
+        self._total.observe(value)
+        self._by_key.observe(value)
+
+
+class PerKey:
+    """A series kept twice under one name: summed over keys (open) and by `key` (admin only). Callers
+    write `.labels(key=..., **other_labels)` as on a labelled prometheus_client metric."""
+
+    def __init__(self, kind: type[Counter] | type[Histogram], name: str, documentation: str, labels: list[str],
+                 registry: CollectorRegistry, key_registry: CollectorRegistry, **kwargs: Any) -> None:
+        self.total = kind(name, documentation, labels, registry=registry, **kwargs)
+        self.by_key = kind(name, documentation + " By API key name.", [*labels, "key"], registry=key_registry, **kwargs)
+        self._labelled = bool(labels)
+
+    def labels(self, key: str, **labels: str) -> _Both:
+        total = self.total.labels(**labels) if self._labelled else self.total
+        return _Both(total, self.by_key.labels(key=key, **labels))
+
+
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, info: EngineInfo | None = None) -> None:
+        """`info`: the engine's (the vLLM-named series describe its KV cache); the page's tests pass none."""
         self.registry = CollectorRegistry()
-        r = self.registry
+        self.key_registry = CollectorRegistry()  # NOTE: names API keys and their usage: admin keys only
+        r, k = self.registry, self.key_registry
+        # The same measurements under vLLM's names, for the routers that read those (engine/vllm_metrics.py).
+        self.vllm = VllmMetrics(r, model_name, info)
         self.running = Gauge("fp4serve_num_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("fp4serve_num_requests_waiting", "Requests waiting (new or preempted).", registry=r)
         self.kv_usage = Gauge(
             "fp4serve_kv_cache_usage_ratio", "KV pages held by live requests / all KV pages.", registry=r
         )
         self.kv_pages_total = Gauge("fp4serve_kv_cache_pages_total", "KV pages in the cache.", registry=r)
-        # The token, request and TTFT series carry `key`: the API key's name ("default" without keys).
-        self.prompt_tokens = Counter(
-            "fp4serve_prompt_tokens", "Prompt tokens of admitted requests.", ["key"], registry=r
-        )
-        self.generation_tokens = Counter("fp4serve_generation_tokens", "Generated tokens.", ["key"], registry=r)
+        # The token, request and TTFT series are also kept by `key`, the API key's name ("default"
+        # without keys), in the admin-only registry.
+        self.prompt_tokens = PerKey(Counter, "fp4serve_prompt_tokens", "Prompt tokens of admitted requests.", [], r, k)
+        self.generation_tokens = PerKey(Counter, "fp4serve_generation_tokens", "Generated tokens.", [], r, k)
         self.usage: dict[str, KeyUsage] = {}  # key name -> totals (the front process sees every token)
         self.prefix_queries = Counter(
             "fp4serve_prefix_cache_queries", "Tokens looked up in the prefix cache.", registry=r
         )
         self.prefix_hits = Counter("fp4serve_prefix_cache_hits", "Tokens found in the prefix cache.", registry=r)
         self.preemptions = Counter("fp4serve_num_preemptions", "Requests preempted (KV freed, recomputed later).", registry=r)
-        self.requests_finished = Counter(
-            "fp4serve_request_success", "Finished requests by finish reason.", ["finished_reason", "key"], registry=r
+        self.requests_finished = PerKey(
+            Counter, "fp4serve_request_success", "Finished requests by finish reason.", ["finished_reason"], r, k
         )
-        self.ttft = Histogram(
-            "fp4serve_time_to_first_token_seconds", "Arrival to first sampled token.", ["key"], buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = PerKey(
+            Histogram, "fp4serve_time_to_first_token_seconds", "Arrival to first sampled token.", [], r, k,
+            buckets=_LATENCY_BUCKETS,
         )
         self.itl = Histogram(
             "fp4serve_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
@@ -89,11 +130,56 @@ class EngineMetrics:
             "fp4serve_spec_decode_accepted_tokens_per_position", "Draft tokens accepted, by draft position (0 = first).",
             ["position"], registry=r,
         )
+        self.engine_restarts = Counter(
+            "fp4serve_engine_restarts", "Engine processes lost and restarted, by why: crash, hang or error "
+            "(engine/supervisor.py).", ["reason"], registry=r,
+        )
+        self._grammar_cache_metrics(r)
         info = Gauge("fp4serve_model_info", "The model being served.", ["model_name"], registry=r)
         info.labels(model_name=model_name).set(1)
         self._last_queried = 0
         self._last_hits = 0
         self._last_preemptions = 0
+
+    # ---- the compiled-grammar cache (engine/grammar_cache.py), reported by the engine's steps ----
+    def _grammar_cache_metrics(self, r: CollectorRegistry) -> None:
+        self.grammar_cache_bytes = Gauge(
+            "fp4serve_grammar_cache_bytes", "Compiled grammars kept: xgrammar's size of each, summed.", registry=r
+        )
+        self.grammar_cache_budget = Gauge(
+            "fp4serve_grammar_cache_budget_bytes", "The compiled-grammar budget (--grammar-cache-bytes).", registry=r
+        )
+        self.grammar_cache_entries = Gauge("fp4serve_grammar_cache_entries", "Compiled grammars kept.", registry=r)
+        self.grammar_held_bytes = Gauge(
+            "fp4serve_grammar_held_bytes", "Compiled grammars out of the cache that running or waiting requests "
+            "still hold (xgrammar's size); with fp4serve_grammar_cache_bytes, all the engine holds.", registry=r
+        )
+        self.grammar_compiles_waiting = Gauge(
+            "fp4serve_grammar_compiles_waiting", "Grammars compiling or waiting for a compile thread.", registry=r
+        )
+        self.grammar_cache_hits = Counter(
+            "fp4serve_grammar_cache_hits", "Constrained requests whose grammar was kept or already compiling.",
+            registry=r,
+        )
+        self.grammar_cache_misses = Counter(
+            "fp4serve_grammar_cache_misses", "Constrained requests that started a compile.", registry=r
+        )
+        self.grammar_cache_evictions = Counter(
+            "fp4serve_grammar_cache_evictions", "Compiled grammars dropped for the budget (or too large to keep).",
+            registry=r,
+        )
+        self._last_grammar = GrammarCacheStats(0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+    def observe_grammar_cache(self, stats: GrammarCacheStats) -> None:
+        last, self._last_grammar = self._last_grammar, stats
+        self.grammar_cache_bytes.set(stats.num_bytes)
+        self.grammar_cache_budget.set(stats.budget_bytes)
+        self.grammar_cache_entries.set(stats.num_entries)
+        self.grammar_held_bytes.set(stats.held_bytes)
+        self.grammar_compiles_waiting.set(stats.num_compiling + stats.num_queued)
+        self.grammar_cache_hits.inc(stats.hits - last.hits)
+        self.grammar_cache_misses.inc(stats.misses - last.misses)
+        self.grammar_cache_evictions.inc(stats.evictions - last.evictions)
 
     def key_usage(self, key: str) -> KeyUsage:
         return self.usage.setdefault(key, KeyUsage())
@@ -108,6 +194,7 @@ class EngineMetrics:
             self.spec_accepted_by_position.labels(position=str(pos)).inc(a)
 
     def observe_scheduler(self, stats: SchedulerStats) -> None:
+        self.vllm.observe_scheduler(stats)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)

@@ -1,6 +1,6 @@
 """Where the weights come from: what `--model` names (engine/model_source.py: a local folder, a
-.gguf file, SmolLM2 by default), or the embedded demo model (`fp4serve-demo-qwen3`), built here by
-the offline tooling; the server never downloads. Kept apart from engine/core.py so the core knows
+.gguf file, SmolLM2 by default), or the embedded demo model (`fp4serve-demo-qwen3`, built once by
+engine/demo_model.py); the server never downloads. Kept apart from engine/core.py so the core knows
 nothing of the demo."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def resolve_model_path(config: EngineConfig) -> tuple[Path, bool]:
     into the cache."""
     model = config.model or default_model()
     if model == DEMO_MODEL_KEYWORD:
-        from fp4serve_tools.demo import ensure_demo_model
+        from engine.demo_model import ensure_demo_model
 
         return ensure_demo_model(), True
     return resolve_model(model), False

@@ -13,13 +13,14 @@ import torch
 from engine.attention.backend import AttentionBackend, kv_cache_shape
 from engine.attention.select import choose_backend, flashinfer_import_error, make_backend
 from engine.batch import ForwardBatch, build_forward_batch
+from engine.checkpoint_pool import CheckpointPool
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
+from engine.core_types import SampledToken
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason
 from engine.dtype_policy import int8_dense_from_rows, resolve_dtype, resolve_quantization
 from engine.hybrid_backend import HybridBackend
-from engine.hybrid_runner import make_hybrid_backend, make_state_pool
+from engine.hybrid_runner import make_checkpoint_pool, make_hybrid_backend, make_state_pool
 from engine.loader import load_model, weight_bytes
-from engine.outputs import SampledToken
 from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
 from engine.quantization import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
@@ -28,7 +29,7 @@ from engine.spec_decode.mtp import MtpDrafter
 from engine.spec_decode.rejection import verify
 from engine.spec_decode.rollback import StateSnapshot
 from engine.structured import StructuredOutputs
-from scheduler.output import SchedulerOutput
+from scheduler.output import SchedulerOutput, StateSave
 
 logger = logging.getLogger("fp4serve.runner")
 
@@ -96,8 +97,9 @@ class ModelRunner:
         if self.quantization is not None:
             logger.info("quantization: %s", self.quantization.describe())
         self.use_mtp = config.speculative_method == "mtp"
+        mtp_path = Path(config.speculative_model).expanduser() if config.speculative_model else None
         self.model = load_model(model_path, model_config, self.dtype, self.device, max_model_len, self.quantization,
-                                mtp=self.use_mtp)
+                                mtp=self.use_mtp, mtp_path=mtp_path)
         if self.device.type == "cuda":
             # Quantize-at-load temporaries sit in torch's cache, which mem_get_info counts as used.
             torch.cuda.empty_cache()
@@ -109,6 +111,9 @@ class ModelRunner:
         if footprint.num_nvfp4_linears:
             logger.info("weights: %.2f MiB resident (nvfp4 linears: %.2f MiB in %d layers)", footprint.total / _MIB,
                         footprint.nvfp4 / _MIB, footprint.num_nvfp4_linears)
+        elif footprint.num_fp8_linears:
+            logger.info("weights: %.2f MiB resident (fp8 linears: %.2f MiB in %d layers)", footprint.total / _MIB,
+                        footprint.fp8 / _MIB, footprint.num_fp8_linears)
         else:
             logger.info("weights: %.2f MiB resident (%s)", footprint.total / _MIB, str(self.dtype).removeprefix("torch."))
         if self.model.lm_head_t is not None:
@@ -117,7 +122,21 @@ class ModelRunner:
         # Hybrid models: the state slots first, so that on CUDA the KV pages fit in what is left.
         self.state_pool = make_state_pool(model_config, config, self.device)
         self.num_state_slots = self.state_pool.num_slots if self.state_pool is not None else 0
+        # Hybrid prefix caching's checkpoints: on CUDA sized from free memory before the KV pages,
+        # on CPU after them (at most one per page).
+        on_cuda = self.device.type == "cuda"
+        page_shape = kv_cache_shape(1, self.block_size, model_config.num_kv_heads, model_config.head_dim)[1:]
+
+        def checkpoints(num_kv_pages: int | None) -> tuple[CheckpointPool | None, int]:
+            return make_checkpoint_pool(model_config, config, self.device, page_shape,
+                                        model_config.num_kv_layers + int(self.use_mtp), self.dtype, num_kv_pages,
+                                        max_model_len)
+
+        self.checkpoint_pool, self.state_checkpoint_bits = checkpoints(None) if on_cuda else (None, 0)
         self.num_kv_pages = self._num_kv_pages()
+        if not on_cuda:
+            self.checkpoint_pool, self.state_checkpoint_bits = checkpoints(self.num_kv_pages)
+        self.num_state_checkpoints = self.checkpoint_pool.num_checkpoints if self.checkpoint_pool is not None else 0
         # One page more than the scheduler gets: the scratch page padded CUDA-graph rows write to.
         scratch_page = self.num_kv_pages
         shape = kv_cache_shape(self.num_kv_pages + 1, self.block_size, model_config.num_kv_heads, model_config.head_dim)
@@ -127,7 +146,7 @@ class ModelRunner:
                               dtype=self.dtype, head_dim=model_config.head_dim)
         self.backend: AttentionBackend = make_backend(name, model_config, self.dtype, self.device, self.block_size)
         if self.state_pool is not None:
-            self.backend = make_hybrid_backend(self.backend, self.state_pool, config, self.device)
+            self.backend = make_hybrid_backend(self.backend, self.state_pool, config, self.device, self.checkpoint_pool)
         self.drafter: MtpDrafter | None = None
         if self.use_mtp:
             assert isinstance(self.backend, HybridBackend), "MTP needs a hybrid model"
@@ -194,6 +213,8 @@ class ModelRunner:
         if out.is_empty:
             return StepResult({}, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
         batch = build_forward_batch(out, self.block_size, self.device)
+        if self.checkpoint_pool is not None:
+            self._restore_checkpoints(out)
         verifying = [r for r in out.requests if r.num_draft_tokens]
         snapshot = None
         if verifying and self.state_pool is not None:
@@ -218,6 +239,7 @@ class ModelRunner:
             sampled_first = {rid: toks[0] for rid, toks in emitted.items()}
             t3 = time.perf_counter()
             self._draft(out, batch, hidden, emitted, rolled_back)
+            self._save_step_ends(out)
             timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
             # Prefill rows of other requests in this batch may still score prompt tokens.
             return StepResult(sampled_first, timings, prompt_logprobs, emitted=emitted, rolled_back=rolled_back)
@@ -230,6 +252,7 @@ class ModelRunner:
             self.structured.accept(ids, [tok.token_id for tok in sampled])
         t3 = time.perf_counter()
         self._draft(out, batch, hidden, {rid: (tok,) for rid, tok in zip(ids, sampled)})
+        self._save_step_ends(out)
         timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return StepResult(dict(zip(batch.sample_request_ids, sampled)), timings, prompt_logprobs)
 
@@ -242,3 +265,45 @@ class ModelRunner:
                           replan=self.graphs.graph_size_for(batch) is not None, skip=rolled_back)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    # ---- hybrid prefix caching: state checkpoints ---------------------------------------------------
+    def _checkpointed_kv(self) -> list[torch.Tensor]:
+        """Every attention layer's KV cache a checkpoint's partial page covers (the MTP head's too)."""
+        return self.kv_caches + ([self.drafter.kv_cache] if self.drafter is not None else [])
+
+    def _save_states(self, saves: tuple[StateSave, ...]) -> None:
+        """Slot (and partial page) -> checkpoint copies."""
+        pool, slots = self.checkpoint_pool, self.state_pool
+        assert pool is not None and slots is not None, "state saves without a checkpoint pool"
+        pool.save(slots, [s.checkpoint_id for s in saves], [s.state_slot for s in saves])
+        paged = [s for s in saves if s.kv_page is not None]
+        pool.save_pages(self._checkpointed_kv(), [s.checkpoint_id for s in paged], [s.kv_page for s in paged])  # type: ignore[misc]
+
+    def _restore_checkpoints(self, out: SchedulerOutput) -> None:
+        """Before the forward: the states of sequences that finished or were preempted go to their
+        checkpoints first (their slots and pages may be reused this step), then the requests that
+        start from a checkpoint get its state and, past its full pages, its partial page's KV."""
+        pool, slots = self.checkpoint_pool, self.state_pool
+        assert pool is not None and slots is not None, "restores without a checkpoint pool"
+        if out.state_saves:
+            self._save_states(out.state_saves)
+        restoring = [r for r in out.requests if r.restore_checkpoint is not None]
+        if not restoring:
+            return
+        pool.restore(slots, [r.restore_checkpoint for r in restoring], [r.state_slot for r in restoring])  # type: ignore[misc]
+        bs = self.block_size
+        partial = [r for r in restoring if r.start_pos % bs]
+        pool.restore_pages(self._checkpointed_kv(), [r.restore_checkpoint for r in partial],  # type: ignore[misc]
+                           [r.block_table[r.start_pos // bs] for r in partial])
+
+    def _save_step_ends(self, out: SchedulerOutput) -> None:
+        """After the forward (and the MTP fill): the states kept at the end of a request's rows are
+        its slot's, plus the KV of the page they end inside."""
+        if self.checkpoint_pool is None:
+            return
+        bs = self.block_size
+        saves = tuple(StateSave(s.checkpoint_id, r.state_slot, r.block_table[r.seq_len // bs] if r.seq_len % bs else None)
+                      for r in out.requests if r.state_slot is not None
+                      for s in r.checkpoint_saves if s.num_tokens == r.seq_len)
+        if saves:
+            self._save_states(saves)

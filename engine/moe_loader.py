@@ -1,7 +1,9 @@
 """Checkpoint tensors of MoE blocks into `SparseMoeBlock`s: the router and shared-expert names,
 and the experts in either layout (per expert `mlp.experts.{e}.{gate,up,down}_proj.*`, or fused
 `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I]), in float, quantized to
-NVFP4 per expert at load, or packed NVFP4 (ModelOpt or compressed-tensors, per-expert tensors)."""
+NVFP4 per expert at load, packed NVFP4 (ModelOpt or compressed-tensors, per-expert tensors), or
+block-wise FP8 kept as FP8 on GPUs with FP8 tensor cores (engine/fp8.py; elsewhere the loader
+dequantizes FP8 experts before they get here, and they arrive as float)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.config import ConfigError
+from engine.fp8 import SCALE_SUFFIX, Fp8ExpertCollector, Fp8Format, is_fp8_linear
 from engine.models.moe import Experts, NVFP4Experts, SparseMoeBlock
 from engine.quantization import (
     LINEAR_SUFFIXES,
@@ -23,6 +26,7 @@ from engine.quantization import (
     weight_from_tensors,
 )
 from kernels.fused_moe import NVFP4ExpertWeights
+from kernels.fp8_dispatch import Fp8Experts
 from kernels.nvfp4 import BLOCK_SIZE, NVFP4Weight
 
 logger = logging.getLogger("fp4serve.loader")
@@ -37,7 +41,7 @@ _BLOCK_RULES: list[tuple[re.Pattern[str], str, int]] = [
     (re.compile(rf"mlp\.shared_expert_gate\.{_LINEAR}$"), "mlp.shared_expert_gate.{0}", 0),
 ]
 _PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(\w+)$")
-_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv)?$")
 _PROJ_SLOT = {"gate": (0, 0), "up": (0, 1), "down": (1, 0)}  # -> (w13 | w2, shard)
 _MIB = 1 << 20
 
@@ -81,10 +85,11 @@ class _BlockSlots:
     num_experts: int
     intermediate: int
     hidden: int
-    mode: str  # "float" | "quantize" | "packed"
+    mode: str  # "float" | "quantize" | "packed" | "fp8"
     seen: set[tuple[int, str]] = field(default_factory=set)  # (expert, gate|up|down) float copies done
     weights: dict[tuple[int, str], NVFP4Weight] = field(default_factory=dict)
     parts: dict[tuple[int, str], dict[str, Tensor]] = field(default_factory=dict)
+    fp8: Fp8ExpertCollector | None = None  # mode "fp8"
 
 
 class ExpertLoader:
@@ -93,7 +98,8 @@ class ExpertLoader:
     allocate float storage)."""
 
     def __init__(self, model: nn.Module, tensor_names: set[str], method: QuantizationMethod | None,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, fp8: Fp8Format | None = None) -> None:
+        """`fp8`: the checkpoint's FP8 format when FP8 experts stay FP8 on this device."""
         self.method = method
         self.dtype = dtype
         self.device = device
@@ -108,7 +114,12 @@ class ExpertLoader:
             assert isinstance(experts, Experts), f"{path}: experts already replaced"
             hidden = experts.w13.shape[2]
             prefix = f"model.layers.{layer}.mlp.experts.0.gate_proj"
-            if method is None:
+            fused_fp8 = f"model.layers.{layer}.mlp.experts.gate_up_proj{SCALE_SUFFIX}" in tensor_names
+            collector = None
+            if fp8 is not None and (fused_fp8 or is_fp8_linear(tensor_names, prefix)):
+                mode = "fp8"
+                collector = Fp8ExpertCollector(fp8, experts.num_experts, experts.intermediate_size, hidden, device)
+            elif method is None:
                 mode = "float"
             elif fmt is None:
                 mode = "quantize"
@@ -120,12 +131,19 @@ class ExpertLoader:
                 mode = "packed" if is_packed(fmt, tensor_names, prefix) else "float"
             if mode != "float":
                 module.experts = _UnloadedExperts()
-            self.slots[layer] = _BlockSlots(module, experts.num_experts, experts.intermediate_size, hidden, mode)
+            self.slots[layer] = _BlockSlots(module, experts.num_experts, experts.intermediate_size, hidden, mode,
+                                            fp8=collector)
 
     def float_param_paths(self) -> set[str]:
         """Our parameter paths the generic loader must not expect (this loader fills them)."""
         return {f"layers.{layer}.mlp.experts.{w}" for layer, s in self.slots.items() if s.mode == "float"
                 for w in ("w13", "w2")}
+
+    def keeps_fp8(self, name: str) -> bool:
+        """Whether `name` is an expert tensor of a block whose FP8 experts stay FP8 (the loader
+        passes those through undequantized)."""
+        m = _PER_EXPERT.fullmatch(name) or _FUSED.fullmatch(name)
+        return m is not None and int(m.group(1)) in self.slots and self.slots[int(m.group(1))].mode == "fp8"
 
     def add(self, name: str, tensor: Tensor) -> bool:
         """True when `name` is an expert tensor (taken here), False for anything else."""
@@ -140,7 +158,12 @@ class ExpertLoader:
         m = _FUSED.fullmatch(name)
         if m is not None:
             slots = self._slots(int(m.group(1)), name)
-            self._add_fused(slots, m.group(2), tensor, name)
+            if slots.fp8 is not None:
+                slots.fp8.add_fused(m.group(2), m.group(3) is not None, tensor)
+            elif m.group(3) is not None:
+                raise ConfigError(f"tensor '{name}': an FP8 scale of experts that are not FP8 here")
+            else:
+                self._add_fused(slots, m.group(2), tensor, name)
             return True
         return False
 
@@ -156,6 +179,9 @@ class ExpertLoader:
     def _add_expert(self, slots: _BlockSlots, expert: int, proj: str, suffix: str, tensor: Tensor,
                     name: str) -> None:
         key = (expert, proj)
+        if slots.fp8 is not None:
+            slots.fp8.add_expert(expert, proj, suffix, tensor, name)
+            return
         if slots.mode == "packed":
             assert self.method is not None and self.method.checkpoint_format is not None
             needed, skipped = tensor_roles(self.method.checkpoint_format)
@@ -210,6 +236,13 @@ class ExpertLoader:
         """Raise ConfigError naming the first missing expert tensor; build the NVFP4 experts."""
         fmt = self.method.checkpoint_format if self.method is not None else None
         for layer, slots in self.slots.items():
+            if slots.fp8 is not None:
+                prefix = f"model.layers.{layer}.mlp.experts"
+                absent = slots.fp8.missing()
+                if absent is not None:
+                    raise ConfigError(f"missing tensor for '{prefix}.{absent}'")
+                slots.block.experts = Fp8Experts(*slots.fp8.build(prefix))
+                continue
             have = slots.seen if slots.mode == "float" else set(slots.weights)
             for expert in range(slots.num_experts):
                 for proj in ("gate", "up", "down"):
@@ -232,14 +265,14 @@ class ExpertLoader:
         nbytes = 0
         for block in blocks:
             experts = block.experts
-            if isinstance(experts, NVFP4Experts):
+            if isinstance(experts, (NVFP4Experts, Fp8Experts)):
                 nbytes += experts.weight_nbytes
             else:
                 assert isinstance(experts, Experts)
                 nbytes += experts.w13.nbytes + experts.w2.nbytes
         first = next(iter(self.slots.values()))
-        modes = sorted({"nvfp4" if s.mode != "float" else str(self.dtype).removeprefix("torch.")
-                        for s in self.slots.values()})
+        names = {"float": str(self.dtype).removeprefix("torch."), "fp8": "fp8 W8A8"}
+        modes = sorted({names.get(s.mode, "nvfp4") for s in self.slots.values()})
         logger.info("moe: %d sparse layers x %d experts (%d active per token); experts resident %.2f MiB (%s)",
                     len(blocks), first.num_experts, first.block.top_k, nbytes / _MIB, "/".join(modes))
         if self.num_skipped:

@@ -59,7 +59,7 @@ class OfflineEngine:
         self.input_processor = InputProcessor(
             core.info.vocab_size, core.info.max_model_len, self.tokenizer.eos_token_ids, self.tokenizer
         )
-        self.output_processor = OutputProcessor(self.tokenizer, self.metrics, core.info.max_num_seqs)
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.timings = PhaseTimings()
         self._ids = itertools.count()
 

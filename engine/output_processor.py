@@ -43,10 +43,9 @@ class _Sample:
 class OutputProcessor:
     """Touched on the event loop only."""
 
-    def __init__(self, tokenizer: Tokenizer, metrics: EngineMetrics, max_num_seqs: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, metrics: EngineMetrics) -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.max_num_seqs = max_num_seqs
         self._samples: dict[str, _Sample] = {}  # live samples, in arrival order
         self._children: dict[str, list[str]] = {}  # parent request id -> its live samples
 
@@ -65,13 +64,13 @@ class OutputProcessor:
                 arrival=child.arrival_time,
                 num_prompt_tokens=len(child.prompt_token_ids),
                 prompt_token_ids=child.prompt_token_ids,
-                key=child.key,
+                key=child.owner.key,
                 prompt=child.prompt_token_ids,
                 num_prompt_logprobs=params.prompt_logprobs,
                 prompt_logprobs=None if params.prompt_logprobs is None else [None],
             )
         self._children[request_id] = [c.request_id for c in children]
-        key = children[0].key
+        key = children[0].owner.key
         num_prompt = sum(len(c.prompt_token_ids) for c in children)
         self.metrics.prompt_tokens.labels(key=key).inc(num_prompt)
         self.metrics.key_usage(key).prompt_tokens += num_prompt
@@ -98,19 +97,6 @@ class OutputProcessor:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         return self.fail(list(self._samples), error)
-
-    # ---- the admission queue's view ------------------------------------------------------------
-    def num_queued_requests(self, arriving: int = 0) -> int:
-        """Samples that will still wait after the next step fills the free batch slots, with
-        `arriving` more: live samples beyond max_num_seqs (waiting + running - slots)."""
-        return max(0, len(self._samples) + arriving - self.max_num_seqs)
-
-    def num_queued_tokens(self) -> int:
-        """Prompt tokens of the samples counted by num_queued_requests: those with no token yet,
-        oldest first, past the batch slots the running ones leave free. O(live samples)."""
-        waiting = [s for s in self._samples.values() if s.num_output_tokens == 0]
-        free = max(0, self.max_num_seqs - (len(self._samples) - len(waiting)))
-        return sum(s.num_prompt_tokens for s in waiting[free:])
 
     # ---- a step's outputs -------------------------------------------------------------------------
     def process(self, step: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
@@ -145,10 +131,13 @@ class OutputProcessor:
         if step.num_batched_requests:
             m.batch_size.observe(step.num_batched_requests)
             m.batch_tokens.observe(step.num_batched_tokens)
+            m.vllm.iteration_tokens.observe(step.num_batched_tokens)
         if step.step_time_s is not None:
             m.step_time.observe(step.step_time_s)
         if step.stats is not None:
             m.observe_scheduler(step.stats)
+        if step.grammar_cache is not None:
+            m.observe_grammar_cache(step.grammar_cache)
 
     def _token_output(self, core_out: EngineCoreOutput, sample: _Sample, now: float) -> RequestOutput:
         usage = self.metrics.key_usage(sample.key)
@@ -157,15 +146,19 @@ class OutputProcessor:
         if sample.first_token_time is None:
             sample.first_token_time = now
             self.metrics.ttft.labels(key=sample.key).observe(now - sample.arrival)
+            self.metrics.vllm.observe_first_token(now - sample.arrival, sample.num_prompt_tokens,
+                                                  len(core_out.new_token_ids))
             usage.ttft_seconds_sum += now - sample.arrival
             usage.ttft_count += 1
         else:
             # Per token, not per step: a step that emits several (speculative decoding) spreads
             # its gap over them.
             num_new = max(1, len(core_out.new_token_ids))
-            gap = (now - (sample.last_token_time or now)) / num_new
+            since_last = now - (sample.last_token_time or now)
+            gap = since_last / num_new
             for _ in range(num_new):
                 self.metrics.itl.observe(gap)
+            self.metrics.vllm.observe_next_tokens(since_last, len(core_out.new_token_ids))  # per step, as vLLM
         sample.last_token_time = now
         sample.num_output_tokens += len(core_out.new_token_ids)
         sample.num_cached_tokens = core_out.num_cached_tokens
@@ -218,6 +211,8 @@ class OutputProcessor:
         usage.cached_tokens += sample.num_cached_tokens
         ttft = (sample.first_token_time - sample.arrival) if sample.first_token_time else None
         decode_time = now - (sample.first_token_time or now)
+        self.metrics.vllm.observe_finished(reason, e2e, decode_time, sample.num_prompt_tokens,
+                                           sample.num_output_tokens)
         tps = (sample.num_output_tokens - 1) / decode_time if decode_time > 0 and sample.num_output_tokens > 1 else 0.0
         request_logger.info(
             "%s key=%s prompt=%d completion=%d cached=%d ttft=%s tok/s=%.1f e2e=%.3fs finish=%s",

@@ -1,5 +1,5 @@
-"""What the engine hands back: per-step sampled tokens (runner -> engine) and the
-per-request stream items (engine -> api). Frozen dataclasses of plain values."""
+"""What the front hands api/: the per-request stream items (`RequestOutput`) with their logprobs as
+text. Frozen dataclasses of plain values; the core's token-id side is engine/core_types.py."""
 
 from __future__ import annotations
 
@@ -23,16 +23,6 @@ class TokenLogprob:
     logprob: float
     bytes: tuple[int, ...]
     top: tuple[TopLogprob, ...]
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    """One sampled token of one request in a step, as the runner returns it."""
-
-    token_id: int
-    logprob: float | None = None  # log-softmax of the raw logits at the sampled id
-    top_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from engine.config import ConfigError, ModelConfig
+from engine.shard_checks import check_shape, copy_bias_shard
 from kernels.nvfp4 import (
     BLOCK_SIZE,
     NVFP4FormatError,
@@ -40,8 +41,10 @@ _TENSORS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     MODELOPT: (("weight", "weight_scale", "weight_scale_2"), ("input_scale",)),
     COMPRESSED_TENSORS: (("weight_packed", "weight_scale", "weight_global_scale"), ("input_global_scale",)),
 }
-# Every tensor suffix a linear may carry, in either layout (the loader's name rules use it).
-LINEAR_SUFFIXES = ("bias",) + tuple(dict.fromkeys(s for req, skip in _TENSORS.values() for s in req + skip))
+# Every tensor suffix a linear may carry, in either NVFP4 layout or block-wise FP8 (engine/fp8.py,
+# its `weight_scale_inv`); the loader's name rules use it.
+LINEAR_SUFFIXES = ("bias", "weight_scale_inv") + tuple(dict.fromkeys(s for req, skip in _TENSORS.values()
+                                                                     for s in req + skip))
 # NOTE: ModelOpt names its packed tensor `weight`, like an excluded bf16 linear's; the block
 # scale beside it is what tells the two apart.
 _MARKER = {MODELOPT: "weight_scale", COMPRESSED_TENSORS: "weight_packed"}
@@ -102,6 +105,8 @@ def detect_quantization(folder: Path, checkpoint_config: Mapping[str, Any] | Non
     if requested not in (None, *SCHEMES):
         raise ConfigError(f"--quantization: '{requested}' is not one of {', '.join(SCHEMES)}")
     hf_quant = folder / HF_QUANT_CONFIG
+    if _is_fp8(checkpoint_config):
+        return _fp8_checkpoint_method(checkpoint_config, requested)
     if requested == INT8:
         if checkpoint_config is not None or hf_quant.is_file():
             where = "config.json's quantization_config" if checkpoint_config is not None else HF_QUANT_CONFIG
@@ -117,7 +122,7 @@ def detect_quantization(folder: Path, checkpoint_config: Mapping[str, Any] | Non
         if method != MODELOPT:
             raise ConfigError(
                 f"config.json: unsupported quantization '{method}' in field 'quantization_config.quant_method'; "
-                f"supported: {MODELOPT} (NVFP4), {COMPRESSED_TENSORS} ({CT_NVFP4_FORMAT})")
+                f"supported: {MODELOPT} (NVFP4), {COMPRESSED_TENSORS} ({CT_NVFP4_FORMAT}), fp8 (block-wise)")
         if not hf_quant.is_file():
             return _modelopt_method(checkpoint_config, "config.json", "quantization_config.")
     if hf_quant.is_file():
@@ -132,6 +137,23 @@ def detect_quantization(folder: Path, checkpoint_config: Mapping[str, Any] | Non
     if requested == "nvfp4":
         return QuantizationMethod(None, "--quantization nvfp4")
     return None
+
+
+def _is_fp8(checkpoint_config: Mapping[str, Any] | None) -> bool:
+    return isinstance(checkpoint_config, Mapping) and checkpoint_config.get("quant_method") == "fp8"
+
+
+def _fp8_checkpoint_method(checkpoint_config: Mapping[str, Any], requested: str | None) -> QuantizationMethod | None:
+    """A block-wise FP8 checkpoint: its linears are FP8 or dequantized by the loader (engine/fp8.py);
+    a requested scheme re-quantizes the dequantized weights, else None (the checkpoint as it is)."""
+    from engine.fp8 import fp8_format  # engine.fp8 builds on this module
+
+    fmt = fp8_format(checkpoint_config)  # checks the declaration: one line naming a bad field
+    assert fmt is not None, "an fp8 quant_method has a format"
+    if requested is None:
+        return None
+    source = f"--quantization {requested}, from the dequantized {fmt.describe()} weights"
+    return QuantizationMethod(None, source, scheme=requested)
 
 
 def _modelopt_method(cfg: Mapping[str, Any], source: str, prefix: str) -> QuantizationMethod:
@@ -232,17 +254,6 @@ def quantize_weight(weight: Tensor, hf_name: str) -> NVFP4Weight:
         raise ConfigError(f"{hf_name}: {e}") from None
 
 
-def copy_bias_shard(bias: Tensor | None, hf_module: str, shard_sizes: list[int], shard: int, tensor: Tensor) -> None:
-    """A fused linear's bias rows for shard `shard` (checkpoint linear `hf_module`), checked and
-    copied into `bias` ([sum(shard_sizes)], None when config.json declares no bias)."""
-    rows = shard_sizes[shard]
-    if bias is None:
-        raise ConfigError(f"tensor '{hf_module}.bias' exists, but config.json declares no bias")
-    check_shape(f"{hf_module}.bias", tensor.shape, (rows,))
-    start = sum(shard_sizes[:shard])
-    bias[start:start + rows].copy_(tensor.to(bias.dtype))
-
-
 class NVFP4LinearBuilder:
     """Assembles one NVFP4 linear (its shards fused: q/k/v, gate/up) from checkpoint tensors that
     stream in any order, across files; `build` once all have arrived."""
@@ -293,11 +304,6 @@ class NVFP4LinearBuilder:
         # Fused shards keep a global scale each: exact, where one shared scale would re-round them.
         fused = shards[0] if len(shards) == 1 else fuse_nvfp4(shards)
         return NVFP4Linear(fused.to(self.device), self.bias)
-
-
-def check_shape(name: str, shape: torch.Size, expected: tuple[int, ...]) -> None:
-    if tuple(shape) != expected:
-        raise ConfigError(f"tensor '{name}' has shape {list(shape)}, expected {list(expected)}")
 
 
 def checkpoint_quantization_config(checkpoint_format: str, exclude: list[str]) -> dict[str, Any]:

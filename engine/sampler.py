@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.outputs import SampledToken
+from engine.core_types import SampledToken
 from scheduler.request import SamplingParams
 
 if TYPE_CHECKING:

@@ -1,6 +1,7 @@
-"""Grammar-constrained decoding with xgrammar: compiles requests' EBNF grammars (cached by text,
-off the step thread), owns one matcher per constrained request, builds the token bitmask of a
-step's constrained rows (`GrammarMask`), and advances the matchers with the sampled tokens.
+"""Grammar-constrained decoding with xgrammar: compiles requests' EBNF grammars (off the step
+thread, cached by text within a byte budget, keys taking turns: engine/grammar_cache.py), owns one
+matcher per constrained request, builds the token bitmask of a step's constrained rows
+(`GrammarMask`), and advances the matchers with the sampled tokens.
 
 A grammar's end allows only the request's stop tokens (EOS, stop_token_ids), so a request ends
 with finish_reason "stop" exactly when its grammar is complete. xgrammar is imported on first use:
@@ -11,23 +12,22 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.core_types import GrammarCacheStats
+from engine.grammar_cache import DEFAULT_COMPILE_WORKERS, DEFAULT_GRAMMAR_CACHE_BYTES, GrammarCache
 from scheduler.request import ParamError
 
 if TYPE_CHECKING:
     import xgrammar
 
 logger = logging.getLogger("fp4serve.structured")
-
-DEFAULT_CACHE_SIZE = 64  # compiled grammars kept (LRU); one is ~MBs against a 150k vocabulary
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -77,23 +77,25 @@ class _Constrained:
 class StructuredOutputs:
     """Grammar state for every constrained request of one engine (one tokenizer).
 
-    Called from the runner's thread, except `prepare` (the event loop); compilation runs on one
-    worker thread of its own.
+    Called from the engine's thread; compiles run on GrammarCache's pool.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+                 compile_workers: int = DEFAULT_COMPILE_WORKERS) -> None:
         """`tokenizer`: the checkpoint's transformers tokenizer, or its folder (loaded on the first
         compile, so an engine that never constrains never loads it); `vocab_size`: the model's
-        (padded) logits width, which may exceed the tokenizer's."""
-        assert vocab_size > 0 and cache_size > 0, f"vocab_size {vocab_size}, cache_size {cache_size}"
+        (padded) logits width, which may exceed the tokenizer's; `cache_bytes`: the budget of
+        compiled grammars kept (--grammar-cache-bytes)."""
+        assert vocab_size > 0, f"vocab_size {vocab_size}"
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
-        self._cache_size = cache_size
-        self._compiler: xgrammar.GrammarCompiler | None = None  # built on first compile, by the worker
-        self._executor: ThreadPoolExecutor | None = None
-        self._compiled: OrderedDict[str, Future[Any]] = OrderedDict()  # grammar text -> compiled, LRU
+        self._compiler: xgrammar.GrammarCompiler | None = None  # built on first compile, by a worker
+        self._compiler_lock = threading.Lock()  # the first compiles may start on two workers at once
+        # NOTE: a lambda, so that the compile step can be replaced on an instance (tests slow it down).
+        self._cache = GrammarCache(lambda grammar: self._compile_now(grammar), cache_bytes, compile_workers)
+        self._used = False  # whether any grammar was asked for: stats() is None until then
+        self._held: dict[str, Future[Any]] = {}  # request id -> the grammar it holds, from prepare to remove
         self._requests: dict[str, _Constrained] = {}
-        self._lock = threading.Lock()  # guards _compiled and _executor
         # [rows, words] int32, cpu (pinned for an async copy when the logits are on a GPU)
         self._host_bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
 
@@ -110,12 +112,24 @@ class StructuredOutputs:
             raise ParamError(f"invalid grammar: {str(e).splitlines()[-1][:300]}", "grammar") from None
 
     def add_request(self, request_id: str, grammar: str, stop_token_ids: Sequence[int]) -> None:
+        """The request starts running with the grammar `prepare` started for it (or starts it now,
+        on the `default` key's turn, when nothing was prepared)."""
         assert request_id not in self._requests, f"request {request_id!r} is already constrained"
         assert stop_token_ids, f"{request_id}: a grammar needs a stop token to end on"
-        self._requests[request_id] = _Constrained(self._compile(grammar), tuple(dict.fromkeys(stop_token_ids)))
+        compiled = self._held.get(request_id) or self.prepare(grammar, "default", request_id)
+        self._requests[request_id] = _Constrained(compiled, tuple(dict.fromkeys(stop_token_ids)))
 
     def remove_request(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        """The request ended (or was aborted, maybe while its grammar still waited to compile): it
+        lets go of its grammar."""
+        self._requests.pop(request_id, None)  # its matcher first: it refers to the compiled grammar
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self._cache.release(held)
+
+    def stats(self) -> GrammarCacheStats | None:
+        """The compiled-grammar cache; None while no request has been constrained."""
+        return self._cache.stats() if self._used else None
 
     def is_terminated(self, request_id: str) -> bool:
         """Whether the request's grammar is complete and a stop token was accepted after it (or
@@ -159,42 +173,35 @@ class StructuredOutputs:
                 logger.error("%s: sampled token %d is not allowed by its grammar", request_id, token_id)
 
     # ---- internals ----------------------------------------------------------------------------
-    def prepare(self, grammar: str) -> Future[Any]:
-        """Start compiling `grammar` (or find it compiled); done() tells when it is ready.
+    def prepare(self, grammar: str, key: str = "default", request_id: str | None = None) -> Future[Any]:
+        """Start compiling `grammar` on `key`'s turn (or find it compiled); done() tells when it is
+        ready. With `request_id`, the request holds the grammar (from here through `add_request`)
+        until `remove_request`; a compile no request holds any more before it starts is dropped.
 
-        Called from the event loop when a request arrives, so the engine can keep the request out
-        of the batch until then: a new grammar (up to ~1 s) never stalls other users' steps."""
-        return self._compile(grammar)
-
-    def _compile(self, grammar: str) -> Future[Any]:
-        # NOTE: the event loop (prepare) and the runner thread (add_request) both get here.
-        with self._lock:
-            future = self._compiled.get(grammar)
-            if future is not None:
-                self._compiled.move_to_end(grammar)
-                return future
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4serve-grammar")
-            future = self._executor.submit(self._compile_now, grammar)
-            self._compiled[grammar] = future
-            while len(self._compiled) > self._cache_size:
-                self._compiled.popitem(last=False)  # requests holding it keep their own reference
-            return future
+        Called when a request arrives, so the engine can keep the request out of the batch until
+        then: a new grammar (up to seconds) never stalls other users' steps."""
+        self._used = True
+        future = self._cache.get(grammar, key, hold=request_id is not None)
+        if request_id is not None:
+            assert request_id not in self._held, f"request {request_id!r} already holds a grammar"
+            self._held[request_id] = future
+        return future
 
     def _compile_now(self, grammar: str) -> Any:
-        """On the worker thread: the compiler (built once, ~2 s for a 150k vocabulary) compiles."""
+        """On a worker thread: the compiler (built once, ~2 s for a 150k vocabulary) compiles."""
         import xgrammar
 
-        if self._compiler is None:
-            tokenizer = self._tokenizer
-            if isinstance(tokenizer, (str, Path)):
-                from transformers import AutoTokenizer
+        with self._compiler_lock:
+            if self._compiler is None:
+                tokenizer = self._tokenizer
+                if isinstance(tokenizer, (str, Path)):
+                    from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-            # One thread: the machine's cores belong to the model; xgrammar's own cache is off
-            # because this class keeps a bounded one.
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+                # One thread per compile: the machine's cores belong to the model. xgrammar's own
+                # cache is off (it would be a second, unmetered copy): GrammarCache keeps them.
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler.compile_grammar(grammar)
 
     def _matcher(self, request_id: str, state: _Constrained) -> Any:

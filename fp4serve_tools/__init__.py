@@ -1,3 +1,3 @@
-"""Offline tooling, not serving code: the embedded demo model and the offline Qwen tokenizer it
-ships with, the NVFP4 checkpoint writer (`fp4serve quantize`) and the GPU bundle builder
-(`fp4serve bundle`). The server reaches the demo only through engine/model_path.py."""
+"""Offline tooling, not serving code: the NVFP4 checkpoint writer (`fp4serve quantize`) and the GPU
+bundle builder (`fp4serve bundle`). It may import engine/; serving code never imports it (the demo
+model the server can run lives in engine/demo_model.py)."""

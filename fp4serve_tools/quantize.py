@@ -1,7 +1,8 @@
 """`fp4serve quantize SRC DST`: write an NVFP4 copy of a float HF checkpoint in the ModelOpt or
 compressed-tensors layout (q/k/v/o and gate/up/down quantized, MoE experts one by one; one tensor
 set per HF linear; lm_head, embeddings, norms and MoE routers unchanged), with its config,
-tokenizer and generation files."""
+tokenizer and generation files. A block-wise FP8 source (Qwen's FP8 releases) is dequantized
+tensor by tensor first (engine/fp8.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.config import ConfigError, ModelConfig
-from engine.loader import checkpoint_files, tensor_names
+from engine.fp8 import Fp8Dequantizer, Fp8Format, fp8_format
+from engine.checkpoint_files import checkpoint_files, tensor_names
 from engine.models.qwen3_5_weights import canonical_name
 from engine.moe_loader import split_fused_experts
 from engine.quantization import (
@@ -73,6 +75,7 @@ def quantize_checkpoint(src: Path, dst: Path, checkpoint_format: str, device: to
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ConfigError(f"{dst}: exists and is not an empty folder")
     files = checkpoint_files(src)
+    fp8 = fp8_format(cfg.quantization)
     # NOTE: written into a sibling folder renamed at the end, so a failed or interrupted run never
     # leaves a DST that looks like a checkpoint.
     partial = dst.with_name(f".{dst.name}.partial")
@@ -80,7 +83,7 @@ def quantize_checkpoint(src: Path, dst: Path, checkpoint_format: str, device: to
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     try:
-        report, weight_map = _write_tensors(src, files, partial, checkpoint_format, device)
+        report, weight_map = _write_tensors(src, files, partial, checkpoint_format, device, fp8)
         _write_configs(src, partial, checkpoint_format, producer_version, weight_map, report.bytes_after,
                        sharded=(src / INDEX_FILE).is_file())
         _copy_other_files(src, partial)
@@ -93,38 +96,50 @@ def quantize_checkpoint(src: Path, dst: Path, checkpoint_format: str, device: to
     return report
 
 
-def _write_tensors(src: Path, files: list[Path], out: Path, checkpoint_format: str,
-                   device: torch.device) -> tuple[QuantizeReport, dict[str, str]]:
-    """One output file per source file, same name: memory stays bounded by one source shard."""
+def _write_tensors(src: Path, files: list[Path], out: Path, checkpoint_format: str, device: torch.device,
+                   fp8: Fp8Format | None = None) -> tuple[QuantizeReport, dict[str, str]]:
+    """One output file per source file, same name: memory stays bounded by one source shard. `fp8`:
+    the source's block-wise FP8 format (its weights dequantized first; a weight whose scale sits
+    in a later shard is written with that shard)."""
     before = after = linear_before = linear_after = num_quantized = 0
     weight_map: dict[str, str] = {}
+    dequantizer = Fp8Dequantizer(fp8) if fp8 is not None else None
     with tqdm(total=len(tensor_names(files)), desc="quantizing", unit="tensor", disable=None) as bar:
         for f in files:
             written: dict[str, torch.Tensor] = {}
             with safe_open(str(f), framework="pt") as st:
-                for stored_name in st.keys():
-                    stored = st.get_tensor(stored_name)
-                    before += stored.nbytes
-                    # Fused MoE experts are written per expert, the layout ModelOpt and
-                    # compressed-tensors use, each expert with its own global scales.
-                    for name, tensor in (split_fused_experts(stored_name, stored) or {stored_name: stored}).items():
-                        module, _, leaf = name.rpartition(".")
-                        # ConditionalGeneration checkpoints name the text model model.language_model.*
-                        if leaf == "weight" and is_quantizable(canonical_name(module)):
-                            nvfp4 = quantize_weight(tensor.to(device), name)
-                            parts = {f"{module}.{suffix}": t.cpu().contiguous()
-                                     for suffix, t in weight_to_tensors(checkpoint_format, nvfp4).items()}
-                            linear_before += tensor.nbytes
-                            linear_after += sum(t.nbytes for t in parts.values())
-                            num_quantized += 1
-                        else:
-                            parts = {name: tensor}
-                        written.update(parts)
+                for read_name in st.keys():
+                    read = st.get_tensor(read_name)
+                    before += read.nbytes
+                    for stored_name, stored in dequantizer.feed(read_name, read) if dequantizer else ((read_name, read),):
+                        # Fused MoE experts are written per expert, the layout ModelOpt and
+                        # compressed-tensors use, each expert with its own global scales.
+                        for name, tensor in (split_fused_experts(stored_name, stored) or {stored_name: stored}).items():
+                            parts = _quantized(name, tensor, checkpoint_format, device)
+                            if parts is None:
+                                parts = {name: tensor}
+                            else:
+                                linear_before += tensor.nbytes
+                                linear_after += sum(t.nbytes for t in parts.values())
+                                num_quantized += 1
+                            written.update(parts)
                     bar.update(1)
             save_file(written, str(out / f.name), metadata={"format": "pt"})
             after += sum(t.nbytes for t in written.values())
             weight_map.update(dict.fromkeys(written, f.name))
+    if dequantizer is not None:
+        dequantizer.finish()
     return QuantizeReport(before, after, linear_before, linear_after, num_quantized), weight_map
+
+
+def _quantized(name: str, tensor: torch.Tensor, checkpoint_format: str, device: torch.device) -> dict[str, torch.Tensor] | None:
+    """The layout's tensors of a quantizable linear's weight; None for any other tensor."""
+    module, _, leaf = name.rpartition(".")
+    # ConditionalGeneration checkpoints name the text model model.language_model.*
+    if leaf != "weight" or not is_quantizable(canonical_name(module)):
+        return None
+    nvfp4 = quantize_weight(tensor.to(device), name)
+    return {f"{module}.{suffix}": t.cpu().contiguous() for suffix, t in weight_to_tensors(checkpoint_format, nvfp4).items()}
 
 
 def _write_configs(src: Path, out: Path, checkpoint_format: str, producer_version: str,

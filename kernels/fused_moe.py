@@ -1,21 +1,17 @@
 """Fused mixture-of-experts in torch: the float32 router (softmax, top-k, renormalize), the
 per-expert NVFP4 weight stack, the block-aligned token sort the Triton kernel walks
-(`moe_align_block_size`), the grouped reference every kernel is checked against, and the dispatch
-(CPU: the reference; CUDA: kernels.fused_moe_triton)."""
+(`moe_align_block_size`), and the grouped reference every kernel is checked against. The dispatch
+between this reference and kernels/fused_moe_triton.py is kernels/moe_dispatch.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.nvfp4 import NVFP4Weight, dequantize_nvfp4, fuse_nvfp4
-
-if TYPE_CHECKING:
-    from kernels.fused_moe_triton import ExpertKernelLayout
 
 
 def route(x: Tensor, gate_weight: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
@@ -88,11 +84,6 @@ class NVFP4ExpertWeights:
                                   torch.stack([w.global_scale.reshape(-1) for w in fused]), sizes)
 
 
-# A projection's weights as the dispatch takes them: float [E, N, K], NVFP4 for the torch
-# reference, or NVFP4 re-laid for the Triton kernel.
-ExpertOperand = Union[Tensor, NVFP4ExpertWeights, "ExpertKernelLayout"]
-
-
 def expert_matrix(w: Tensor | NVFP4ExpertWeights, e: int, dtype: torch.dtype) -> Tensor:
     """Expert e's weight [N, K] in `dtype` (a dequantized temporary for NVFP4)."""
     if isinstance(w, NVFP4ExpertWeights):
@@ -127,7 +118,7 @@ def fused_experts_ref(x: Tensor, w13: Tensor | NVFP4ExpertWeights, w2: Tensor | 
     return out.index_add_(0, token_of, out_sorted * weights[:, None])
 
 
-def _num_experts(w: ExpertOperand) -> int:
+def _num_experts(w: Tensor | NVFP4ExpertWeights) -> int:
     if isinstance(w, Tensor):
         return w.shape[0]
     return w.num_experts
@@ -158,23 +149,3 @@ def moe_align_block_size(topk_ids: Tensor, block_m: int, num_experts: int) -> tu
     block_expert = torch.searchsorted(ends, block_starts, right=True)
     block_expert = torch.where(block_starts < ends[-1], block_expert, -1).to(torch.int32)
     return sorted_ids, block_expert, ends[-1:].to(torch.int32)
-
-
-def prepare_experts(w: NVFP4ExpertWeights) -> NVFP4ExpertWeights | ExpertKernelLayout:
-    """The operand for w's device, built once at load: the Triton layout on CUDA (SM80+), else w."""
-    if w.packed.device.type == "cuda" and torch.cuda.get_device_capability(w.packed.device)[0] >= 8:
-        from kernels.fused_moe_triton import pack_expert_layout
-
-        return pack_expert_layout(w)
-    return w
-
-
-def fused_experts(x: Tensor, w13: ExpertOperand, w2: ExpertOperand, topk_weights: Tensor,
-                  topk_ids: Tensor) -> Tensor:
-    """The fused MoE on x's device: the Triton kernel on CUDA, the grouped torch reference else."""
-    if x.device.type == "cuda" and not isinstance(w13, NVFP4ExpertWeights):
-        from kernels.fused_moe_triton import fused_experts_triton
-
-        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
-    assert isinstance(w13, (Tensor, NVFP4ExpertWeights)) and isinstance(w2, (Tensor, NVFP4ExpertWeights))
-    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)

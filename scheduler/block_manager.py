@@ -12,16 +12,41 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from scheduler.request import Request
 
 # Hash of "no parent": the chain starts from it.
-_ROOT_HASH = b"fp4serve-prefix-v1"
+ROOT_HASH = b"fp4serve-prefix-v1"
+
+
+class PrefixCacheListener(Protocol):
+    """What else keys on cached pages (hybrid models' state checkpoints, scheduler/checkpoint_manager.py)."""
+
+    def page_evicted(self, block_hash: bytes) -> None:
+        """A cached page is being reused: its hash leaves the cache."""
+
+    def page_wanted(self, block_hash: bytes) -> bool:
+        """False: a freed page with this hash is of no use to any later request (evict it first)."""
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """128-bit chained hash of one full page: collisions are out of reach, so a hit is exact."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class KVCacheEventSink(Protocol):
+    """Told of the prefix cache's own decisions, as they happen (engine/kv_events.py turns them into
+    vLLM's KV-cache events). Absent (None) unless events are on: nothing is recorded then."""
+
+    def blocks_stored(self, request: Request, block_indices: list[int]) -> None:
+        """These full pages of `request` (indices into its block table, ascending) entered the cache."""
+
+    def block_removed(self, block_hash: bytes) -> None:
+        """The page cached under this hash was evicted (reused for other tokens)."""
+
+    def all_cleared(self) -> None:
+        """Every cached hash was forgotten."""
 
 
 class BlockManager:
@@ -37,6 +62,9 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         # Pages with ref count 0, in eviction order. OrderedDict: O(1) removal on revival.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.event_sink: KVCacheEventSink | None = None  # set by the engine core when KV events are on
+        # Hybrid models: the state checkpoints that pair with cached pages (None: pages stand alone).
+        self.listener: PrefixCacheListener | None = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -52,12 +80,12 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache --------------------------------------------------------------------
-    def _extend_hashes(self, request: Request, num_tokens: int) -> None:
+    def extend_hashes(self, request: Request, num_tokens: int) -> None:
         """Make `request.block_hashes` cover every full page of its first `num_tokens` tokens."""
         bs = self.block_size
         hashes = request.block_hashes
         for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[i - 1] if i > 0 else _ROOT_HASH
+            parent = hashes[i - 1] if i > 0 else ROOT_HASH
             hashes.append(hash_block(parent, request.token_slice(i * bs, (i + 1) * bs)))
 
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -70,7 +98,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        self._extend_hashes(request, max_blocks * self.block_size)
+        self.extend_hashes(request, max_blocks * self.block_size)
         hit: list[int] = []
         for h in request.block_hashes[:max_blocks]:
             block = self.cached.get(h)
@@ -116,6 +144,10 @@ class BlockManager:
         if old is not None:  # evict it from the prefix cache
             if self.cached.get(old) == block:
                 del self.cached[old]
+                if self.event_sink is not None:
+                    self.event_sink.block_removed(old)
+                if self.listener is not None:
+                    self.listener.page_evicted(old)
             self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block
@@ -128,9 +160,11 @@ class BlockManager:
         that hits these pages in the same step reads what is being written.
         """
         num_full = min(num_tokens // self.block_size, len(request.block_table))
-        self._extend_hashes(request, num_full * self.block_size)
+        self.extend_hashes(request, num_full * self.block_size)
         # Only pages not looked at before: a step's cost must not grow with the context length.
         # (A page skipped as a duplicate stays unregistered even if the copy is evicted later.)
+        sink = self.event_sink
+        stored: list[int] = []
         for i in range(request.num_registered_blocks, num_full):
             block = request.block_table[i]
             if self.block_hash[block] is not None:
@@ -140,7 +174,11 @@ class BlockManager:
                 continue
             self.block_hash[block] = h
             self.cached[h] = block
+            if sink is not None:
+                stored.append(i)
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+        if sink is not None and stored:
+            sink.blocks_stored(request, stored)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Return the pages past those `num_tokens` tokens need (pages rejected drafts held)."""
@@ -153,19 +191,31 @@ class BlockManager:
             self.free_queue[block] = None
 
     def free(self, request: Request) -> None:
-        """Drop the request's references; pages that reach 0 join the free queue's back."""
+        """Drop the request's references; pages that reach 0 join the free queue's back, or its
+        front where the listener says no later request can use them."""
         for block in reversed(request.block_table):
             assert self.ref_counts[block] > 0, f"double free of page {block}"
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None
+                h = self.block_hash[block]
+                if self.listener is not None and (h is None or not self.listener.page_wanted(h)):
+                    self.free_queue.move_to_end(block, last=False)
         request.block_table.clear()
         request.num_registered_blocks = 0
+
+    def demote(self, block_hash: bytes) -> None:
+        """A cached page no later request can use: if it is free, it is evicted first."""
+        block = self.cached.get(block_hash)
+        if block is not None and self.ref_counts[block] == 0:
+            self.free_queue.move_to_end(block, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after a failed forward left pages undefined)."""
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        if self.event_sink is not None:
+            self.event_sink.all_cleared()
 
     def check_invariants(self) -> None:
         """Assert the internal bookkeeping is consistent (tests call this)."""

@@ -22,6 +22,9 @@ as any running request ends, which fair admission then gives to the starved key;
 that wait. The bound above holds without it.
 
 Pure Python; the scheduler calls `on_add`, `on_remove`, `charge` and `order` (scheduler.py).
+The counters outlive an engine process: the scheduler reports them with its stats (`snapshot`),
+and an engine started in a crashed one's place begins from the last report (`restore`), so a
+restart hands no key fresh credit.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from scheduler.request import Request
 
 Policy = Literal["fcfs", "priority", "fair"]
 POLICIES: tuple[Policy, ...] = ("fair", "fcfs", "priority")
+# (key name, V) per key, sorted by name: what crosses the process boundary with the stats.
+FairShareState = tuple[tuple[str, float], ...]
 
 
 class FairQueue:
@@ -65,6 +70,14 @@ class FairQueue:
             n = num_new[r.request_id]
             self.served[r.key] += n
             self.vtime[r.key] = self.vtime.get(r.key, 0.0) + n / r.weight
+
+    def snapshot(self) -> FairShareState:
+        return tuple(sorted(self.vtime.items()))
+
+    def restore(self, state: FairShareState) -> None:
+        """Start from a previous engine's counters; only before any request arrived."""
+        assert not self._active, "fair-share counters are restored before the first request"
+        self.vtime = dict(state)
 
     def order(self, waiting: Sequence[Request]) -> list[Request] | None:
         """The waiting requests in admission order, or None to keep the queue as it is (fcfs)."""

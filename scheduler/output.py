@@ -1,5 +1,7 @@
 """What one scheduling step decided: per request, which new tokens run, from which position,
-over which KV pages, and whether its last token is sampled. Consumed by engine/batch.py."""
+over which KV pages, and whether its last token is sampled; for hybrid models also which state
+checkpoints are restored, written and copied (scheduler/checkpoint_manager.py). Consumed by
+engine/batch.py and the model runner."""
 
 from __future__ import annotations
 
@@ -18,6 +20,26 @@ class NewRequestData:
 
 
 @dataclass(frozen=True)
+class CheckpointSave:
+    """Write the request's DeltaNet state after its first `num_tokens` tokens (inside or at the end
+    of this step's tokens) into checkpoint `checkpoint_id`."""
+
+    checkpoint_id: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class StateSave:
+    """Copy a slot's state into a checkpoint before anything else in the step (a sequence that
+    finished or was preempted: its slot and pages may be reused this step); `kv_page`: the partial
+    page whose KV goes with it, None when the state ends on a page boundary."""
+
+    checkpoint_id: int
+    state_slot: int
+    kv_page: int | None
+
+
+@dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
     token_ids: tuple[int, ...]  # the tokens computed this step, at positions start_pos...
@@ -29,9 +51,15 @@ class ScheduledRequest:
     # Speculative decoding: the last this many of token_ids are draft tokens, verified this step
     # (their logits rows are sampled too; `sample` is then always set).
     num_draft_tokens: int = 0
+    # Hybrid prefix caching: the checkpoint whose state (and, when start_pos is inside a page, whose
+    # KV of that page) this request starts from, copied in before the forward.
+    restore_checkpoint: int | None = None
+    checkpoint_saves: tuple[CheckpointSave, ...] = ()  # positions in (start_pos, seq_len], ascending
 
     def __post_init__(self) -> None:
         assert self.token_ids, f"{self.request_id}: scheduled with no tokens"
+        assert all(self.start_pos < s.num_tokens <= self.seq_len for s in self.checkpoint_saves), \
+            f"{self.request_id}: a checkpoint outside this step's tokens"
 
     @property
     def num_new_tokens(self) -> int:
@@ -48,6 +76,7 @@ class SchedulerOutput:
     requests: tuple[ScheduledRequest, ...]
     finished_request_ids: tuple[str, ...]  # ended since the last step: runner drops their state
     num_preempted: int = 0
+    state_saves: tuple[StateSave, ...] = ()  # hybrid models: copied first, before any restore
 
     @property
     def num_batched_tokens(self) -> int:

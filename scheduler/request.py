@@ -14,12 +14,13 @@ from dataclasses import dataclass, field, replace
 
 
 class ParamError(ValueError):
-    """A user mistake in request parameters; api/ turns it into a 400 naming `param`."""
+    """A user mistake in request parameters; api/ turns it into a 400 naming `param` (and `code`)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 class FinishReason(str, enum.Enum):
@@ -147,6 +148,9 @@ class Request:
     # Leading pages of block_table already offered to the prefix cache (block_manager's cursor).
     num_registered_blocks: int = 0
     state_slot: int | None = None  # hybrid models: the recurrent-state slot held while running
+    # Hybrid prefix caching: where this request's cached pages end beyond the checkpoint it restored
+    # (a prefix shared with an earlier request); a snapshot is taken there. 0: none.
+    checkpoint_junction: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

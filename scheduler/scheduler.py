@@ -1,17 +1,20 @@
 """The continuous-batching scheduler: each step, every request's computed tokens catch up with
 its tokens inside a token budget — decodes first, then prefill chunks, then new arrivals — with
 preemption by recompute (youngest first) when pages run out. One rule covers chunked prefill,
-prefix-cache hits, resumption after preemption, and decode.
+prefix-cache hits, resumption after preemption, and decode. Hybrid models' prefix-cache hits
+restore a DeltaNet state checkpoint (scheduler/checkpoint_manager.py).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler.block_manager import BlockManager
-from scheduler.fair_queue import FairQueue, Policy
+from scheduler.checkpoint_manager import CheckpointManager
+from scheduler.fair_queue import FairQueue, FairShareState, Policy
 from scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.slot_manager import SlotManager
@@ -26,6 +29,10 @@ class SchedulerConfig:
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
     num_state_slots: int = 0  # hybrid models: recurrent-state slots (0: the model keeps none)
+    # Hybrid models with prefix caching: state checkpoints, and the density of the snapshots taken
+    # inside long prefills (scheduler/checkpoint_manager.py `on_grid`; 0: none).
+    num_state_checkpoints: int = 0
+    state_checkpoint_bits: int = 0
     scheduling_policy: Policy = "fcfs"  # admission order of waiting requests (scheduler/fair_queue.py)
     long_prefill_token_threshold: int = 0  # most prefill tokens one request gets per step; 0: no cap
     # Speculative decoding: most draft tokens per decoding request and step (0: off), proposed
@@ -40,8 +47,9 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must not be negative, got {self.long_prefill_token_threshold}")
-        if self.num_state_slots and self.enable_prefix_caching:
-            raise ValueError("prefix caching needs the recurrent state at the prefix's end: off for hybrid models")
+        if self.num_state_slots and self.enable_prefix_caching and self.num_state_checkpoints < 1:
+            raise ValueError("prefix caching on a hybrid model needs state checkpoints (the recurrent state at "
+                             "a prefix's end)")
 
 
 @dataclass(frozen=True)
@@ -53,14 +61,23 @@ class SchedulerStats:
     prefix_cache_queried_tokens: int  # cumulative
     prefix_cache_hit_tokens: int  # cumulative
     num_preemptions: int  # cumulative
+    num_state_checkpoints: int = 0  # hybrid prefix caching: the pool's size
+    num_used_state_checkpoints: int = 0
+    fair_share: FairShareState = ()  # each key's virtual tokens (scheduler/fair_queue.py)
+    # For the front's admission (engine/admission.py): every request ever added (cumulative, so the
+    # front can tell which of the requests it sent are counted here), and the tokens still to
+    # compute of the waiting requests beyond the free batch slots (those the next step cannot start).
+    num_added: int = 0
+    num_queued_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
 
-# (a request's tokens so far, most drafts wanted) -> draft tokens, e.g. engine/spec_decode/ngram.py
-Drafter = Callable[[Sequence[int], int], list[int]]
+# (the request's id, its tokens so far, most drafts wanted) -> draft tokens: engine/spec_decode/ngram.py
+# reads the tokens, engine/spec_decode/mtp.py the drafts it made for that request after the last step.
+Drafter = Callable[[str, Sequence[int], int], list[int]]
 
 
 class Scheduler:
@@ -70,12 +87,18 @@ class Scheduler:
         self._drafts: dict[str, list[int]] = {}  # this step's draft tokens, by request id
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.slots = SlotManager(config.num_state_slots) if config.num_state_slots else None
+        self.checkpoints: CheckpointManager | None = None
+        if config.num_state_slots and config.enable_prefix_caching:
+            self.checkpoints = CheckpointManager(config.num_state_checkpoints, self.block_manager,
+                                                 config.state_checkpoint_bits)
+        self._restores: dict[str, int] = {}  # this step's restored checkpoint ids, by request id
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._sent_to_runner: set[str] = set()
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_added = 0  # requests ever added (the front's admission counts what it sent beyond this)
         self.num_prefix_queried_tokens = 0  # counted once per admission, not per lookup
         self.num_prefix_hit_tokens = 0
         self.fair = FairQueue(config.scheduling_policy)
@@ -88,17 +111,21 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.fair.on_add(request)
+        self.num_added += 1
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """End a request now and free its pages. Unknown or finished ids are ignored."""
+    def abort_request(self, request_id: str, keep_state: bool = True) -> Request | None:
+        """End a request now and free its pages. Unknown or finished ids are ignored. keep_state:
+        a hybrid sequence's state is kept as a checkpoint (False after a failed step: suspect)."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         request.finish_reason = request.finish_reason or FinishReason.ABORT
-        self._finish(request)
+        self._finish(request, keep_state)
         return request
 
-    def _finish(self, request: Request) -> None:
+    def _finish(self, request: Request, keep_state: bool = True) -> None:
+        if keep_state:
+            self._keep_state(request)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.PREEMPTED):
@@ -123,6 +150,7 @@ class Scheduler:
         num_preempted = 0
 
         self._drafts = {}
+        self._restores = {}
         speculate = self.drafter is not None and len(self.running) <= self.config.speculative_max_batch
         # Decodes first, then running prefill chunks: a long prompt never stalls decoding.
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -156,6 +184,10 @@ class Scheduler:
         # New arrivals and resumed requests, oldest first, when nothing was preempted. A request
         # whose grammar still compiles keeps its place and is passed over.
         skipped: list[Request] = []
+        bs = self.config.block_size
+        # Hybrid: the pages this step computes (a prefix in them has no state to restore yet).
+        in_flight = {b for r in scheduled for b in r.block_table[r.num_computed_tokens // bs:]} \
+            if self.checkpoints is not None else set()
         if (ordered := self.fair.order(self.waiting)) is not None:
             self.waiting = deque(ordered)
         while self.waiting and budget > 0 and num_preempted == 0 and len(self.running) < self.config.max_num_seqs:
@@ -172,18 +204,32 @@ class Scheduler:
             lookup = not request.block_table and request.params.prompt_logprobs is None
             hit = self.block_manager.find_cached_prefix(request) if lookup else []
             num_cached = len(hit) * self.config.block_size
+            restore = None
+            if self.checkpoints is not None and lookup:  # hybrid: the hit ends where a state checkpoint is
+                restore, num_cached = self.checkpoints.restore_point(request, hit)
+                if in_flight.intersection(hit[num_cached // bs:]):
+                    # Its prefix is being computed this step (a user sharing a system prompt with
+                    # one who arrived with it): wait a step and restore the state kept there.
+                    skipped.append(self.waiting.popleft())
+                    continue
+                hit = hit[: num_cached // bs]
             n = min(request.num_tokens - request.num_computed_tokens - num_cached, budget, cap)
-            if not self.block_manager.allocate(request, n, hit):
+            # Pages for the cached tokens past the hit's full pages too (a checkpoint's partial page).
+            if not self.block_manager.allocate(request, num_cached - len(hit) * bs + n, hit):
                 break
             self.waiting.popleft()
             if self.slots is not None:
                 self.slots.allocate(request)
+            if restore is not None and self.checkpoints is not None:
+                self.checkpoints.use(restore)
+                self._restores[request.request_id] = restore.checkpoint_id
             if self.config.enable_prefix_caching:
                 self.num_prefix_queried_tokens += request.num_tokens
                 self.num_prefix_hit_tokens += num_cached
             if request.status is RequestStatus.WAITING and request.num_output_tokens == 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens += num_cached
+            in_flight.update(request.block_table[num_cached // bs:])
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_new[request.request_id] = n
@@ -194,10 +240,13 @@ class Scheduler:
         # still cost its key a query row.
         self.fair.charge(scheduled, {rid: n + len(self._drafts.get(rid, ())) for rid, n in num_new.items()})
 
+        requests = tuple(self._describe(r, num_new[r.request_id]) for r in scheduled)
         out = SchedulerOutput(
-            requests=tuple(self._describe(r, num_new[r.request_id]) for r in scheduled),
+            requests=requests,
             finished_request_ids=tuple(self._finished_ids),
             num_preempted=num_preempted,
+            # Copies of finished or preempted sequences' states ride with the next step that runs.
+            state_saves=self.checkpoints.take_queued() if self.checkpoints is not None and requests else (),
         )
         self._finished_ids = []
         return out
@@ -213,7 +262,7 @@ class Scheduler:
             return []
         assert self.drafter is not None
         context = request.prompt_token_ids + request.output_token_ids
-        return self.drafter(context, k)[:k]
+        return self.drafter(request.request_id, context, k)[:k]
 
     def _pick_victim(self, exclude: Sequence[Request]) -> Request:
         """The youngest running request not already scheduled this step."""
@@ -222,14 +271,24 @@ class Scheduler:
         return max(candidates, key=lambda r: r.arrival_time)
 
     def _preempt(self, request: Request) -> None:
-        """Free the request's pages; it waits at the front and resumes by recompute."""
+        """Free the request's pages; it waits at the front and resumes by recompute (a hybrid
+        sequence from the checkpoint of its state kept here, while its pages stay cached)."""
+        self._keep_state(request)
         self.running.remove(request)
         self._release(request)
         request.num_computed_tokens = 0
+        request.checkpoint_junction = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _keep_state(self, request: Request) -> None:
+        """Hybrid prefix caching: queue a checkpoint of the state a sequence's slot holds (after its
+        computed tokens), unless that state is past its tokens (a stop inside accepted drafts)."""
+        if (self.checkpoints is not None and request.state_slot is not None
+                and 0 < request.num_computed_tokens <= request.num_tokens):
+            self.checkpoints.reserve_queued(request)
 
     def _release(self, request: Request) -> None:
         """Give back the request's pages and, for hybrid models, its state slot."""
@@ -244,6 +303,8 @@ class Scheduler:
             self._sent_to_runner.add(request.request_id)
             new_data = NewRequestData(request.params, tuple(request.prompt_token_ids), request.eos_token_ids)
         drafts = self._drafts.get(request.request_id, [])
+        # Snapshots only of real tokens: a step verifying drafts may leave its state past them.
+        saves = () if self.checkpoints is None or drafts else self.checkpoints.saves_for(request, start, start + n)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=tuple(request.token_slice(start, start + n)) + tuple(drafts),
@@ -253,6 +314,8 @@ class Scheduler:
             new_request=new_data,
             state_slot=request.state_slot,
             num_draft_tokens=len(drafts),
+            restore_checkpoint=self._restores.get(request.request_id),
+            checkpoint_saves=saves,
         )
 
     def update(
@@ -272,6 +335,8 @@ class Scheduler:
         are skipped (their pages are already free).
         """
         touched: list[Request] = []
+        if self.checkpoints is not None:  # this step wrote them, whether or not their request lives on
+            self.checkpoints.mark_ready([s.checkpoint_id for sr in output.requests for s in sr.checkpoint_saves])
         for sr in output.requests:
             request = self.requests.get(sr.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -305,8 +370,24 @@ class Scheduler:
         request.stop_reason = stop_reason
         self._finish(request)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget cached pages and state checkpoints (after a failed forward left them undefined)."""
+        if self.checkpoints is not None:
+            self.checkpoints.reset()
+        self.block_manager.reset_prefix_cache()
+    def restore(self, last: SchedulerStats) -> None:
+        """Carry on from a lost engine's last stats (engine/supervisor.py), before any request: its
+        cumulative counters, so they never go back, and its fair-share counters, so a restart
+        hands no key fresh credit."""
+        assert not self.requests, "restored before the first request"
+        self.num_preemptions = last.num_preemptions
+        self.num_prefix_queried_tokens = last.prefix_cache_queried_tokens
+        self.num_prefix_hit_tokens = last.prefix_cache_hit_tokens
+        self.fair.restore(last.fair_share)
+
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
+        ck = self.checkpoints
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -315,4 +396,16 @@ class Scheduler:
             prefix_cache_queried_tokens=self.num_prefix_queried_tokens,
             prefix_cache_hit_tokens=self.num_prefix_hit_tokens,
             num_preemptions=self.num_preemptions,
+            num_state_checkpoints=ck.num_checkpoints if ck is not None else 0,
+            num_used_state_checkpoints=ck.num_used if ck is not None else 0,
+            fair_share=self.fair.snapshot(),
+            num_added=self.num_added,
+            num_queued_tokens=self._num_queued_tokens(),
         )
+
+    def _num_queued_tokens(self) -> int:
+        """Tokens still to compute of the waiting requests past the free batch slots, in queue order."""
+        free = max(0, self.config.max_num_seqs - len(self.running))
+        if len(self.waiting) <= free:
+            return 0
+        return sum(r.num_tokens - r.num_computed_tokens for r in itertools.islice(self.waiting, free, None))

@@ -75,7 +75,8 @@ def ensure_chromium() -> tuple[str, str]:
 @contextmanager
 def chromium() -> Iterator[WebDriver]:
     """A fresh headless Chromium with its own profile folder, closed afterwards."""
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the `test` extra")
+    from selenium import webdriver  # the `test` extra: missing, it is an error, not a skip (tests/conftest.py)
+
     binary, driver_path = ensure_chromium()
     options = webdriver.ChromeOptions()
     options.binary_location = binary

@@ -17,6 +17,35 @@ os.environ.setdefault("FP4SERVE_DEFAULT_MODEL", "fp4serve-demo-qwen3")
 
 from tests.factories import make_checkpoint  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every dependency the `test` extra declares must be installed: a missing one is an error
+    here, not a silent skip of the tests that need it (triton's interpreted kernels, selenium's
+    browser tests). CUDA-only tests still skip without a GPU."""
+    missing = missing_test_dependencies(ROOT / "pyproject.toml")
+    if missing:
+        raise pytest.UsageError(f"declared test dependencies are not installed: {', '.join(missing)}; "
+                                "run `pip install -e '.[test]'`")
+
+
+def missing_test_dependencies(pyproject: Path) -> list[str]:
+    """The distributions the `test` extra of `pyproject` names that are not installed."""
+    import importlib.metadata
+    import re
+    import tomllib
+
+    declared = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["test"]
+    missing = []
+    for requirement in declared:
+        name = re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0]
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(name)
+    return missing
+
 
 @pytest.fixture(scope="session")
 def qwen3_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -141,7 +142,7 @@ def _save_hybrid(dst: Path, moe: bool, layout: str, tie: bool, seed: int, init_s
     if chat_template is None:
         write_word_tokenizer(dst, text["vocab_size"])
     else:
-        from fp4serve_tools.qwen_tokenizer import write_qwen_tokenizer_files
+        from engine.qwen_tokenizer import write_qwen_tokenizer_files
 
         write_qwen_tokenizer_files(dst, chat_template)
     return dst
@@ -185,3 +186,18 @@ def make_moe_checkpoint(dst: Path, seed: int = 0, fused_experts: bool = False, t
         save_file(tensors, str(weights_file), metadata={"format": "pt"})
     write_word_tokenizer(dst, kwargs["vocab_size"])
     return dst
+
+
+def scheduled(*reqs: tuple[str, int, int, list[int]]) -> SchedulerOutput:
+    """(request id, start_pos, num_new_tokens, block table) -> a SchedulerOutput; token ids are
+    derived from the position so repeated runs feed the same tokens."""
+    return SchedulerOutput(tuple(
+        ScheduledRequest(rid, tuple((7 * p + 3) % 500 for p in range(start, start + n)), start, tuple(table), True)
+        for rid, start, n, table in reqs), ())
+
+
+def forward_batch(*reqs: tuple[str, int, int, list[int]], block_size: int = 4) -> Any:
+    """The CPU ForwardBatch of `scheduled(*reqs)`, with pages of `block_size` tokens."""
+    from engine.batch import build_forward_batch
+
+    return build_forward_batch(scheduled(*reqs), block_size, torch.device("cpu"))

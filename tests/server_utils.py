@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 DONE = "[DONE]"
-START_TIMEOUT_S = 180.0  # first use builds the demo model and its tokenizer (~15 s); CI is slow
+# A wait for /health, not a bound: first use builds the demo model, and on a loaded machine quantizing
+# SmolLM2 to NVFP4 at load takes minutes.
+START_TIMEOUT_S = 600.0
 EXIT_USAGE = 2  # what `fp4serve serve` returns for a bad flag or a busy port
 
 
@@ -62,6 +64,30 @@ def metric(text: str, name: str, default: float | None = None) -> float:
             return float(line.split()[-1])
     assert default is not None, f"{name} not in /metrics"
     return default
+
+
+POLL_S = 0.05  # how often a wait below looks again (it waits on the state, not on the interval)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: Callable[[], str] = lambda: "") -> None:
+    """Until `condition()` holds; an AssertionError saying `what()` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting after {timeout:g} s: {what()}"
+        time.sleep(POLL_S)
+
+
+def wait_for_metric(base_url: str, name: str, holds: Callable[[float], bool], timeout: float = 30.0,
+                    default: float | None = 0.0) -> float:
+    """The sample `name` of the server's /metrics once `holds(value)`."""
+    value: list[float] = []
+
+    def read() -> bool:
+        value[:] = [metric(httpx.get(base_url + "/metrics", timeout=10).text, name, default)]
+        return holds(value[0])
+
+    wait_for(read, timeout, lambda: f"{name} = {value}")
+    return value[0]
 
 
 def free_port() -> int:
@@ -99,6 +125,10 @@ class RunningServer:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, line: str, timeout: float = 10.0) -> None:
+        """Until the server has logged `line`."""
+        wait_for(lambda: line in self.log(), timeout, lambda: self.log()[-3000:])
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM, then SIGKILL after `timeout`; the log is kept only if the exit was unclean."""

@@ -1,10 +1,11 @@
-"""The chat response builder on scripted engine outputs: chunk order and shape, the output
-parser hook (reasoning, tool calls, finish reasons), and the OpenAI SDK assembling our stream."""
+"""The chat response shapes (api/chat.py's ChatEncoder) through the pipeline's stream tail and body
+(api/pipeline.py) on scripted engine outputs: chunk order and shape, the output parser hook
+(reasoning, tool calls, finish reasons), and the OpenAI SDK assembling our stream."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -12,9 +13,12 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from api.chat import ChatResponder, ParserSettings
-from api.protocol import parse_chat_request
-from api.responses import ResponseHeader
+from api.chat import ChatEncoder
+from api.models import ChatCompletionRequest
+from api.parsers import ParserSettings
+from api.engine_stream import EngineStream
+from api.pipeline import Choices, ResponseHeader, Started, collect_body, stream_events as pipeline_events
+from api.validation import validate
 from engine.outputs import RequestOutput
 
 HEADER = ResponseHeader(id="chatcmpl-test", created=1_700_000_000, model="demo")
@@ -22,26 +26,38 @@ PROMPT = [11, 12, 13]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
+Responder = Callable[[AsyncIterator[RequestOutput]], Awaitable[tuple[Started, ChatEncoder]]]
 
-def responder(parsers: ParserSettings = ParserSettings(), **body: Any) -> ChatResponder:
-    request = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **body})
-    return ChatResponder(HEADER, request, PROMPT, parsers, starts_in_reasoning=False)
+
+def responder(parsers: ParserSettings = ParserSettings(), **body: Any) -> Responder:
+    """What the chat route builds for this body, over a scripted engine stream."""
+    chat: ChatCompletionRequest = validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **body})
+
+    async def build(outputs: AsyncIterator[RequestOutput]) -> tuple[Started, ChatEncoder]:
+        n = chat.n or 1
+        choices = Choices(n, [parsers.make(chat.tools, chat.tool_choice, chat.calls_in_parallel, False, chat.streaming)
+                              for _ in range(n)])
+        started = Started(HEADER, [PROMPT], False, EngineStream([outputs], None), choices, chat.streaming)
+        return started, ChatEncoder(started, chat)
+
+    return build
 
 
 def outputs(pieces: list[str], finish: str = "stop", index: int = 0, error_at: int | None = None) -> Any:
-    async def gen() -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def gen() -> AsyncIterator[RequestOutput]:
         for i, text in enumerate(pieces):
             last = i == len(pieces) - 1
-            yield 0, RequestOutput(
+            yield RequestOutput(
                 "r", index, (100 + i,), text, finish if last else None, len(PROMPT), i + 1,
                 error="device lost" if i == error_at else None,
             )
     return gen()
 
 
-def stream_events(r: ChatResponder, outs: Any) -> list[Any]:
+def stream_events(r: Responder, outs: Any) -> list[Any]:
     async def collect() -> list[bytes]:
-        return [event async for event in r.stream(outs)]
+        started, encoder = await r(outs)
+        return [event async for event in pipeline_events(started, encoder)]
 
     events = []
     for raw in asyncio.run(collect()):
@@ -51,8 +67,12 @@ def stream_events(r: ChatResponder, outs: Any) -> list[Any]:
     return events
 
 
-def complete(r: ChatResponder, outs: Any) -> dict[str, Any]:
-    return asyncio.run(r.complete(outs))
+def complete(r: Responder, outs: Any) -> dict[str, Any]:
+    async def collect() -> dict[str, Any]:
+        started, encoder = await r(outs)
+        return await collect_body(started, encoder)
+
+    return asyncio.run(collect())
 
 
 def sdk_assembled(events: list[Any], tools: list[dict[str, Any]] | None = None) -> Any:
@@ -147,9 +167,9 @@ def test_tool_choice_none_or_no_tools_leaves_tool_text_as_content() -> None:
 
 
 def test_n_choices_are_interleaved_by_index() -> None:
-    async def interleaved() -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def interleaved() -> AsyncIterator[RequestOutput]:
         for i, (index, text) in enumerate([(0, "a"), (1, "x"), (0, "b"), (1, "y")]):
-            yield 0, RequestOutput("r", index, (i,), text, "stop" if i >= 2 else None, 3, 1 + i // 2)
+            yield RequestOutput("r", index, (i,), text, "stop" if i >= 2 else None, 3, 1 + i // 2)
 
     body = complete(responder(n=2), interleaved())
     assert [c["message"]["content"] for c in body["choices"]] == ["ab", "xy"]

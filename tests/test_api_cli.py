@@ -20,6 +20,8 @@ FLAGS = (
     "--model", "--host", "--port", "--served-model-name", "--api-key", "--dtype", "--max-model-len",
     "--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-memory", "--block-size", "--tool-parser",
     "--reasoning-parser", "--cors-origins", "--log-level", "--attention-backend", "--no-prefix-caching",
+    "--engine-step-timeout", "--watchdog-timeout", "--engine-start-timeout", "--engine-max-restarts",
+    "--engine-restart-window",
 )
 
 
@@ -50,6 +52,15 @@ def test_every_flag_maps_onto_its_field(monkeypatch: pytest.MonkeyPatch) -> None
         host="0.0.0.0", port=9000, api_key="k", cors_origins=("https://a.b", "*"), tool_parser="qwen3_coder",
         reasoning_parser="qwen3", max_request_bytes=1024,
     )
+
+
+def test_supervisor_flags_map_onto_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FP4SERVE_API_KEY", raising=False)
+    engine = parse("--engine-step-timeout", "7.5", "--engine-start-timeout", "0", "--engine-max-restarts", "2",
+                   "--engine-restart-window", "30").engine
+    assert (engine.engine_step_timeout_s, engine.engine_start_timeout_s, engine.engine_max_restarts,
+            engine.engine_restart_window_s) == (7.5, 0.0, 2, 30.0)
+    assert parse("--watchdog-timeout", "9").engine.engine_step_timeout_s == 9.0  # SGLang's name for it
 
 
 def test_api_key_comes_from_the_environment_but_the_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,6 +95,9 @@ def test_help_explains_every_flag_with_its_default_and_never_shows_the_key(
         (["--max-model-len", "1"], "--max-model-len"),
         (["--tool-parser", "xml"], "--tool-parser"),
         (["--reasoning-parser", "deepseek"], "--reasoning-parser"),
+        (["--engine-step-timeout", "-1"], "--engine-step-timeout"),
+        (["--engine-max-restarts", "-1"], "--engine-max-restarts"),
+        (["--engine-restart-window", "0"], "--engine-restart-window"),
     ],
 )
 def test_bad_values_exit_2_naming_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,9 +17,12 @@ from starlette.testclient import TestClient
 
 from api.app import ServerConfig, build_app
 from api.auth import bearer_token
-from api.generation import ClientDisconnected, start_outputs, unless_disconnected
+from api.http import ClientDisconnected, unless_disconnected
+from api.engine_stream import EngineStream
+from api.pipeline import start_stream
 from api.sse import DONE, SSEResponse, encode_error_event, encode_event
 from engine.config import ConfigError, EngineConfig
+from engine.core_types import Owner
 from engine.outputs import RequestOutput
 from scheduler.request import SamplingParams
 
@@ -131,26 +134,27 @@ def test_sse_events_are_single_data_lines() -> None:
 
 
 def test_sse_response_closes_its_generator_when_the_client_leaves_during_a_send() -> None:
-    closed = asyncio.Event()
-
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            while True:
-                yield b"data: {}\n\n"
-        finally:
-            closed.set()
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.body":
-            await asyncio.sleep(10)  # a stalled socket: the generator stays parked at `yield`
-
-    async def receive() -> dict[str, Any]:
-        await asyncio.sleep(0.05)
-        return {"type": "http.disconnect"}
-
     async def run() -> bool:
+        closed, stalled = asyncio.Event(), asyncio.Event()
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    yield b"data: {}\n\n"
+            finally:
+                closed.set()
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                stalled.set()
+                await asyncio.Event().wait()  # a stalled socket: the generator stays parked at `yield`
+
+        async def receive() -> dict[str, Any]:
+            await stalled.wait()  # the client leaves while the body is being sent
+            return {"type": "http.disconnect"}
+
         scope = {"type": "http", "asgi": {"spec_version": "2.1"}, "method": "GET", "headers": []}
-        await asyncio.wait_for(SSEResponse(events())(scope, receive, send), 5)
+        await asyncio.wait_for(SSEResponse(events())(scope, receive, send), 30)
         return closed.is_set()
 
     assert asyncio.run(run()), "the generator's finally must run when the response ends"
@@ -164,7 +168,8 @@ class ScriptedEngine:
         self.delay = delay
         self.closed: list[str] = []
 
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 owner: Owner = Owner()) -> AsyncIterator[RequestOutput]:
         return self._stream(prompt_token_ids, request_id)
 
     async def _stream(self, prompt: list[int], request_id: str) -> AsyncIterator[RequestOutput]:
@@ -178,18 +183,25 @@ class ScriptedEngine:
 
 
 async def never_disconnects() -> dict[str, Any]:
-    await asyncio.sleep(3600)
+    await asyncio.Event().wait()
     return {"type": "http.disconnect"}
+
+
+async def start(engine: ScriptedEngine, num_prompts: int, receive: Any = never_disconnects) -> EngineStream:
+    return await start_stream(engine, [[p] for p in range(num_prompts)], SamplingParams(), "r",  # type: ignore[arg-type]
+                              Owner(), "prompt", receive, None)
 
 
 @pytest.mark.parametrize("num_prompts", [1, 3])
 def test_outputs_of_every_prompt_arrive_tagged_with_their_prompt(num_prompts: int) -> None:
     engine = ScriptedEngine(num_outputs=4)
-    params = [SamplingParams()] * num_prompts
 
     async def run() -> list[tuple[int, str]]:
-        outputs = await start_outputs(engine, [[p] for p in range(num_prompts)], params, "r", never_disconnects)
-        return [(p, out.text_delta) async for p, out in outputs]
+        stream = await start(engine, num_prompts)
+        got = []
+        while (item := await stream.next()) is not None:
+            got.append((item[0], item[1].text_delta))
+        return got
 
     got = asyncio.run(run())
     for p in range(num_prompts):
@@ -202,10 +214,9 @@ def test_closing_the_stream_early_closes_every_engine_generator(num_prompts: int
     engine = ScriptedEngine(num_outputs=1000)
 
     async def run() -> None:
-        outputs = await start_outputs(engine, [[p] for p in range(num_prompts)], [SamplingParams()] * num_prompts,
-                                      "r", never_disconnects)
-        await anext(outputs)
-        await outputs.aclose()
+        stream = await start(engine, num_prompts)
+        await stream.next()
+        await stream.aclose()
 
     asyncio.run(run())
     assert sorted(engine.closed) == (["r"] if num_prompts == 1 else [f"r-{p}" for p in range(num_prompts)])
@@ -215,11 +226,10 @@ def test_a_client_leaving_before_the_first_output_cancels_the_request() -> None:
     engine = ScriptedEngine(num_outputs=2, delay=10.0)  # still "queued" when the client leaves
 
     async def leaves() -> dict[str, Any]:
-        await asyncio.sleep(0.05)
         return {"type": "http.disconnect"}
 
     async def run() -> None:
-        await start_outputs(engine, [[1]], [SamplingParams()], "r", leaves)
+        await start(engine, 1, leaves)
 
     with pytest.raises(ClientDisconnected):
         asyncio.run(asyncio.wait_for(run(), 5))
@@ -228,7 +238,6 @@ def test_a_client_leaving_before_the_first_output_cancels_the_request() -> None:
 
 def test_unless_disconnected_returns_the_result_when_work_finishes_first() -> None:
     async def work() -> int:
-        await asyncio.sleep(0.01)
         return 42
 
     assert asyncio.run(unless_disconnected(work(), never_disconnects)) == 42

@@ -11,8 +11,13 @@ from starlette.testclient import TestClient
 from api.app import ServerConfig, build_app
 from api.errors import APIError
 from api.limits import RequestLimits
-from api.models import ChatCompletionRequest, openapi_schema, validate
+from api.models import ChatCompletionRequest
+from api.openapi import openapi_schema
+from api.validation import validate
 from engine.config import EngineConfig
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f"}}
 
 
 @pytest.mark.parametrize(
@@ -31,14 +36,15 @@ from engine.config import EngineConfig
 )
 def test_a_field_error_names_its_location(body: dict[str, Any], param: str, says: str) -> None:
     with pytest.raises(APIError) as info:
-        validate(ChatCompletionRequest, body)
+        validate(ChatCompletionRequest, {**body, "messages": MESSAGES})
     err = info.value
     assert (err.status, err.param, err.type) == (400, param, "invalid_request_error")
     assert says in err.message and param.split(".")[0] in err.message
 
 
 def test_unknown_fields_are_ignored_and_null_is_absent() -> None:
-    m = validate(ChatCompletionRequest, {"temperature": None, "user": "u", "store": True, "max_tokens": 12.0})
+    m = validate(ChatCompletionRequest, {"temperature": None, "user": "u", "store": True, "max_tokens": 12.0,
+                                         "messages": MESSAGES})
     assert m.temperature is None and m.max_tokens == 12
 
 
@@ -73,12 +79,12 @@ def test_openapi_json_is_served_while_the_model_loads() -> None:
         ({"stop": "abcdef"}, "stop", "--max-stop-length"),
         ({"stop_token_ids": [1, 2, 3]}, "stop_token_ids", "--max-stop"),
         ({"logprobs": True, "top_logprobs": 3}, "top_logprobs", "--max-logprobs"),
-        ({"tools": [{}, {}]}, "tools", "--max-tools"),
+        ({"tools": [TOOL, TOOL]}, "tools", "--max-tools"),
     ],
 )
 def test_server_limits_are_validators_naming_the_flag(body: dict[str, Any], param: str, flag: str) -> None:
     limits = RequestLimits(max_n=2, max_output_tokens=8, max_stop=2, max_stop_length=5, max_logprobs=2, max_tools=1)
     with pytest.raises(APIError) as info:
-        validate(ChatCompletionRequest, body, limits)
+        validate(ChatCompletionRequest, {**body, "messages": MESSAGES}, limits)
     assert info.value.param == param and flag in info.value.message
-    validate(ChatCompletionRequest, body)  # within the default limits
+    validate(ChatCompletionRequest, {**body, "messages": MESSAGES})  # within the default limits

@@ -1,6 +1,7 @@
-"""Request parsing without a server: OpenAI bodies -> ChatRequest / CompletionRequest, and
-the 400s (with the offending `param`) for every kind of user mistake. Token ids against the
-model's vocabulary are the input processor's (tests/test_input_processor.py)."""
+"""Request parsing without a server: OpenAI bodies validated into ChatCompletionRequest /
+CompletionRequestModel and their SamplingParams, and the 400s (with the offending `param`) for every
+kind of user mistake. Token ids against the model's vocabulary, the context length and max_tokens
+are the input processor's (tests/test_input_processor.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,22 @@ import pytest
 
 from api.errors import APIError
 from api.messages import parse_messages
-from api.protocol import parse_chat_request, parse_completion_request, parse_prompts, resolve_max_tokens
+from api.models import ChatCompletionRequest, CompletionRequestModel, parse_prompts
+from api.validation import validate
 from scheduler.request import SamplingParams
 
+
+def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """As the pipeline takes a body: validated, then its sampling parameters (before the template)."""
+    chat: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+    chat.to_sampling_params()
+    return chat
+
+
+def parse_completion_request(body: dict[str, Any]) -> CompletionRequestModel:
+    req: CompletionRequestModel = validate(CompletionRequestModel, body)
+    req.to_sampling_params()
+    return req
 
 
 def chat_body(**fields: Any) -> dict[str, Any]:
@@ -39,38 +53,38 @@ def test_chat_sampling_fields_reach_sampling_params() -> None:
             ignore_eos=True, skip_special_tokens=False, logprobs=True, top_logprobs=4,
         ),
     )
-    assert req.params == SamplingParams(
+    assert req.to_sampling_params() == SamplingParams(
         n=3, max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
         logit_bias=((3, -100.0), (5, 10.0)), seed=42, stop=("a", "bc"), stop_token_ids=(7, 8),
         ignore_eos=True, logprobs=4, skip_special_tokens=False,
     )
-    assert req.max_tokens == 7 and req.top_logprobs == 4
+    assert req.max_tokens_requested == 7 and req.num_top_logprobs == 4
 
 
 def test_defaults_when_fields_are_absent_or_null() -> None:
     req = parse_chat_request(chat_body(temperature=None, stop=None, n=None, stream=None))
-    assert req.params == SamplingParams(max_tokens=None)
-    assert req.max_tokens is None and req.top_logprobs is None and not req.stream.stream
+    assert req.to_sampling_params() == SamplingParams(max_tokens=None)
+    assert req.max_tokens_requested is None and req.num_top_logprobs is None and not req.streaming
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
-    assert parse_chat_request(chat_body(max_tokens=5, max_completion_tokens=9)).max_tokens == 9
+    assert parse_chat_request(chat_body(max_tokens=5, max_completion_tokens=9)).max_tokens_requested == 9
 
 
 def test_logprobs_without_top_logprobs_asks_for_the_sampled_token_only() -> None:
-    assert parse_chat_request(chat_body(logprobs=True)).params.logprobs == 0
-    assert parse_chat_request(chat_body(logprobs=False)).params.logprobs is None
+    assert parse_chat_request(chat_body(logprobs=True)).to_sampling_params().logprobs == 0
+    assert parse_chat_request(chat_body(logprobs=False)).to_sampling_params().logprobs is None
 
 
 def test_single_stop_string_and_integral_float_are_accepted() -> None:
     req = parse_chat_request(chat_body(stop="END", max_tokens=12.0))
-    assert req.params.stop == ("END",) and req.max_tokens == 12
+    assert req.to_sampling_params().stop == ("END",) and req.max_tokens_requested == 12
 
 
 def test_include_usage_only_counts_when_streaming() -> None:
-    assert parse_chat_request(chat_body(stream=True, stream_options={"include_usage": True})).stream.include_usage
-    assert not parse_chat_request(chat_body(stream_options={"include_usage": True})).stream.include_usage
+    assert parse_chat_request(chat_body(stream=True, stream_options={"include_usage": True})).include_usage
+    assert not parse_chat_request(chat_body(stream_options={"include_usage": True})).include_usage
 
 
 def test_enable_thinking_joins_chat_template_kwargs_without_overriding_them() -> None:
@@ -82,7 +96,7 @@ def test_enable_thinking_joins_chat_template_kwargs_without_overriding_them() ->
 
 def test_unknown_fields_and_plain_text_format_are_ignored() -> None:
     body = chat_body(user="u1", metadata={"x": 1}, store=False, response_format={"type": "text"})
-    assert parse_chat_request(body).params == SamplingParams(max_tokens=None)
+    assert parse_chat_request(body).to_sampling_params() == SamplingParams(max_tokens=None)
 
 
 @pytest.mark.parametrize(
@@ -191,7 +205,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 def test_tools_and_named_tool_choice_are_kept() -> None:
     choice = {"type": "function", "function": {"name": "get_weather"}}
     req = parse_chat_request(chat_body(tools=TOOLS, tool_choice=choice, parallel_tool_calls=False))
-    assert req.tools == TOOLS and req.tool_choice == choice and req.parallel_tool_calls is False
+    assert req.tools == TOOLS and req.tool_choice == choice and req.calls_in_parallel is False
 
 
 @pytest.mark.parametrize(
@@ -240,7 +254,7 @@ def test_bad_prompts_are_rejected(prompt: Any, param: str) -> None:
 
 
 def test_completion_logprobs_is_an_int_in_range() -> None:
-    assert parse_completion_request(completion_body(logprobs=3)).params.logprobs == 3
+    assert parse_completion_request(completion_body(logprobs=3)).to_sampling_params().logprobs == 3
     assert rejected(parse_completion_request, completion_body(logprobs=21)).param == "logprobs"
     assert rejected(parse_completion_request, completion_body(logprobs=True)).param == "logprobs"
 
@@ -251,18 +265,19 @@ def test_suffix_is_refused_not_ignored() -> None:
 
 def test_echo_and_prompt_logprobs_ask_the_engine_to_score_the_prompt() -> None:
     plain = parse_completion_request(completion_body(logprobs=2))
-    assert plain.params.prompt_logprobs is None and not plain.echo
+    assert plain.to_sampling_params().prompt_logprobs is None and not plain.echo
     echoed = parse_completion_request(completion_body(logprobs=2, echo=True))
-    assert echoed.echo and echoed.params.prompt_logprobs == 2
+    assert echoed.echo and echoed.to_sampling_params().prompt_logprobs == 2
     both = parse_completion_request(completion_body(logprobs=1, echo=True, prompt_logprobs=3))
-    assert (both.prompt_logprobs, both.params.prompt_logprobs, both.params.logprobs) == (3, 3, 1)
+    params = both.to_sampling_params()
+    assert (both.prompt_logprobs, params.prompt_logprobs, params.logprobs) == (3, 3, 1)
     alone = parse_completion_request(completion_body(prompt_logprobs=0))
-    assert (alone.prompt_logprobs, alone.params.prompt_logprobs, alone.echo) == (0, 0, False)
+    assert (alone.prompt_logprobs, alone.to_sampling_params().prompt_logprobs) == (0, 0) and not alone.echo
 
 
 def test_max_tokens_0_with_echo_runs_one_token_and_shows_the_prompt_alone() -> None:
     req = parse_completion_request(completion_body(max_tokens=0, echo=True))
-    assert req.prompt_only and req.max_tokens == 1 and req.params.max_tokens == 1
+    assert req.prompt_only and req.to_sampling_params().max_tokens == 1
     err = rejected(parse_completion_request, completion_body(max_tokens=0))
     assert err.param == "max_tokens" and "echo" in err.message
 
@@ -276,20 +291,3 @@ def test_max_tokens_0_with_echo_runs_one_token_and_shows_the_prompt_alone() -> N
 )
 def test_bad_echo_and_prompt_logprobs_name_the_parameter(fields: dict[str, Any], param: str) -> None:
     assert rejected(parse_completion_request, completion_body(**fields)).param == param
-
-
-@pytest.mark.parametrize(("num_prompt", "max_len", "expected"), [(10, 100, 90), (1, 2, 1), (99, 100, 1)])
-def test_absent_max_tokens_means_the_rest_of_the_context(num_prompt: int, max_len: int, expected: int) -> None:
-    params = resolve_max_tokens(SamplingParams(max_tokens=None), None, num_prompt, max_len, "prompt")
-    assert params.max_tokens == expected
-
-
-def test_prompt_filling_the_context_names_both_numbers() -> None:
-    err = rejected(resolve_max_tokens, SamplingParams(), None, 100, 100, "messages")
-    assert err.param == "messages" and "100 tokens" in err.message and "maximum context length is 100" in err.message
-
-
-def test_max_tokens_beyond_the_context_names_all_three_numbers() -> None:
-    err = rejected(resolve_max_tokens, SamplingParams(max_tokens=50), 50, 60, 100, "prompt")
-    assert err.param == "max_tokens"
-    assert all(str(n) in err.message for n in (50, 60, 100))

@@ -166,7 +166,7 @@ def test_clients_that_leave_mid_stream_are_aborted_and_their_pages_freed(server:
         running = metric(http.get("/metrics").text, "fp4serve_num_requests_running")
         assert running == 8
         assert metric(http.get("/metrics").text, "fp4serve_kv_cache_usage_ratio") > 0
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + 30  # a wait, not a bound: a loaded machine may take a while
     while True:
         text = http.get("/metrics").text
         if metric(text, "fp4serve_num_requests_running") == 0 and metric(text, "fp4serve_kv_cache_usage_ratio") == 0:

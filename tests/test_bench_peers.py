@@ -24,7 +24,8 @@ from tests.server_utils import free_port
 # A peer as small as it gets: Starlette on hypercorn, /v1/models and streamed chat completions
 # of `max_tokens` chunks (one fewer when the request neither sets ignore_eos nor bans tokens
 # through logit_bias, as a model that stops early). It starts a child process and writes its own
-# pid and the child's, so the test can check the whole group is stopped.
+# pid and the child's, so the test can check the whole group is stopped, and the max_tokens of each
+# stream it starts to `pid_file`.streams.
 FAKE_SERVER = r'''
 import asyncio, json, os, subprocess, sys
 from hypercorn.asyncio import serve
@@ -46,6 +47,8 @@ async def chat(request):
     if not body.get("stream"):
         return JSONResponse({"choices": [{"message": {"role": "assistant", "content": "Paris"},
                                           "finish_reason": "length", "index": 0}]})
+    with open(pid_file + ".streams", "a") as f:  # the test waits on this, not on the clock
+        f.write(f"{body['max_tokens']}\n")
     async def events():
         for i in range(n):
             await asyncio.sleep(0.005)
@@ -194,11 +197,12 @@ def test_sigterm_stops_the_server_and_keeps_what_ran(tmp_path: Path) -> None:
          "--port", str(free_port()), "--hf-model", str(tmp_path / "no-model"), "--out", str(out)],
         env=env, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
     try:
+        streams = Path(f"{pid_file}.streams")
         deadline = time.monotonic() + 60
-        while "warm-up answer" not in (log.read_text() if log.exists() else ""):
+        # Into the measurement: its 4000-token stream has started (it takes 20 s).
+        while "4000" not in (streams.read_text() if streams.exists() else ""):
             assert time.monotonic() < deadline and harness.poll() is None, log.read_text()
             time.sleep(0.1)
-        time.sleep(2)  # into the measurement (4000 tokens take 20 s)
         harness.terminate()
         assert harness.wait(60) == 130, log.read_text()
     finally:

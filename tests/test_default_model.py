@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError
-from fp4serve_tools.demo import DEMO_MODEL_NAME
+from engine.demo_model import DEMO_MODEL_NAME
 from engine.model_source import (
     DEFAULT_MODEL_ENV,
     DEFAULT_MODEL_NAME,
@@ -58,12 +58,14 @@ def ask(server_args: tuple[str, ...], model: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # loading SmolLM2 (and quantizing it) is minutes on a loaded machine
 def test_the_default_model_knows_the_capital_of_france(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DEFAULT_MODEL_ENV)  # what a user gets: no --model
     assert "Paris" in ask((), "smollm2-135m-instruct")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_the_smollm2_gguf_quantized_to_nvfp4_at_load_still_answers() -> None:
     answer = ask(("--model", str(smollm2_gguf_path()), "--quantization", "nvfp4"), "SmolLM2-135M-Instruct.Q4_1")
     assert "Paris" in answer

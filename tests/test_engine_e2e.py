@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,9 +132,11 @@ def test_aborting_half_mid_stream_returns_every_page(qwen3_ckpt: Path) -> None:
         results = await asyncio.gather(*tasks)
         for i, outs in enumerate(results):
             assert len(outs) == (3 if i % 2 else 20)
-        await asyncio.sleep(0.05)
-        stats = engine.stats()
-        assert (stats.num_running, stats.num_waiting, stats.num_kv_pages_used) == (0, 0, 0)
+        # The aborted ones are freed when the core reads the aborts: its next report says so.
+        deadline = time.monotonic() + 30
+        while (stats := engine.stats()).num_kv_pages_used or stats.num_running or stats.num_waiting:
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.01)
         engine.core.scheduler.block_manager.check_invariants()
 
     run_async(qwen3_ckpt, body)
@@ -205,4 +208,4 @@ def test_prompt_longer_than_max_model_len_is_rejected_with_both_numbers(qwen3_ck
         inputs.validate(list(range(70)), SamplingParams())
     with pytest.raises(ParamError) as e:
         inputs.validate(list(range(60)), SamplingParams(max_tokens=10))
-    assert e.value.param == "max_tokens" and "60 in the prompt" in e.value.message
+    assert e.value.param == "max_tokens" and "prompt has 60 tokens and max_tokens asks for 10" in e.value.message

@@ -1,6 +1,7 @@
 """The engine core in a process of its own (the server's default): it streams exactly what the
-in-process engine does; when it dies, every in-flight request gets an error, /health turns 503
-and the server exits 1; SIGTERM drains and stops it with the server."""
+in-process engine does; when it dies and restarts are off, every in-flight request gets an error,
+/health turns 503 and the server exits 1 (tests/test_engine_restart.py: with restarts); SIGTERM
+drains and stops it with the server."""
 
 from __future__ import annotations
 
@@ -79,8 +80,11 @@ def test_the_engine_process_streams_what_the_in_process_engine_does(qwen3_ckpt: 
 
 
 @pytest.mark.slow
-def test_a_dead_engine_process_fails_in_flight_requests_turns_health_503_and_exits_1(qwen3_ckpt: Path) -> None:
-    with running_server("--model", str(qwen3_ckpt), "--dtype", "float32", "--kv-cache-memory", "8MiB") as server:
+def test_without_restarts_a_dead_engine_process_fails_in_flight_requests_turns_health_503_and_exits_1(
+    qwen3_ckpt: Path,
+) -> None:
+    with running_server("--model", str(qwen3_ckpt), "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                        "--engine-max-restarts", "0") as server:
         pid = engine_pid(server.log())
 
         async def scenario() -> tuple[int, list[Any], int | None]:
@@ -107,7 +111,8 @@ def test_a_dead_engine_process_fails_in_flight_requests_turns_health_503_and_exi
         # (tests/test_robustness_engine.py holds a dead engine's 503 with a slower drain).
         assert health in (503, None)
         assert server.process.wait(30) == 1
-        assert "the engine stopped (the engine process exited" in server.log()
+        assert ("the engine stopped (the engine process exited (exit code -9); restarts are off "
+                "(--engine-max-restarts 0)): exiting with status 1") in server.log()
 
 
 @pytest.mark.slow

@@ -151,3 +151,45 @@ def test_ties_keep_queue_order() -> None:
     for i in range(3):
         s.add_request(request(f"r-{i}", "a", 4, 1, arrival=0))
     assert admission_order(s) == ["r-0", "r-1", "r-2"]
+
+
+def test_counters_carried_to_a_new_scheduler_keep_a_heavy_key_behind() -> None:
+    """What an engine restart does (engine/supervisor.py): the stats carry each key's V, and the
+    new engine's scheduler starts from them."""
+    old = scheduler("fair", max_num_seqs=1)
+    for i in range(20):
+        old.add_request(request(f"a{i}", "a", 16, 8, arrival=i))
+    old.add_request(request("b0", "b", 4, 1, arrival=0.5))
+    admission_order(old)  # a was served ~24x what b was
+    carried = old.stats().fair_share
+    assert [key for key, _ in carried] == ["a", "b"] and carried[0][1] > 20 * carried[1][1]
+
+    def first_ten(restored: bool) -> list[str]:
+        new = scheduler("fair", max_num_seqs=1)
+        if restored:
+            new.restore(old.stats())
+        for i in range(15):
+            new.add_request(request(f"b{i}", "b", 4, 1, arrival=100 + i))
+        for i in range(15):
+            new.add_request(request(f"a{i}", "a", 4, 1, arrival=100.5 + i))
+        return admission_order(new)[:10]
+
+    assert all(rid.startswith("b") for rid in first_ten(restored=True))
+    fresh = first_ten(restored=False)  # without the counters a returns level with b
+    assert 4 <= sum(rid.startswith("a") for rid in fresh) <= 6, fresh
+
+
+def test_a_restored_scheduler_continues_the_cumulative_counters() -> None:
+    def cached() -> Scheduler:
+        return Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=512, block_size=4,
+                                         num_blocks=64, enable_prefix_caching=True))
+
+    old = cached()
+    old.num_preemptions, old.num_prefix_queried_tokens, old.num_prefix_hit_tokens = 3, 500, 120
+    new = cached()
+    new.restore(old.stats())
+    got = new.stats()
+    assert (got.num_preemptions, got.prefix_cache_queried_tokens, got.prefix_cache_hit_tokens) == (3, 500, 120)
+    new.add_request(request("x", "a", 8, 1, arrival=0))
+    admission_order(new)
+    assert new.stats().prefix_cache_queried_tokens == 508  # counted on from there

@@ -145,7 +145,7 @@ def test_a_damaged_cached_folder_is_rebuilt(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ("architecture", r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen3$"),
+        ("architecture", r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen3, qwen3moe, qwen35, qwen35moe$"),
         ("quant", r"unsupported GGUF quant type Q8_1 \(tensor blk\.0\.attn_q\.weight\)$"),
         ("not-gguf", r"not a readable GGUF file \(.*\)$"),
         ("truncated", r"not a readable GGUF file \(.*\)$"),

@@ -71,7 +71,7 @@ def test_startup_log_names_skipped_weights_slots_and_parsers(server: RunningServ
     log = server.log()
     assert "vision tensors (model.visual.*" in log and "this server serves text" in log
     assert "state slots: 2 x" in log
-    assert "prefix caching off" in log
+    assert "hybrid prefix caching on: " in log and "state checkpoints x" in log
     assert "tool parser qwen3_coder, reasoning parser qwen3" in log
 
 

@@ -1,11 +1,13 @@
-"""The input processor is the one place user input is checked against the model: token ids
-against one vocabulary size, the context length, the grammar; and it fans n out into samples."""
+"""The input processor is the one place user input is checked against the model: max_tokens
+resolved against the context, token ids against one vocabulary size, the grammar; and it fans n
+out into samples."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.input_processor import InputProcessor, child_request_id
+from engine.errors import CONTEXT_LENGTH_EXCEEDED, ContextLengthError
+from engine.input_processor import InputProcessor, child_request_id, resolve_max_tokens
 from scheduler.request import ParamError, SamplingParams
 
 VOCAB = 24
@@ -36,6 +38,35 @@ def test_bad_input_is_a_param_error_naming_the_parameter(prompt: list[int], para
     assert excinfo.value.param == param
 
 
+@pytest.mark.parametrize(("num_prompt", "max_len", "cap", "expected"),
+                         [(10, 100, None, 90), (1, 2, None, 1), (99, 100, None, 1), (10, 100, 30, 30), (80, 100, 30, 20)])
+def test_absent_max_tokens_means_the_room_left_capped_by_max_output_tokens(
+    num_prompt: int, max_len: int, cap: int | None, expected: int,
+) -> None:
+    assert resolve_max_tokens(None, num_prompt, max_len, cap) == expected
+    [req] = InputProcessor(VOCAB, max_len, (2,), max_output_tokens=cap).process(
+        "r", [1] * num_prompt, SamplingParams(max_tokens=None))
+    assert req.params.max_tokens == expected
+
+
+def test_a_prompt_filling_the_context_is_refused_with_its_numbers() -> None:
+    with pytest.raises(ContextLengthError) as excinfo:
+        processor(max_model_len=100).process("r", [1] * 100, SamplingParams(max_tokens=None))
+    err = excinfo.value
+    assert (err.param, err.code) == ("prompt", CONTEXT_LENGTH_EXCEEDED)
+    assert (err.num_prompt_tokens, err.max_tokens, err.max_model_len) == (100, None, 100)
+    assert "100 tokens" in err.message and "maximum context length is 100" in err.message
+
+
+def test_max_tokens_beyond_the_context_is_refused_naming_all_three_numbers() -> None:
+    with pytest.raises(ContextLengthError) as excinfo:
+        resolve_max_tokens(50, 60, 100, cap=None)
+    err = excinfo.value
+    assert (err.param, err.code) == ("max_tokens", CONTEXT_LENGTH_EXCEEDED)
+    assert (err.num_prompt_tokens, err.max_tokens, err.max_model_len) == (60, 50, 100)
+    assert all(str(n) in err.message for n in (50, 60, 100))
+
+
 def test_the_largest_valid_ids_and_a_prompt_that_leaves_one_token_pass() -> None:
     [req] = processor().process("r", [VOCAB - 1] * 31, SamplingParams(max_tokens=1, logit_bias={VOCAB - 1: 5.0}))
     assert req.prompt_token_ids == (VOCAB - 1,) * 31 and req.eos_token_ids == (2,)
@@ -57,9 +88,9 @@ def test_openai_ranges_are_enforced(field: str, value: float) -> None:
 
 
 def test_chat_messages_become_ids_through_the_checkpoints_template_and_its_tail_tells_the_think_block() -> None:
-    from api.chat import prompt_closes_reasoning
+    from api.pipeline import prompt_closes_reasoning
     from engine.tokenizer import Tokenizer
-    from fp4serve_tools.demo import ensure_demo_model
+    from engine.demo_model import ensure_demo_model
 
     tokenizer = Tokenizer(ensure_demo_model())
     inputs = InputProcessor(151_936, 4096, (), tokenizer)
@@ -85,7 +116,7 @@ def test_more_top_logprobs_than_the_vocabulary_has_are_refused(field: str) -> No
 
 def test_echo_shows_a_text_prompt_as_sent_and_decodes_one_sent_as_ids() -> None:
     from engine.tokenizer import Tokenizer
-    from fp4serve_tools.demo import ensure_demo_model
+    from engine.demo_model import ensure_demo_model
 
     tokenizer = Tokenizer(ensure_demo_model())
     inputs = InputProcessor(151_936, 4096, (), tokenizer)

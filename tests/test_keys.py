@@ -98,13 +98,10 @@ def test_format_reset() -> None:
 
 
 def test_the_body_priority_joins_the_key_owner() -> None:
-    from api.keys import bind_request_priority
-    from engine.core_types import Owner, current_owner
+    from api.keys import KEY_STATE, request_owner
+    from engine.core_types import Owner
 
-    token = current_owner.set(KeyRecord("a", weight=2.0, priority=1).owner)
-    try:
-        bind_request_priority(-3)
-        assert current_owner.get() == Owner(key="a", weight=2.0, key_priority=1, priority=-3)
-    finally:
-        current_owner.reset(token)
-    assert current_owner.get() == Owner()
+    scope = {"state": {KEY_STATE: KeyRecord("a", weight=2.0, priority=1)}}
+    assert request_owner(scope, -3) == Owner(key="a", weight=2.0, key_priority=1, priority=-3)
+    assert request_owner(scope, None) == Owner(key="a", weight=2.0, key_priority=1, priority=0)
+    assert request_owner({}, 5) == Owner(key="default", priority=5)  # no key configured: everyone is `default`

@@ -1,12 +1,15 @@
-"""Import layering, read from the source with `ast`: api -> engine -> {scheduler, kernels}; nothing
-imports api; scheduler/ and api/ import no torch; bench/ is a client of the server over HTTP."""
+"""Import layering, read from the source with `ast`, with no exceptions: no import circle anywhere in
+api/, engine/, scheduler/ or kernels/ (lazy and TYPE_CHECKING imports included); api -> engine ->
+{scheduler, kernels}, never back up; nothing imports api; the engine never imports the offline
+tooling; the engine core never imports the front (input/output processors, tokenizer, ...);
+scheduler/ and api/ import no torch; bench/ is a client of the server over HTTP."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +85,63 @@ def violations(package: str, rule: Callable[[Path, Import], str | None]) -> list
     return bad
 
 
+def module_name(path: Path) -> str:
+    """engine/core.py -> "engine.core"; api/parsers/__init__.py -> "api.parsers"."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(packages: Iterable[str]) -> dict[str, set[str]]:
+    """Module -> the modules of `packages` it imports (every import: lazy and TYPE_CHECKING ones too).
+    An import of a name inside a module (`from engine.core import EngineCore`) is an edge to that
+    module; one of a package is an edge to its __init__."""
+    names = {module_name(path): path for package in packages for path in modules(package)}
+    graph: dict[str, set[str]] = {name: set() for name in names}
+    for name, path in names.items():
+        for imp in imports_of(path):
+            parts = imp.module.split(".")
+            target = next((".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in names), None)
+            if target is not None and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def circles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Every set of modules that import each other in a loop (Tarjan's strongly connected components
+    of more than one module), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
 # ---- the parser itself -------------------------------------------------------------------------------
 def test_import_parser_sees_relative_nested_and_dynamic_imports() -> None:
     source = (
@@ -105,6 +165,19 @@ def test_import_parser_sees_relative_nested_and_dynamic_imports() -> None:
         ("engine.core", 9, True),
         ("scheduler.request", 11, True),
     ]
+
+
+def test_the_circle_finder_sees_loops_of_any_length_and_nothing_else() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}, "g": set()}
+    assert circles(graph) == [["a", "b", "c"], ["d", "e"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_import_graph_resolves_names_to_their_modules() -> None:
+    graph = import_graph(["api", "engine"])
+    assert "engine.core_types" in graph["engine.core"]  # from engine.core_types import (...)
+    assert "api.parsers" in graph["api.pipeline"]  # a package: its __init__
+    assert "engine.demo_model" in graph["engine.model_path"]  # lazy, inside a function
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -137,9 +210,17 @@ def test_api_reaches_the_model_only_through_engine_and_imports_no_torch() -> Non
     assert violations("api", rule) == []
 
 
-def test_engine_never_imports_api_or_bench() -> None:
+def test_no_import_circle_in_the_server() -> None:
+    assert circles(import_graph(sorted(SERVER))) == []
+
+
+def test_engine_never_imports_api_bench_or_the_offline_tooling() -> None:
     def rule(path: Path, imp: Import) -> str | None:
-        return "the engine sits below the HTTP layer" if imp.top in ("api", "bench") else None
+        if imp.top in ("api", "bench"):
+            return "the engine sits below the HTTP layer"
+        if imp.top == "fp4serve_tools":
+            return "fp4serve_tools/ is offline tooling: it may import engine/, never the reverse"
+        return None
 
     assert violations("engine", rule) == []
 
@@ -168,32 +249,35 @@ def test_bench_is_an_http_client_except_its_offline_and_kernel_benchmarks() -> N
     assert violations("bench", rule) == []
 
 
-# The engine core's side of the process boundary: token ids only.
-CORE_SIDE = ("core.py", "core_proc.py", "core_types.py", "model_runner.py", "sampler.py", "batch.py")
-TEXT = {"engine.tokenizer", "engine.detokenizer", "engine.output_processor", "engine.input_processor", "tokenizers"}
+# The engine's front: what runs in the HTTP process around the core (text, validation, admission,
+# metrics, the per-request streams). Every other engine module is the core's, or below it.
+FRONT = {"engine.async_engine", "engine.admission", "engine.input_processor", "engine.output_processor",
+         "engine.outputs", "engine.tokenizer", "engine.detokenizer", "engine.metrics", "engine.offline",
+         "engine.core_client", "engine.supervisor", "engine.vllm_metrics"}
+# The modules of the core's step (its own process): token ids only, no tokenizer.
+CORE_STEP = ("core.py", "core_proc.py", "core_types.py", "model_runner.py", "sampler.py", "batch.py", "cuda_graph.py",
+             "prompt_logprobs.py")
+CORE_STEP_PACKAGES = ("spec_decode", "attention", "models")
 
 
-def test_the_engine_core_imports_no_tokenizer_detokenizer_or_demo() -> None:
+def test_the_engine_core_never_imports_the_front() -> None:
     def rule(path: Path, imp: Import) -> str | None:
-        if path.name not in CORE_SIDE or path.parent.name != "engine":
+        if module_name(path) in FRONT:
             return None
-        if imp.module in TEXT or imp.top == "fp4serve_tools":
-            return "the engine core speaks token ids; text and the demo live in the front"
-        return None
+        target = next((m for m in FRONT if imp.module == m or imp.module.startswith(m + ".")), None)
+        return f"the core knows nothing of the front ({target})" if target else None
 
     assert violations("engine", rule) == []
 
 
-def test_serving_code_reaches_the_tooling_only_for_the_demo_model() -> None:
+def test_the_core_step_imports_no_tokenizer() -> None:
     def rule(path: Path, imp: Import) -> str | None:
-        if imp.top != "fp4serve_tools":
-            return None
-        if path.relative_to(ROOT).as_posix() == "engine/model_path.py" and imp.lazy:
-            return None
-        return "fp4serve_tools/ is offline tooling; the server finds the demo through engine/model_path.py"
+        in_step = path.parent.name == "engine" and path.name in CORE_STEP or path.parent.name in CORE_STEP_PACKAGES
+        if in_step and imp.top in ("tokenizers", "fp4serve_tools"):
+            return "the engine core speaks token ids; text lives in the front"
+        return None
 
-    assert violations("engine", rule) == [] and violations("scheduler", rule) == []
-    assert violations("kernels", rule) == []
+    assert violations("engine", rule) == []
 
 
 @pytest.mark.parametrize("package", ["engine", "scheduler", "kernels", "bench", "fp4serve_tools"])

@@ -16,7 +16,7 @@ import pytest
 from api.app import ServerConfig
 from engine.async_engine import AsyncEngine
 from engine.core import EngineCore
-from fp4serve_tools.demo import DEMO_MODEL_NAME
+from engine.demo_model import DEMO_MODEL_NAME
 from tests.server_utils import InProcessServer, in_process_server
 from tests.test_tools_e2e import ARGUMENTS, ENGINE, THINK, ScriptedCore, call_text
 

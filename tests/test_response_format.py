@@ -23,11 +23,12 @@ from pydantic import BaseModel, Field
 
 from api.app import ServerConfig
 from api.errors import APIError
-from api.protocol import parse_chat_request, parse_completion_request
+from api.models import ChatCompletionRequest, CompletionRequestModel
 from api.response_format import ResponseFormat, parse_response_format, response_format_grammar
 from api.schema_grammar import MAX_STRING_LENGTH_BOUND
+from api.validation import validate
 from engine.config import EngineConfig
-from fp4serve_tools.demo import DEMO_MODEL_NAME
+from engine.demo_model import DEMO_MODEL_NAME
 from tests.server_utils import InProcessServer, in_process_server
 
 ENGINE = EngineConfig(kv_cache_memory="32MiB", max_model_len=1024)
@@ -205,7 +206,7 @@ def chat_body(**fields: Any) -> dict[str, Any]:
 
 def refused(body: dict[str, Any]) -> APIError:
     with pytest.raises(APIError) as caught:
-        parse_chat_request(body)
+        validate(ChatCompletionRequest, body)
     assert caught.value.status == 400
     return caught.value
 
@@ -271,16 +272,16 @@ def test_a_bad_schema_is_refused_naming_response_format_and_the_place(schema: An
 
 @pytest.mark.parametrize("raw", [None, {"type": "text"}])
 def test_text_is_no_format(raw: Any) -> None:
-    assert parse_chat_request(chat_body(response_format=raw)).response_format is None
+    assert validate(ChatCompletionRequest, chat_body(response_format=raw)).response_format is None
 
 
 def test_tool_choice_auto_and_a_format_go_together() -> None:
-    request = parse_chat_request(chat_body(response_format=json_schema(MODE), tools=TOOLS, tool_choice="auto"))
+    request = validate(ChatCompletionRequest, chat_body(response_format=json_schema(MODE), tools=TOOLS, tool_choice="auto"))
     assert request.response_format == ResponseFormat("json_schema", MODE, "account", True)
 
 
 def test_completions_take_a_response_format_too() -> None:
-    request = parse_completion_request({"prompt": "x", "response_format": {"type": "json_object"}})
+    request = validate(CompletionRequestModel, {"prompt": "x", "response_format": {"type": "json_object"}})
     assert request.response_format == ResponseFormat("json_object")
 
 

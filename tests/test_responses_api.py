@@ -16,7 +16,7 @@ from api.app import ServerConfig
 from api.responses_store import ResponseStore, StoredResponse, owner_of
 from engine.async_engine import AsyncEngine
 from engine.core import EngineCore
-from fp4serve_tools.demo import DEMO_MODEL_NAME
+from engine.demo_model import DEMO_MODEL_NAME
 from tests.server_utils import InProcessServer, in_process_server
 from tests.test_tools_e2e import ARGUMENTS, ENGINE, THINK, ScriptedCore, call_text
 
@@ -206,16 +206,21 @@ def test_text_format_json_schema_is_enforced_on_the_random_model(client: openai.
 
 
 def test_built_in_tools_are_left_out_and_function_tools_nested_for_chat() -> None:
-    from api.responses_request import chat_body, parse_responses_request
+    from api.response_format import ResponseFormat
+    from api.responses_request import ResponsesRequestModel
+    from api.validation import validate
 
-    body = chat_body(parse_responses_request({
+    request = validate(ResponsesRequestModel, {
         "input": "hi", "tools": [{"type": "web_search"}, WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
-        "text": {"format": {"type": "json_object"}}, "max_output_tokens": 7,
-    }), history=[])
-    assert [t["function"]["name"] for t in body["tools"]] == ["get_weather"]
-    assert body["tools"][0]["function"]["parameters"] == WEATHER["parameters"]
-    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
-    assert body["response_format"] == {"type": "json_object"} and body["max_tokens"] == 7
+        "max_output_tokens": 7,
+    })
+    chat = request.to_chat_request(history=[])
+    assert [t["function"]["name"] for t in chat.tools] == ["get_weather"]
+    assert chat.tools[0]["function"]["parameters"] == WEATHER["parameters"]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat.to_sampling_params().max_tokens == 7 and chat.messages == [{"role": "user", "content": "hi"}]
+    formatted = validate(ResponsesRequestModel, {"input": "hi", "text": {"format": {"type": "json_object"}}})
+    assert formatted.to_chat_request(history=[]).response_format == ResponseFormat("json_object")
 
 
 def test_an_agent_loop_call_then_its_output_by_previous_response_id(scripted: ScriptedCore,

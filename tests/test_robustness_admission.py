@@ -1,7 +1,8 @@
 """The pieces that keep a flood, a slow request or a shutdown from hurting anyone else, without a
 server: the engine admits exactly up to its queue bounds (and an empty queue takes anything), the
-early check counts requests being tokenized, a deadline ends an engine stream and closes it, and
-a drain waits for the last request or gives up at its timeout."""
+one admission rule counts requests being tokenized and those in transit to the core, a deadline
+ends an engine stream and closes it, and a drain waits for the last request or gives up at its
+timeout."""
 
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ from typing import Any
 
 import pytest
 
-from api.admission import Admission
-from api.deadline import Deadline, server_stopping_error, until_deadline
+from api.deadline import Deadline, server_stopping_error
 from api.errors import APIError
 from api.inflight import InFlight
 from api.metrics import ServerMetrics
-from engine.async_engine import AsyncEngine, EngineOverloadedError, QueueLimits
+from api.engine_stream import EngineStream
+from engine.admission import Admission, EngineOverloadedError, QueueLimits
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.outputs import RequestOutput
 from scheduler.request import SamplingParams
+from scheduler.scheduler import SchedulerStats
 
 MAX_TOKENS = 3
 
@@ -97,139 +101,150 @@ def test_engine_bounds_queued_prompt_tokens_but_an_empty_queue_takes_a_big_promp
     assert results[:3] == [[MAX_TOKENS]] * 3 and refused(results[3])  # 8 + 8 waiting, + 8 > 20
 
 
-class FakeQueue:
-    """What Admission reads of AsyncEngine: `waiting` requests and `free` batch slots."""
-
-    def __init__(self, waiting: int = 0, free: int = 0, tokens: int = 0) -> None:
-        self.waiting, self.free, self.tokens = waiting, free, tokens
-
-    def num_queued_requests(self, arriving: int = 0) -> int:
-        return max(0, self.waiting + arriving - self.free)
-
-    def num_queued_tokens(self) -> int:
-        return self.tokens
+def admission_with(bound_requests: int | None = None, bound_tokens: int | None = None, *, waiting: int = 0,
+                   running: int = 0, queued_tokens: int = 0, max_num_seqs: int = 4) -> Admission:
+    """An Admission whose core last reported `running` and `waiting` requests."""
+    admission = Admission(QueueLimits(bound_requests, bound_tokens), max_num_seqs)
+    admission.on_sent(running + waiting, 1)
+    admission.on_stats(SchedulerStats(running, waiting, 0, 1, 0, 0, 0, num_added=running + waiting,
+                                      num_queued_tokens=queued_tokens))
+    return admission
 
 
-def assert_overloaded(error: APIError) -> None:
-    assert (error.status, error.type, error.code) == (503, "overloaded_error", "server_overloaded")
-    assert error.headers == {"Retry-After": "1"}
-
-
-@pytest.mark.parametrize(("bound", "waiting", "free", "room"), [(1, 0, 0, 1), (3, 0, 0, 3), (3, 2, 0, 1), (2, 0, 4, 6),
-                                                                 (2, 5, 4, 1)])
-def test_early_check_counts_requests_being_tokenized(bound: int, waiting: int, free: int, room: int) -> None:
-    metrics = ServerMetrics()
-    admission = Admission(QueueLimits(max_queued_requests=bound), metrics)
-    queue = FakeQueue(waiting=waiting, free=free)
+@pytest.mark.parametrize(("bound", "waiting", "running", "room"),
+                         [(1, 0, 4, 1), (3, 0, 4, 3), (3, 2, 4, 1), (2, 0, 0, 6), (2, 5, 0, 1)])
+def test_early_check_counts_requests_being_tokenized(bound: int, waiting: int, running: int, room: int) -> None:
+    admission = admission_with(bound, waiting=waiting, running=running)  # 4 slots, `running` of them taken
     with ExitStack() as preparing:
         for _ in range(room):
-            preparing.enter_context(admission.preparing(queue))  # type: ignore[arg-type]
-        with pytest.raises(APIError) as info:
-            preparing.enter_context(admission.preparing(queue))  # type: ignore[arg-type]
-        assert_overloaded(info.value)
-        assert f"{bound} requests are already waiting for a batch slot (limit {bound})" in info.value.message
+            preparing.enter_context(admission.preparing())
+        with pytest.raises(EngineOverloadedError) as info:
+            preparing.enter_context(admission.preparing())
+        assert f"{bound} requests are already waiting for a batch slot (limit {bound})" in str(info.value)
     assert admission.num_preparing == 0
-    with admission.preparing(queue):  # type: ignore[arg-type]
+    with admission.preparing():
         assert admission.num_preparing == 1
-    assert metrics.rejected.labels(reason="overloaded")._value.get() == 1
 
 
 def test_early_check_refuses_once_queued_tokens_reach_the_bound() -> None:
-    admission = Admission(QueueLimits(max_queued_tokens=100), ServerMetrics())
-    with admission.preparing(FakeQueue(tokens=99)):  # type: ignore[arg-type]
+    with admission_with(None, 100, waiting=5, running=4, queued_tokens=99).preparing():
         pass
-    with pytest.raises(APIError) as info, admission.preparing(FakeQueue(tokens=100)):  # type: ignore[arg-type]
-        pass
-    assert_overloaded(info.value)
+    with pytest.raises(EngineOverloadedError, match="100 prompt tokens are already waiting"):
+        with admission_with(None, 100, waiting=5, running=4, queued_tokens=100).preparing():
+            pass
+
+
+def test_samples_in_transit_count_until_the_core_reports_them() -> None:
+    """Sent samples count as waiting until a report of the core counts them itself (`num_added`);
+    then the core's own waiting count takes over."""
+    admission = Admission(QueueLimits(max_queued_requests=8), max_num_seqs=2)
+    admission.on_sent(3, 10)  # one request of n = 3, prompt of 10 tokens: 1 queued past the 2 slots
+    assert (admission.num_queued_requests(), admission.num_queued_tokens()) == (1, 10)
+    admission.on_stats(SchedulerStats(0, 0, 0, 1, 0, 0, 0, num_added=0))  # a report from before they arrived
+    assert admission.num_queued_requests() == 1
+    admission.on_stats(SchedulerStats(2, 1, 0, 1, 0, 0, 0, num_added=3, num_queued_tokens=10))
+    assert (admission.num_queued_requests(), admission.num_queued_tokens()) == (1, 10)
+    admission.on_sent(1, 7)
+    assert (admission.num_queued_requests(), admission.num_queued_tokens()) == (2, 17)
+    admission.on_stats(SchedulerStats(2, 0, 0, 1, 0, 0, 0, num_added=4))  # all running or done
+    assert (admission.num_queued_requests(), admission.num_queued_tokens()) == (0, 0)
 
 
 class Source:
-    """An engine-like stream: one item every `interval` seconds; records being closed."""
+    """An engine-like stream of outputs the test hands out one at a time (`release`); records that
+    it waited for one, and that it was closed."""
 
-    def __init__(self, interval: float) -> None:
-        self.interval = interval
+    def __init__(self) -> None:
+        self.ready: asyncio.Queue[None] = asyncio.Queue()
+        self.waiting = asyncio.Event()
         self.closed = False
 
-    async def items(self) -> AsyncIterator[int]:
+    def release(self, count: int = 1) -> None:
+        for _ in range(count):
+            self.ready.put_nowait(None)
+
+    async def items(self) -> AsyncIterator[RequestOutput]:
         try:
             i = 0
             while True:
-                if self.interval:
-                    await asyncio.sleep(self.interval)
-                yield i
+                if self.ready.empty():
+                    self.waiting.set()
+                await self.ready.get()
+                yield RequestOutput("r", 0, (i,), f"{i} ", None, 1, i + 1)
                 i += 1
         finally:
             self.closed = True
 
 
-async def drain(outputs: AsyncIterator[int], on_item: Any = None) -> tuple[list[int], APIError]:
+async def drain(stream: EngineStream, on_item: Any = None) -> tuple[list[int], APIError]:
     got: list[int] = []
     with pytest.raises(APIError) as info:
-        async for item in outputs:
-            got.append(item)
+        while (item := await stream.next()) is not None:
+            got.append(item[1].new_token_ids[0])
             if on_item is not None:
-                on_item(item)
+                on_item(item[1].new_token_ids[0])
+    await stream.aclose()
     return got, info.value
 
 
-def test_a_passed_deadline_closes_the_stream_and_raises_a_504() -> None:
-    source = Source(interval=0.05)
-
-    async def main() -> tuple[list[int], APIError, float]:
+def test_a_passed_deadline_ends_the_stream_with_a_504_and_closes_the_engine_stream() -> None:
+    async def main() -> tuple[list[int], APIError, float, bool]:
+        source = Source()
+        source.release(3)  # three outputs, then the engine has nothing more for longer than the deadline
         start = time.monotonic()
-        got, error = await drain(until_deadline(source.items(), Deadline(0.3)))
-        return got, error, time.monotonic() - start
+        got, error = await drain(EngineStream([source.items()], Deadline(0.2)))
+        return got, error, time.monotonic() - start, source.closed
 
-    got, error, elapsed = asyncio.run(main())
-    assert 0.3 <= elapsed < 0.6 and 3 <= len(got) <= 6 and got == list(range(len(got)))
+    got, error, elapsed, closed = asyncio.run(main())
+    assert got == [0, 1, 2] and elapsed >= 0.2
     assert (error.status, error.type, error.code) == (504, "timeout_error", "request_timeout")
-    assert error.headers == {"x-should-retry": "false"} and "0.3 s" in error.message
-    assert source.closed
+    assert error.headers == {"x-should-retry": "false"} and "0.2 s" in error.message
+    assert closed
 
 
-@pytest.mark.parametrize("interval", [10.0, 0.0])
-def test_expire_ends_a_stream_at_once_even_when_items_are_always_ready(interval: float) -> None:
-    source = Source(interval)
-
-    async def main() -> tuple[list[int], APIError, float]:
+@pytest.mark.parametrize("waits", [True, False])
+def test_expire_ends_a_stream_at_once_even_when_outputs_are_always_ready(waits: bool) -> None:
+    async def main() -> tuple[list[int], APIError, bool]:
+        source = Source()
         deadline = Deadline(None)
-        loop = asyncio.get_running_loop()
-        start = time.monotonic()
-        if interval:  # expire while the stream waits for its next item
-            loop.call_later(0.05, deadline.expire, server_stopping_error())
-            got, error = await drain(until_deadline(source.items(), deadline))
-        else:  # expire between items that never make the stream wait
-            got, error = await drain(until_deadline(source.items(), deadline),
-                                     lambda i: i == 2 and deadline.expire(server_stopping_error()))
-        return got, error, time.monotonic() - start
+        stream = EngineStream([source.items()], deadline)
+        if waits:  # expire while the stream waits for its next output
+            consumer = asyncio.create_task(drain(stream))
+            await source.waiting.wait()
+            deadline.expire(server_stopping_error())
+            got, error = await consumer
+        else:  # expire between outputs that never make the stream wait
+            source.release(1000)
+            got, error = await drain(stream, lambda i: i == 2 and deadline.expire(server_stopping_error()))
+        return got, error, source.closed
 
-    got, error, elapsed = asyncio.run(main())
-    assert elapsed < 1.0 and source.closed
-    assert got == ([] if interval else [0, 1, 2])
+    got, error, closed = asyncio.run(main())
+    assert closed
+    assert got == ([] if waits else [0, 1, 2])
     assert (error.status, error.code) == (503, "server_stopping")
 
 
 def test_a_drain_waits_for_the_last_request_and_gives_up_at_its_timeout() -> None:
-    async def main() -> tuple[bool, bool, bool, float]:
+    async def main() -> tuple[bool, bool, bool, bool, bool]:
         in_flight = InFlight(None, ServerMetrics())
-        loop = asyncio.get_running_loop()
         first, second = in_flight.track(), in_flight.track()
         first.__enter__()
         second.__enter__()
-        loop.call_later(0.05, first.__exit__, None, None, None)
-        loop.call_later(0.1, second.__exit__, None, None, None)
-        start = time.monotonic()
-        idle = await in_flight.wait_idle(5.0)
-        waited = time.monotonic() - start
+        waiting = asyncio.create_task(in_flight.wait_idle(60.0))
+        first.__exit__(None, None, None)
+        await asyncio.sleep(0)  # let the waiter run: one request is still in flight
+        still_waiting = not waiting.done()
+        second.__exit__(None, None, None)
+        idle = await waiting
         with in_flight.track():
             timed_out = await in_flight.wait_idle(0.05)
             hurry = asyncio.Event()
-            loop.call_later(0.05, hurry.set)
-            hurried = await in_flight.wait_idle(5.0, hurry)
-        return idle, timed_out, hurried, waited
+            hurry.set()
+            hurried = await in_flight.wait_idle(60.0, hurry)
+        return still_waiting, idle, timed_out, hurried, in_flight.count == 0
 
-    idle, timed_out, hurried, waited = asyncio.run(main())
-    assert idle and 0.1 <= waited < 1.0
+    still_waiting, idle, timed_out, hurried, none_left = asyncio.run(main())
+    assert still_waiting and idle and none_left
     assert not timed_out and not hurried
 
 

@@ -12,7 +12,7 @@ from api.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT_S, Ser
 from api.cli import build_parser, main, server_config
 from api.limits import RequestLimits
 from api.server import log_settings
-from engine.async_engine import QueueLimits
+from engine.admission import QueueLimits
 from engine.config import EngineConfig
 
 

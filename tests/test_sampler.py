@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from engine.outputs import SampledToken
+from engine.core_types import SampledToken
 from engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, draw_inverse_cdf
 from scheduler.request import SamplingParams
 

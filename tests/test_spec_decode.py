@@ -57,7 +57,7 @@ def oracle_drafter(ref: list[Any]) -> Any:
     acceptances, partial ones and rejections."""
     truth = {tuple(r.prompt_token_ids): r.token_ids[0] for r in ref}
 
-    def propose(context: list[int], k: int) -> list[int]:
+    def propose(request_id: str, context: list[int], k: int) -> list[int]:
         prompt = next(p for p in truth if tuple(context[: len(p)]) == p)
         done = len(context) - len(prompt)
         draft = list(truth[prompt][done : done + k])
@@ -72,10 +72,10 @@ def oracle_drafter(ref: list[Any]) -> Any:
 # ---- the drafter ---------------------------------------------------------------------------------
 def test_ngram_proposes_what_followed_the_latest_match() -> None:
     p = NgramProposer(2, 3)
-    assert p.propose([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 2) == [5, 6]  # latest 3-gram match
-    assert p.propose([7, 8, 9, 7, 8], 4) == [9, 7, 8]  # runs into the suffix itself
-    assert p.propose([1, 2, 3, 4, 5], 3) == []  # nothing recurs
-    assert NgramProposer(1, 1).propose([4, 1, 4], 2) == [1, 4]
+    assert p.lookup([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], 2) == [5, 6]  # latest 3-gram match
+    assert p.lookup([7, 8, 9, 7, 8], 4) == [9, 7, 8]  # runs into the suffix itself
+    assert p.lookup([1, 2, 3, 4, 5], 3) == []  # nothing recurs
+    assert NgramProposer(1, 1).lookup([4, 1, 4], 2) == [1, 4]
 
 
 # ---- greedy: exact -------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def test_draft_pages_are_reserved_and_rejected_ones_returned() -> None:
     from tests.factories import make_request
 
     config = SchedulerConfig(block_size=4, num_blocks=10, num_speculative_tokens=4, speculative_max_batch=4)
-    sched = Scheduler(config, drafter=lambda context, k: [1, 2, 3, 4, 5][:k])
+    sched = Scheduler(config, drafter=lambda request_id, context, k: [1, 2, 3, 4, 5][:k])
     sched.add_request(make_request("r", [10, 11, 12, 13], max_tokens=20))
     out = sched.schedule()
     sched.update(out, {"r": 9})  # the prompt filled page 0; 5 tokens now
@@ -294,7 +294,7 @@ def test_fair_share_is_charged_for_drafts() -> None:
 
     config = SchedulerConfig(block_size=4, num_blocks=10, num_speculative_tokens=4, speculative_max_batch=4,
                              scheduling_policy="fair")
-    sched = Scheduler(config, drafter=lambda context, k: [1, 2, 3, 4, 5][:k])
+    sched = Scheduler(config, drafter=lambda request_id, context, k: [1, 2, 3, 4, 5][:k])
     request = make_request("r", [10, 11, 12, 13], max_tokens=20)
     sched.add_request(request)
     sched.update(sched.schedule(), {"r": 9})

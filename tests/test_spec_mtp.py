@@ -44,8 +44,8 @@ def record_drafts(engine: OfflineEngine) -> list[tuple[list[int], int, list[int]
     propose = engine.core.scheduler.drafter
     assert propose is not None
 
-    def recording(context: list[int], k: int) -> list[int]:
-        drafts = propose(context, k)
+    def recording(request_id: str, context: list[int], k: int) -> list[int]:
+        drafts = propose(request_id, context, k)
         calls.append((list(context), k, drafts))
         return drafts
 
@@ -86,6 +86,24 @@ def test_drafts_equal_a_dense_reference_of_the_mtp_maths(mtp_ckpt: Path) -> None
     # A request whose last prompt token runs alone has sampled nothing yet: no drafts for it.
     assert len(calls) > 10 and all(drafts or context in ps for context, _, drafts in calls)
     for context, k, drafts in (c for c in calls if c[2]):
+        assert drafts == reference.drafts(context, K)[:k], f"context of {len(context)} tokens"
+
+
+def test_requests_of_one_length_and_tail_get_their_own_drafts(mtp_ckpt: Path) -> None:
+    """Drafts are keyed by request id: two prompts of the same length sharing their last 24 tokens
+    (but not their first ones) each get the drafts of their own context."""
+    head_a, head_b, tail = random_prompts(6, 6, 24, seed=13)
+    ps = [head_a + tail, head_b + tail]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    engine = mtp_engine(mtp_ckpt)
+    calls = record_drafts(engine)
+    engine.generate(ps, params)
+    reference = DenseMtpReference(mtp_ckpt)
+    checked = [(context, k, drafts) for context, k, drafts in calls if drafts]
+    assert {tuple(context[:6]) for context, _, _ in checked} == {tuple(head_a), tuple(head_b)}
+    assert any(reference.drafts(a, K) != reference.drafts(b, K) for (a, _, _), (b, _, _) in zip(checked, checked[1:])
+               if len(a) == len(b) and a[:6] != b[:6]), "the two contexts must draft differently for this to test"
+    for context, k, drafts in checked:
         assert drafts == reference.drafts(context, K)[:k], f"context of {len(context)} tokens"
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from api.app import ServerConfig
 from engine.config import EngineConfig
-from fp4serve_tools.demo import DEMO_MODEL_NAME, ensure_demo_model
+from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.tokenizer import Tokenizer
 from tests.server_utils import InProcessServer, in_process_server
 

@@ -116,7 +116,7 @@ def test_qwen3_json_calls_are_accepted_and_parse_back(accepts: Accepts, name: st
 def test_the_chat_templates_own_rendering_of_a_call_is_accepted(accepts: Accepts) -> None:
     from transformers import AutoTokenizer
 
-    from fp4serve_tools.demo import ensure_demo_model
+    from engine.demo_model import ensure_demo_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_demo_model()))
     call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "hours": [9]}}}

@@ -24,9 +24,9 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.tokenizer import Tokenizer
-from fp4serve_tools.demo import DEMO_MODEL_NAME, EOS_TOKEN_ID
+from engine.demo_model import DEMO_MODEL_NAME, EOS_TOKEN_ID
 from engine.model_runner import StepResult
-from engine.outputs import SampledToken
+from engine.core_types import SampledToken
 from scheduler.output import SchedulerOutput
 from tests.server_utils import InProcessServer, in_process_server
 

@@ -193,7 +193,9 @@ def test_markdown_reasoning_and_code_render_as_elements(page: Any, core: PacedCo
     ]
     assert text_of(reply, ".content li code") == "usage"
     wait_for(lambda: by_testid(page, "metric-generation-tokens")[0].text not in ("–", "0"), what="the dashboard")
-    time.sleep(1.5)  # a couple more dashboard polls, so that the charts have points
+    for chart in ("ttft-chart", "itl-chart"):  # the screenshot shows the charts with points
+        wait_for(lambda: sum(page.execute_script(COUNT_PIXELS, chart, rgb) for rgb in SERIES_RGB) > 10,
+                 what=f"the {chart} lines")
     screenshot(page, "chat-markdown")
 
 
@@ -272,9 +274,9 @@ def test_stop_aborts_the_request_and_the_server_shows_zero_running(page: Any, se
     by_testid(page, "chat-stop")[0].click()
     reply = wait_done(page, timeout=10)
     assert text_of(reply, ".meta").endswith("stopped")
-    wait_for(lambda: stats(server)["requests"]["running"] == 0, timeout=5, what="the server to abort the request")
+    wait_for(lambda: stats(server)["requests"]["running"] == 0, what="the server to abort the request")
     assert stats(server)["kv_cache"]["usage"] == 0.0
-    wait_for(lambda: by_testid(page, "metric-running")[0].text == "0", timeout=5, what="the dashboard to show 0")
+    wait_for(lambda: by_testid(page, "metric-running")[0].text == "0", what="the dashboard to show 0")
     assert by_testid(page, "chat-send")[0].is_enabled() and not by_testid(page, "chat-stop")[0].is_enabled()
     screenshot(page, "stopped")
 
@@ -285,7 +287,7 @@ def test_dashboard_token_counter_rises_after_a_chat(page: Any, core: PacedCore, 
     num_tokens = core.expect("Short answer.")
     send(page, "Hi")
     wait_done(page)
-    wait_for(lambda: counter.text.isdigit() and int(counter.text) >= before + num_tokens, timeout=5,
+    wait_for(lambda: counter.text.isdigit() and int(counter.text) >= before + num_tokens,
              what=f"the counter to rise from {before} by {num_tokens}")
     assert int(counter.text) == stats(server)["tokens"]["generation_total"]
     assert re.fullmatch(r"\d+\.\d%", by_testid(page, "metric-kv-usage")[0].text)
@@ -296,7 +298,7 @@ def test_dashboard_token_counter_rises_after_a_chat(page: Any, core: PacedCore, 
     # of the others where they are equal, as they are with one request).
     for chart in ("ttft-chart", "itl-chart"):
         wait_for(lambda: sum(page.execute_script(COUNT_PIXELS, chart, rgb) for rgb in SERIES_RGB) > 10,
-                 timeout=5, what=f"the {chart} lines")
+                 what=f"the {chart} lines")
 
 
 USAGE_ROWS = """
@@ -319,7 +321,7 @@ def test_usage_by_key_shows_the_keys_completion_tokens_rising_after_a_chat(
     send(page, "Hi")
     wait_done(page)
     after = wait_for(lambda: (c := usage_cells(page, "default")) and int(c[2]) >= int(before[2]) + num_tokens and c,
-                     timeout=5, what=f"the key's completion tokens to rise from {before[2]} by {num_tokens}")
+                     what=f"the key's completion tokens to rise from {before[2]} by {num_tokens}")
     [served] = httpx.get(server.url("/v1/usage"), timeout=5).json()["data"]
     assert after[:3] == [str(served["requests"]), str(served["prompt_tokens"]), str(served["completion_tokens"])]
     assert int(after[0]) == int(before[0]) + 1 and int(after[1]) > int(before[1])
@@ -353,7 +355,7 @@ def test_with_an_api_key_the_page_works_only_once_the_key_is_entered(browser: An
         reply = wait_done(browser)
         assert text_of(reply, ".content") == REPLY
         # With the key (the one --api-key, an admin named "default"), its own usage shows.
-        wait_for(lambda: (c := usage_cells(browser, "default")) and int(c[0]) >= 1, timeout=5, what="the key's usage")
+        wait_for(lambda: (c := usage_cells(browser, "default")) and int(c[0]) >= 1, what="the key's usage")
         assert not reply.find_element(By.CSS_SELECTOR, ".error").is_displayed()
         stored = browser.execute_script(
             "return [sessionStorage.getItem('fp4serve.apiKey'), JSON.stringify(localStorage)]"

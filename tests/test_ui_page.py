@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.resources
 import re
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -164,11 +163,13 @@ def test_read_snapshot_takes_counters_and_histograms_by_name() -> None:
 
 def test_dashboards_polling_together_share_one_reading() -> None:
     engine = EngineMetrics("m")
-    feed = StatsFeed()
+    now = [100.0]
+    feed = StatsFeed(clock=lambda: now[0])
     first = feed.read([engine.registry])
     engine.generation_tokens.labels(key="default").inc(5)
+    now[0] += REUSE_S / 2
     assert feed.read([engine.registry]) is first
-    time.sleep(REUSE_S)
+    now[0] += REUSE_S / 2
     assert feed.read([engine.registry])["tokens"]["generation_total"] == 5
 
 
@@ -193,8 +194,9 @@ def test_stats_on_a_real_server_agree_with_metrics(server: InProcessServer) -> N
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "ignore_eos": True,
         })
         assert reply.status_code == 200
-        time.sleep(REUSE_S)  # a newer reading than `before`
-        stats = http.get("/stats").json()
+        stats = before
+        while stats["time"] == before["time"]:  # a newer reading (dashboards share one for REUSE_S)
+            stats = http.get("/stats").json()
         metrics = http.get("/metrics").text
     assert stats["object"] == "stats" and stats["status"] == "ready"
     assert stats["tokens"]["generation_total"] == before["tokens"]["generation_total"] + 8

@@ -21,7 +21,7 @@ from api.parsers.factory import (
     resolve_reasoning_parser,
     resolve_tool_parser,
 )
-from api.parsers.output_parser import OutputParser, assemble, parse_text, resolve_finish_reason
+from api.parsers.output_parser import OutputParser, ParserSettings, assemble, parse_text, resolve_finish_reason
 
 __all__ = [
     "REASONING_PARSERS",
@@ -29,6 +29,7 @@ __all__ = [
     "OutputParser",
     "ParsedDelta",
     "ParsedOutput",
+    "ParserSettings",
     "ReasoningParser",
     "ToolCall",
     "ToolCallDelta",

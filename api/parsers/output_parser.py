@@ -1,6 +1,7 @@
 """`OutputParser`: one request's reasoning parser and tool parser chained over its streamed
 text (reasoning first; tool calls are read only from content), plus `assemble` (deltas ->
-whole answer, exactly as the OpenAI SDK accumulates a stream) and the finish-reason rule.
+whole answer, exactly as the OpenAI SDK accumulates a stream), the finish-reason rule, and
+`ParserSettings` (the server's parser flags: which parser one choice of one request gets).
 
 The non-streaming path is the streaming one run to the end (`parse_text`), so both paths
 give the same answer by construction.
@@ -9,6 +10,8 @@ give the same answer by construction.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from api.parsers.base import (
     EMPTY_DELTA,
@@ -101,6 +104,30 @@ class OutputParser:
         if not (content or split.reasoning or calls):
             return EMPTY_DELTA
         return ParsedDelta(content=content, reasoning=split.reasoning, tool_calls=calls)
+
+
+@dataclass(frozen=True)
+class ParserSettings:
+    """The server's --tool-parser / --reasoning-parser, with `auto` already resolved."""
+
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def make(
+        self,
+        tools: list[dict[str, Any]] | None,
+        tool_choice: Any,
+        parallel_tool_calls: bool,
+        starts_in_reasoning: bool,
+        streaming: bool,
+    ) -> OutputParser | None:
+        """One choice's parser; None when the output is plain text. Tool calls are parsed only
+        when the client offered tools and did not turn them off."""
+        tool_parser = self.tool_parser if tools and tool_choice != "none" else None
+        if tool_parser is None and self.reasoning_parser is None:
+            return None
+        return OutputParser(tool_parser, self.reasoning_parser, tools, starts_in_reasoning, parallel_tool_calls,
+                            streaming=streaming)
 
 
 def resolve_finish_reason(engine_finish_reason: str, tool_calls_made: bool) -> str:

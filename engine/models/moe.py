@@ -10,7 +10,8 @@ from torch import nn
 
 from engine.models.layers import Linear
 from engine.moe_config import MoeConfig
-from kernels.fused_moe import ExpertOperand, NVFP4ExpertWeights, fused_experts, prepare_experts, route, select_experts
+from kernels.fused_moe import NVFP4ExpertWeights, route, select_experts
+from kernels.moe_dispatch import ExpertOperand, fused_experts, prepare_experts
 
 
 class Experts(nn.Module):

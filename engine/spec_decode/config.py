@@ -1,8 +1,11 @@
-"""What `--speculative-method` and its companions ask for, checked once."""
+"""What `--speculative-method` and its companions ask for, checked once; vLLM's
+`--speculative-config` JSON read into the same fields."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from engine.config import ConfigError
 
@@ -33,3 +36,44 @@ class SpeculativeConfig:
             raise ConfigError(f"--ngram-min / --ngram-max: need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
         if self.max_batch < 1:
             raise ConfigError(f"--speculative-max-batch: must be positive, got {self.max_batch}")
+
+
+# vLLM's `--speculative-config` JSON keys -> EngineConfig fields (the ones fp4serve has).
+_VLLM_KEYS = {
+    "method": "speculative_method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "model": "speculative_model",
+    "prompt_lookup_min": "ngram_min",
+    "prompt_lookup_max": "ngram_max",
+    "disable_by_batch_size": "speculative_max_batch",
+}
+# vLLM's method names for a Qwen3.5/3.6 (and Qwen3-Next) MTP head; vLLM maps them onto "mtp" too.
+_MTP_ALIASES = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+
+
+def speculative_config_fields(text: str) -> dict[str, Any]:
+    """vLLM's `--speculative-config '{"method": "mtp", "num_speculative_tokens": 3, "model": PATH}'`
+    as EngineConfig field values. Raises ConfigError (one line) for what it cannot express."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--speculative-config: invalid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("--speculative-config: must be a JSON object")
+    fields: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "draft_tensor_parallel_size" and value in (None, 1):
+            continue  # one device: the only size there is
+        if key not in _VLLM_KEYS:
+            raise ConfigError(f"--speculative-config: unsupported key '{key}'; supported: {', '.join(_VLLM_KEYS)}")
+        if key == "method" and value in _MTP_ALIASES:
+            value = "mtp"
+        fields[_VLLM_KEYS[key]] = value
+    for field in ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_max_batch"):
+        value = fields.get(field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            key = next(k for k, f in _VLLM_KEYS.items() if f == field)
+            raise ConfigError(f"--speculative-config: '{key}' must be an integer, got {value!r}")
+    if fields.get("speculative_model") is not None and fields.get("speculative_method") is None:
+        fields["speculative_method"] = "mtp"  # a second checkpoint drafts only through its MTP head here
+    return fields

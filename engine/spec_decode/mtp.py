@@ -20,9 +20,9 @@ After the target forward and sampling of a step:
 Drafts are greedy (a point mass), so engine/spec_decode/rejection.py verifies them unchanged: the
 output distribution stays the target's and a seeded request emits the same tokens.
 
-Drafts are keyed by the request's token list: the scheduler's drafter hook passes a request's
-tokens only (scheduler/scheduler.py `Drafter`), and the runner keeps each live request's tokens
-(prompt + emitted) to match them."""
+Drafts are keyed by request id (as vLLM's `update_draft_token_ids`): the scheduler's drafter hook
+names the request it drafts for (scheduler/scheduler.py `Drafter`). The drafter also mirrors each
+live request's tokens (prompt + emitted), which the fill needs for the token after each row."""
 
 from __future__ import annotations
 
@@ -37,8 +37,6 @@ from engine.models.qwen3_5 import HybridForCausalLM
 from engine.models.qwen3_5_mtp import Qwen3_5MTP
 from scheduler.output import ScheduledRequest, SchedulerOutput
 
-
-_MATCH_TAIL = 16  # tokens compared to tell requests of one length apart (`propose`)
 
 
 @dataclass
@@ -68,7 +66,8 @@ class MtpDrafter:
         self.kv_cache = torch.zeros(kv_cache_shape(num_pages, block_size, cfg.num_kv_heads, cfg.head_dim),
                                     dtype=dtype, device=device)
         self.live: dict[str, _Live] = {}
-        self._ready: dict[int, list[tuple[str, list[int]]]] = {}  # num tokens -> (request id, drafts)
+        # request id -> (its number of tokens when the drafts were made, the drafts)
+        self._ready: dict[str, tuple[int, list[int]]] = {}
 
     @property
     def scratch_nbytes(self) -> int:
@@ -82,17 +81,15 @@ class MtpDrafter:
         self.live.pop(request_id, None)
 
     # ---- the scheduler's drafter hook ---------------------------------------------------------------------
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """The drafts made after the last step for the request whose tokens are `token_ids`; []
-        when none were (the request did not sample, or the batch was too large to draft)."""
-        # NOTE: the length picks the candidates and a short tail tells them apart, not the whole
-        # context (per request and step). A mix-up of two requests with the same length and tail
-        # could only cost acceptance: verification keeps the output exact whatever the drafts.
-        tail = list(token_ids[-_MATCH_TAIL:])
-        for request_id, drafts in self._ready.get(len(token_ids), ()):
-            if self.live[request_id].tokens[-_MATCH_TAIL:] == tail:
-                return drafts[:k]
-        return []
+    def propose(self, request_id: str, token_ids: list[int], k: int) -> list[int]:
+        """The drafts made after the last step for this request; [] when none were (it did not
+        sample, or the batch was too large to draft)."""
+        made = self._ready.get(request_id)
+        # NOTE: drafts follow the tokens the request had when they were made; a request whose
+        # length moved since (it cannot, short of a bug) gets none rather than stale ones.
+        if made is None or made[0] != len(token_ids):
+            return []
+        return made[1][:k]
 
     # ---- after the target forward -----------------------------------------------------------------------
     def step(self, out: SchedulerOutput, batch: ForwardBatch, hidden: torch.Tensor,
@@ -144,8 +141,7 @@ class MtpDrafter:
             drafts.append(tok)
         table = torch.stack(drafts, dim=1).tolist()  # [B, K]: one host read-back
         for (r, _), d in zip(drafting, table):
-            tokens = self.live[r.request_id].tokens
-            self._ready.setdefault(len(tokens), []).append((r.request_id, d))
+            self._ready[r.request_id] = (len(self.live[r.request_id].tokens), d)
 
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The MTP head over rows planned in the attention backend: [T] next tokens, [T, H] hidden."""

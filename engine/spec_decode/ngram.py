@@ -16,7 +16,11 @@ class NgramProposer:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+    def propose(self, request_id: str, token_ids: Sequence[int], k: int) -> list[int]:
+        """The scheduler's drafter hook; the context alone decides, whichever request it is."""
+        return self.lookup(token_ids, k)
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
         """Up to `k` tokens that followed the latest earlier occurrence of the context's longest
         matching suffix (n from ngram_max down to ngram_min); [] when no suffix recurs."""
         # NOTE: O(context) numpy work per decoding request and step (vectorised, no Python loop over

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.outputs import SampledToken
+from engine.core_types import SampledToken
 from engine.sampler import Sampler
 from engine.structured import StructuredOutputs
 

@@ -53,3 +53,32 @@ def test_fla_delta_rule_equals_the_torch_reference_over_slots(dtype: torch.dtype
         torch.testing.assert_close(fla.delta_rule(0, q, k, v, decay, beta).float(),
                                    ref.delta_rule(0, q, k, v, decay, beta).float(), **tol)
         torch.testing.assert_close(fla_pool.recurrent, ref_pool.recurrent, **tol)
+
+
+def test_fla_rounds_keep_the_states_the_torch_backend_keeps() -> None:
+    """Hybrid prefix caching: states kept part way through a step (the fla call split into rounds)
+    equal the torch backend's (computed inside its chunked form), and so do outputs and slots."""
+    from engine.checkpoint_pool import CheckpointPool
+    from scheduler.output import CheckpointSave
+
+    pools = [(StatePool(HYBRID, 8, CUDA), CheckpointPool(HYBRID, 4, (2, 16, 1, 64), 1, torch.float32, CUDA))
+             for _ in range(2)]
+    ref = TorchLinearAttentionBackend(pools[0][0], CUDA, checkpoints=pools[0][1])
+    fla = FlaLinearAttentionBackend(pools[1][0], CUDA, checkpoints=pools[1][1])
+    saves = {0: (CheckpointSave(0, 64), CheckpointSave(1, 96)), 2: (CheckpointSave(2, 16),)}
+    scheduled = tuple(ScheduledRequest(f"r{i}", tuple(range(1, n + 1)), start, tuple(range(64)), True, state_slot=slot,
+                                       checkpoint_saves=saves.get(i, ()))
+                      for i, (start, n, slot) in enumerate([(0, 100, 3), (0, 1, 5), (0, 37, 0)]))
+    b = build_forward_batch(SchedulerOutput(scheduled, ()), 16, CUDA)
+    g = torch.Generator(device=CUDA).manual_seed(1)
+    t = b.num_tokens
+    q, k = (torch.randn(t, 2, 64, device=CUDA, generator=g) for _ in range(2))
+    v = torch.randn(t, 6, 64, device=CUDA, generator=g)
+    decay = -torch.nn.functional.softplus(torch.randn(t, 6, device=CUDA, generator=g))
+    beta = torch.rand(t, 6, device=CUDA, generator=g)
+    ref.plan(b)
+    fla.plan(b)
+    tol = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fla.delta_rule(0, q, k, v, decay, beta), ref.delta_rule(0, q, k, v, decay, beta), **tol)
+    torch.testing.assert_close(pools[1][0].recurrent, pools[0][0].recurrent, **tol)
+    torch.testing.assert_close(pools[1][1].recurrent[:, :3], pools[0][1].recurrent[:, :3], **tol)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.models.moe import NVFP4Experts
-from kernels.fused_moe import NVFP4ExpertWeights, fused_experts, fused_experts_ref, route
+from kernels.fused_moe import NVFP4ExpertWeights, fused_experts_ref, route
+from kernels.moe_dispatch import fused_experts
 from kernels.nvfp4 import quantize_nvfp4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fp4serve_tools.qwen_tokenizer import QWEN3_VOCAB_SIZE, default_cache_dir, write_qwen_tokenizer_files
+from engine.qwen_tokenizer import QWEN3_VOCAB_SIZE, default_cache_dir, write_qwen_tokenizer_files
 
 logger = logging.getLogger("fp4serve.demo")
 

@@ -1,0 +1,322 @@
+"""The one chat pipeline every protocol maps into:
+
+    the protocol's route: its request model (validated once) -> its mapping -> ChatCompletionRequest
+      -> start_chat: the model name, the early admission check, the chat template, the grammar
+         (response_format, or a forced tool call), the engine request, which the engine validates
+         (max_tokens, context length, ids) and admits; the first output is awaited before the
+         response starts, so a refusal is an HTTP error in the protocol's shape
+      -> Choices: each engine output through its choice's output parser (tool calls, reasoning)
+      -> the protocol's Encoder: its events (streamed) or its body
+      -> respond: one SSE tail that owns cancellation, the in-band error event and the end of
+         the stream; or one JSON body, abandoned (and the request aborted) if the client leaves.
+
+/v1/completions enters through `start_completion` (text or token-id prompts, several merged into
+one stream) and shares the rest. Between the engine and the socket there are three async layers:
+AsyncEngine's per-request stream (pumped into `EngineStream`, which merges prompts and keeps the
+deadline), the event generator (`stream_events`), and SSEResponse.
+
+Adding an API is a mapping, not a pipeline: write its request model with a `to_chat_request()`
+(api/responses_request.py, api/anthropic_request.py), and an `Encoder` for its events and body
+(api/responses_output.py, api/anthropic_routes.py); its route is then read, validate, map,
+`start_chat`, `respond`. Nothing here changes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive
+
+from api.deadline import Deadline
+from api.engine_stream import EngineStream
+from api.errors import APIError, bad_request
+from api.http import json_response, server_state, unless_disconnected
+from api.inflight import request_deadline
+from api.keys import request_owner
+from api.models import ChatCompletionRequest, CompletionRequestModel
+from api.parsers import OutputParser, ParsedDelta, ParserSettings
+from api.parsers.base import coalesce_tool_deltas
+from api.response_format import response_format_grammar
+from api.sse import SSEResponse
+from api.tool_grammar import tool_call_grammar
+from engine.core_types import Owner
+from engine.outputs import RequestOutput
+from scheduler.request import ParamError, SamplingParams
+
+if TYPE_CHECKING:
+    from api.state import ServerState
+    from engine.async_engine import AsyncEngine
+
+logger = logging.getLogger("fp4serve.api")
+
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """What every chunk and body of one response repeats: the same id and created time."""
+
+    id: str
+    created: int
+    model: str
+
+    @staticmethod
+    def new(prefix: str, model: str) -> ResponseHeader:
+        return ResponseHeader(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model)
+
+    def fields(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one engine output means for one choice."""
+
+    index: int  # the choice (completions: prompt index * n + sample index)
+    prompt_index: int
+    out: RequestOutput  # ids, logprobs and counts as the engine sent them
+    parsed: ParsedDelta  # the text through the choice's parser (on the last output, what it held back too)
+    finish_reason: str | None  # on the last output: the engine's, as the parser resolves it (tool_calls)
+    broken_calls: tuple[int, ...] = ()  # the parser's calls whose text never closed, so far
+
+
+class Choices:
+    """Each choice's output parser (None: plain text); turns an engine output into a ChoiceDelta."""
+
+    def __init__(self, n: int, parsers: list[OutputParser | None]) -> None:
+        self.n = n  # samples per prompt
+        self.parsers = parsers  # one per choice
+
+    def __len__(self) -> int:
+        return len(self.parsers)
+
+    def parses(self, index: int) -> bool:
+        return self.parsers[index] is not None
+
+    def step(self, prompt_index: int, out: RequestOutput) -> ChoiceDelta:
+        index = prompt_index * self.n + out.index
+        parser = self.parsers[index]
+        if parser is None:
+            return ChoiceDelta(index, prompt_index, out, ParsedDelta(content=out.text_delta), out.finish_reason)
+        parsed = parser.feed(out.text_delta)
+        reason = None
+        if out.finish_reason is not None:
+            tail = parser.finish()
+            # One delta per chunk; one entry per tool-call index (older SDKs keep duplicates).
+            parsed = ParsedDelta(parsed.content + tail.content, parsed.reasoning + tail.reasoning,
+                                 coalesce_tool_deltas([*parsed.tool_calls, *tail.tool_calls]))
+            reason = parser.finish_reason(out.finish_reason)
+        return ChoiceDelta(index, prompt_index, out, parsed, reason, parser.broken_calls)
+
+
+@dataclass
+class Totals:
+    """What one choice's outputs said in the end (the agent protocols' usage and stop fields)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: str | None = None  # resolved: stop | length | tool_calls | abort (None: not ended)
+    stop_reason: int | str | None = None  # the stop string or token that ended it, if any
+
+    def add(self, delta: ChoiceDelta) -> None:
+        out = delta.out
+        self.prompt_tokens = out.num_prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
+        self.output_tokens = out.num_output_tokens
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, out.stop_reason
+
+    @property
+    def ended_as(self) -> str:
+        return self.finish_reason or "abort"
+
+
+@dataclass(frozen=True)
+class Started:
+    """A request in the engine with its first output in hand: what an Encoder is built from."""
+
+    header: ResponseHeader
+    prompts: list[list[int]]  # each prompt's token ids
+    opens_reasoning: bool  # the template left a <think> block open: the output starts as reasoning
+    stream: EngineStream
+    choices: Choices
+    streaming: bool
+
+
+class Encoder(Protocol):
+    """One protocol's shapes for one response. Streamed: start, then add per output, then end (or
+    error, in its place), then done. Not streamed: add per output, then body."""
+
+    def start(self) -> list[bytes]: ...
+
+    def add(self, delta: ChoiceDelta) -> list[bytes]: ...
+
+    def end(self) -> list[bytes]: ...
+
+    def error(self, error: APIError) -> list[bytes]: ...
+
+    def done(self) -> list[bytes]: ...
+
+    def body(self) -> dict[str, Any]: ...
+
+
+# ---- starting a request ------------------------------------------------------------------------------
+def check_model(requested: str | None, engine: AsyncEngine) -> None:
+    if requested is not None and requested != engine.info.model_name:
+        raise APIError(
+            404, f"model {requested!r} does not exist; this server serves {engine.info.model_name!r}", "model", "model_not_found"
+        )
+
+
+async def render_chat(state: ServerState, engine: AsyncEngine, chat: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids from the checkpoint's chat template, off the event loop."""
+    return await state.run_blocking(engine.input_processor.render_chat, chat.messages, chat.tools,
+                                    chat.add_generation_prompt is not False, chat.template_kwargs)
+
+
+async def start_chat(request: Request, chat: ChatCompletionRequest, id_prefix: str, prompt_param: str) -> Started:
+    """A chat request into the engine. `prompt_param`: what the protocol calls the prompt, for a
+    refusal that names it (messages, input)."""
+    state = server_state(request)
+    engine = state.ready_engine()
+    check_model(chat.model, engine)
+    params = chat.to_sampling_params()  # the body's own mistakes come before the template runs
+    with engine.admission.preparing():
+        prompt = await render_chat(state, engine, chat)
+    tail = engine.input_processor.prompt_tail(prompt) if state.parsers.reasoning_parser is not None else ""
+    opens_reasoning = prompt_opens_reasoning(tail)
+    params = replace(params, grammar=_grammar(chat, state.parsers, tail, opens_reasoning))
+    header = ResponseHeader.new(id_prefix, engine.info.model_name)
+    owner = request_owner(request.scope, chat.priority)
+    stream = await start_stream(engine, [prompt], params, header.id, owner, prompt_param, request.receive,
+                                request_deadline(request.scope))
+    parsers = [state.parsers.make(chat.tools, chat.tool_choice, chat.calls_in_parallel, opens_reasoning, chat.streaming)
+               for _ in range(params.n)]
+    return Started(header, [prompt], opens_reasoning, stream, Choices(params.n, parsers), chat.streaming)
+
+
+async def start_completion(request: Request, req: CompletionRequestModel) -> Started:
+    """Completion prompts (text or token ids) into the engine, each with its own n samples."""
+    state = server_state(request)
+    engine = state.ready_engine()
+    if len(req.prompt) > state.config.max_prompts:
+        raise bad_request(f"{len(req.prompt)} prompts in one request; the limit is {state.config.max_prompts} "
+                          "(--max-prompts)", "prompt")
+    check_model(req.model, engine)
+    params = req.to_sampling_params()
+    with engine.admission.preparing():
+        prompts = [p if isinstance(p, list) else await state.run_blocking(engine.input_processor.encode, p)
+                   for p in req.prompt]
+    if req.response_format is not None:
+        params = replace(params, grammar=response_format_grammar(req.response_format, reasoning=False))
+    header = ResponseHeader.new("cmpl", engine.info.model_name)
+    stream = await start_stream(engine, prompts, params, header.id, request_owner(request.scope, req.priority),
+                                "prompt", request.receive, request_deadline(request.scope))
+    return Started(header, prompts, False, stream, Choices(params.n, [None] * (len(prompts) * params.n)),
+                   req.streaming)
+
+
+async def start_stream(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                       owner: Owner, prompt_param: str, receive: Receive, deadline: Deadline | None) -> EngineStream:
+    """Every prompt validated by the engine before any runs, then the first output awaited (a
+    client that leaves meanwhile is aborted: ClientDisconnected)."""
+    if deadline is not None:
+        deadline.check()  # e.g. it passed while the prompt waited for the tokenizer
+    sources: list[AsyncIterator[RequestOutput]] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            sources.append(engine.generate(prompt, params, request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                                           owner))
+    except BaseException as e:
+        for source in sources:  # not started: nothing entered the engine
+            await source.aclose()  # type: ignore[attr-defined]
+        if isinstance(e, ParamError) and e.param == "prompt":
+            e.param = prompt_param
+        raise
+    stream = EngineStream(sources, deadline)
+    try:
+        await unless_disconnected(stream.first(), receive)
+    except BaseException:
+        await stream.aclose()
+        raise
+    return stream
+
+
+def _grammar(chat: ChatCompletionRequest, parsers: ParserSettings, prompt_tail: str, opens_reasoning: bool) -> str | None:
+    """The grammar that enforces response_format, or tool_choice "required" or a named function
+    (the request model refuses both at once); None when the output is free."""
+    if chat.response_format is None and not chat.forces_tool_call:
+        return None
+    # A think block may come first unless the prompt closed it (enable_thinking=false).
+    reasoning = parsers.reasoning_parser is not None and not prompt_closes_reasoning(prompt_tail)
+    if chat.response_format is not None:
+        return response_format_grammar(chat.response_format, reasoning, starts_in_reasoning=opens_reasoning)
+    if parsers.tool_parser is None:
+        raise bad_request(
+            "tool_choice 'required' or a named function needs the server to run with --tool-parser", "tool_choice"
+        )
+    return tool_call_grammar(chat.tools, chat.tool_choice, parsers.tool_parser, reasoning=reasoning,
+                             starts_in_reasoning=opens_reasoning, parallel_tool_calls=chat.calls_in_parallel)
+
+
+def prompt_closes_reasoning(prompt_tail: str) -> bool:
+    """Whether the template already wrote a closed think block (enable_thinking=false): the
+    output has none. `prompt_tail`: the prompt's last tokens as text (InputProcessor.prompt_tail)."""
+    return prompt_tail.rstrip().endswith("</think>")
+
+
+def prompt_opens_reasoning(prompt_tail: str) -> bool:
+    """Whether the template left a `<think>` block open, so the output starts as reasoning."""
+    return prompt_tail.rstrip().endswith("<think>")
+
+
+# ---- answering ---------------------------------------------------------------------------------------
+async def respond(request: Request, started: Started, encoder: Encoder) -> Response:
+    """The response: the encoder's events as SSE, or its body as JSON."""
+    if started.streaming:
+        return SSEResponse(stream_events(started, encoder))
+    return json_response(await unless_disconnected(collect_body(started, encoder), request.receive))
+
+
+async def stream_events(started: Started, encoder: Encoder) -> AsyncIterator[bytes]:
+    """The one stream tail. The 200 is sent by now, so an error goes in-band, in the protocol's
+    shape (an unexpected one with its trace to the log only); the client leaving cancels the
+    stream, and SSEResponse closes this generator, which aborts the request."""
+    stream = started.stream
+    try:
+        for event in encoder.start():
+            yield event
+        while (item := await stream.next()) is not None:
+            for event in encoder.add(started.choices.step(*item)):
+                yield event
+        for event in encoder.end():
+            yield event
+    except asyncio.CancelledError:
+        raise
+    except APIError as e:  # the engine failed the request, or its deadline passed (timeout, shutdown)
+        for event in encoder.error(e):
+            yield event
+    except Exception:
+        logger.exception("stream %s failed", started.header.id)
+        for event in encoder.error(APIError(500, "generation failed; see the server log")):
+            yield event
+    finally:
+        await stream.aclose()
+    for event in encoder.done():
+        yield event
+
+
+async def collect_body(started: Started, encoder: Encoder) -> dict[str, Any]:
+    """The encoder's body once every output is in; the engine's error as an HTTP error."""
+    try:
+        while (item := await started.stream.next()) is not None:
+            encoder.add(started.choices.step(*item))
+    finally:
+        await started.stream.aclose()
+    return encoder.body()

@@ -1,0 +1,146 @@
+"""The engine's metrics under vLLM's names, types, help texts, buckets and labels (vLLM's
+`PrometheusStatLogger`, vllm/v1/metrics/loggers.py), beside our own `fp4serve_*` series: routers
+and dashboards built for vLLM read these (llm-d's inference scheduler: running, waiting and
+kv_cache_usage_perc; the production-stack router: the older gpu_cache_usage_perc).
+
+Every series carries `model_name` (the served name) and `engine` (the engine core's index, "0").
+Two names vLLM has since retired are kept for the routers that still read them:
+`vllm:gpu_cache_usage_perc` (now kv_cache_usage_perc) and `vllm:time_per_output_token_seconds`
+(now inter_token_latency_seconds). Not exposed, for want of the data in this process: the queue
+and prefill phase times (the core does not report when a request is first scheduled).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.core_types import EngineInfo
+from scheduler.scheduler import SchedulerStats
+
+# vLLM's buckets, as its PrometheusStatLogger sets them.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FINISHED_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason names, each series made at start
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return buckets
+            buckets.append(m * scale)
+        scale *= 10
+
+
+class VllmMetrics:
+    """Registered into the engine's registry (engine/metrics.py); fed by the output processor and
+    the scheduler's stats, in the HTTP process."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, info: EngineInfo | None = None,
+                 engine_index: int = 0) -> None:
+        """`info`: the engine's, for the token-count buckets (up to max_model_len) and
+        vllm:cache_config_info; without it (tests of the page alone) a 4096-token context."""
+        r = registry
+        names = ["model_name", "engine"]
+        values = (model_name, str(engine_index))
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=r).labels(*values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=r).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(*values)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage."
+                                     "DEPRECATED: Use vllm:kv_cache_usage_perc instead.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*names, "finished_reason"], registry=r)
+        self.request_success = {reason: success.labels(*values, reason) for reason in FINISHED_REASONS}
+        token_buckets = build_1_2_5_buckets(info.max_model_len if info is not None else 4096)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", token_buckets)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."
+                              "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", ITL_BUCKETS)
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                      "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        # Info gauges, permanently 1 (vLLM emulates prometheus Info so): the KV cache's shape (vLLM
+        # labels it with every CacheConfig field; these are the ones this server has), and LoRA,
+        # which it does not serve (llm-d's LoRA-affinity filter reads the empty series).
+        if info is not None:
+            cache = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                          ["block_size", "cache_dtype", "num_gpu_blocks", "engine"], registry=r)
+            cache.labels(str(info.block_size), info.dtype, str(info.num_kv_pages), str(engine_index)).set(1)
+        lora = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+        self.lora_info = lora.labels("0", "", "")
+        self.lora_info.set_to_current_time()
+        self._last = SchedulerStats(0, 0, 0, 1, 0, 0, 0)
+
+    def observe_scheduler(self, stats: SchedulerStats) -> None:
+        """The gauges, and the cumulative counts the core reports as increments."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_usage)
+        self.gpu_cache_usage.set(stats.kv_usage)
+        last = self._last
+        self.prefix_cache_queries.inc(stats.prefix_cache_queried_tokens - last.prefix_cache_queried_tokens)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hit_tokens - last.prefix_cache_hit_tokens)
+        self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        self._last = stats
+        self.lora_info.set(time.time())  # vLLM stamps it with each scheduler report
+
+    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int, num_new_tokens: int) -> None:
+        """A sample's first output: its prompt counts as processed then (vLLM counts at prefill end)."""
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_new_tokens)
+
+    def observe_next_tokens(self, gap_s: float, num_new_tokens: int) -> None:
+        """A later output of a sample: the time since its previous one (one observation per step,
+        as vLLM records it, whether the step emitted one token or several accepted drafts)."""
+        self.itl.observe(gap_s)
+        self.tpot.observe(gap_s)
+        self.generation_tokens.inc(num_new_tokens)
+
+    def observe_finished(self, reason: str, e2e_s: float, decode_s: float, num_prompt_tokens: int,
+                         num_output_tokens: int) -> None:
+        self.request_success[reason if reason in self.request_success else "error"].inc()
+        self.e2e.observe(e2e_s)
+        self.decode_time.observe(decode_s)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_output_tokens)
+        if num_output_tokens > 1:
+            self.request_tpot.observe(decode_s / (num_output_tokens - 1))
