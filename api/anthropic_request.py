@@ -1,8 +1,14 @@
 """POST /v1/messages requests (Anthropic's Messages API): the typed model of the fields we serve,
 and its mapping onto the chat request the pipeline runs (`to_chat_request`): `system`, content
-blocks (text, tool_use, tool_result, thinking), `tools`, `tool_choice` and `thinking` become chat's
-normalised messages, tools and template switches, each checked here under Anthropic's own
-parameter names, once."""
+blocks (text, tool_use, tool_result, thinking), `system` messages inside `messages` (Claude Code
+sends them for non-Claude models; engine/chat_messages.py folds them into the system prompt where
+the template takes a system message only first), `tools`, `tool_choice` and `thinking` become
+chat's normalised messages, tools and template switches, each checked here under Anthropic's own
+parameter names, once.
+
+Thinking follows Anthropic's semantics: absent or `disabled` is off (the template is rendered with
+enable_thinking=false), `enabled` is on, `adaptive` leaves it to the model (the template's own
+default)."""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from api.errors import bad_request
 from api.messages import function_tool, parse_tool_choice, tool_call
 from api.models import ChatCompletionRequest
-from api.validation import Bool, Int, Number, Str, ToolsRequest, output_cap, stop_limit
+from api.validation import Bool, Int, Number, Str, ToolsRequest, stop_limit
 
 
 class MessagesRequestModel(ToolsRequest):
@@ -29,11 +35,6 @@ class MessagesRequestModel(ToolsRequest):
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return output_cap(value, "max_tokens", info)
-
     @field_validator("stop_sequences")
     @classmethod
     def _stop_limit(cls, value: list[str] | None, info: ValidationInfo) -> list[str] | None:
@@ -43,14 +44,14 @@ class MessagesRequestModel(ToolsRequest):
         """The chat request this one means."""
         tools = _tools(self.tools) if self.tools is not None else None
         tool_choice, parallel = _tool_choice(self.tool_choice) if self.tool_choice is not None else (None, None)
-        kind = (self.thinking or {}).get("type")
+        thinking = _thinking(self.thinking)
         return ChatCompletionRequest.mapped(
             model=self.model,
             messages=_system(self.system) + _messages(self.messages),
             tools=tools,
             tool_choice=parse_tool_choice(tool_choice, tools),
             parallel_tool_calls=parallel,
-            chat_template_kwargs={"enable_thinking": kind == "enabled"} if kind in ("enabled", "disabled") else None,
+            chat_template_kwargs=None if thinking is None else {"enable_thinking": thinking},
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -58,6 +59,21 @@ class MessagesRequestModel(ToolsRequest):
             stop=self.stop_sequences,
             stream=self.stream,
         )
+
+
+# Anthropic's `thinking.type`s and what each means for the template's enable_thinking (None: the
+# template's own default, the model's choice).
+THINKING = {"enabled": True, "disabled": False, "adaptive": None}
+
+
+def _thinking(raw: dict[str, Any] | None) -> bool | None:
+    """enable_thinking for the template: absent means off, as in Anthropic's API."""
+    if raw is None:
+        return False
+    kind = raw.get("type")
+    if kind not in THINKING:
+        raise bad_request(f"thinking.type must be one of {', '.join(THINKING)}, got {kind!r}", "thinking.type")
+    return THINKING[kind]
 
 
 def _system(raw: Any) -> list[dict[str, Any]]:
@@ -85,9 +101,14 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, message in enumerate(raw):
         param = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise bad_request(f"{param}.role must be user or assistant", f"{param}.role")
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant", "system"):
+            raise bad_request(f"{param}.role must be user, assistant or system", f"{param}.role")
         role, content = message["role"], message.get("content")
+        if role == "system":
+            text = _system_message(content, i)
+            if text:  # an empty one (Claude Code sends `content: []` with output_config) says nothing
+                out.append({"role": "system", "content": text})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -98,6 +119,24 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         else:
             out.append(_assistant_blocks(content, f"{param}.content"))
     return out
+
+
+def _system_message(content: Any, index: int) -> str:
+    """A mid-conversation system message's text. Anything but text is refused in the words Claude
+    Code recognises, so that it resends the conversation without its system messages."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"messages.{index}.content: text-only role \"system\" messages require a string or an "
+                          "array of text blocks", f"messages[{index}].content")
+    texts = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise bad_request(f"messages.{index}.content.{j}: text-only role \"system\" messages require text blocks, "
+                              f"got {kind!r}", f"messages[{index}].content[{j}].type")
+        texts.append(block["text"])
+    return "".join(texts)
 
 
 def _user_blocks(blocks: list[Any], param: str) -> list[dict[str, Any]]:
@@ -129,7 +168,8 @@ def _assistant_blocks(blocks: list[Any], param: str) -> dict[str, Any]:
         elif kind == "redacted_thinking":
             continue
         elif kind == "tool_use" and isinstance(block.get("id"), str) and isinstance(block.get("name"), str):
-            message.setdefault("tool_calls", []).append(tool_call(block["id"], block["name"], block.get("input") or {}))
+            call = tool_call(block["id"], block["name"], block.get("input") or {}, f"{param}[{j}].input")
+            message.setdefault("tool_calls", []).append(call)
         else:
             raise bad_request(f"{param}[{j}]: block type {kind!r} is not supported here", f"{param}[{j}].type")
     return message

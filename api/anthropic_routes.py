@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from api.anthropic_errors import anthropic_error_body
 from api.anthropic_request import MessagesRequestModel
+from api.context_errors import MESSAGES, refusals
 from api.errors import APIError, bad_request
 from api.http import json_response, read_json, server_state
 from api.parsers.base import ParsedDelta
@@ -97,9 +98,15 @@ def stop_fields(totals: Totals) -> dict[str, Any]:
     return {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
 
 
-def usage(totals: Totals) -> dict[str, Any]:
-    return {"input_tokens": totals.prompt_tokens, "output_tokens": totals.output_tokens,
-            "cache_read_input_tokens": totals.cached_tokens, "cache_creation_input_tokens": 0}
+def usage(num_prompt_tokens: int, num_cached_tokens: int, num_output_tokens: int) -> dict[str, Any]:
+    """Anthropic's usage: `input_tokens` are the prompt tokens computed for this request,
+    `cache_read_input_tokens` those served from the prefix cache, and `cache_creation_input_tokens`
+    is 0: the prefix cache fills by itself, with no cache_control breakpoint and no write charge,
+    so nothing is "created" in Anthropic's sense. The prompt is the sum of the three (clients such
+    as Claude Code add them up for their context meter)."""
+    cached = min(num_cached_tokens, num_prompt_tokens)
+    return {"input_tokens": num_prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": num_output_tokens}
 
 
 class MessagesEncoder:
@@ -109,12 +116,14 @@ class MessagesEncoder:
         self.head = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
                      "model": started.header.model}
         self.num_prompt_tokens = len(started.prompts[0])
+        first = started.stream.first_output
+        self.num_cached_tokens = 0 if first is None else first.num_cached_tokens
         self.blocks = ContentBlocks()
         self.totals = Totals()
 
     def start(self) -> list[bytes]:
         start = {**self.head, "content": [], "stop_reason": None, "stop_sequence": None,
-                 "usage": {"input_tokens": self.num_prompt_tokens, "output_tokens": 0}}
+                 "usage": usage(self.num_prompt_tokens, self.num_cached_tokens, 0)}
         return [_encode("message_start", {"type": "message_start", "message": start}), _encode("ping", {"type": "ping"})]
 
     def add(self, delta: ChoiceDelta) -> list[bytes]:
@@ -127,7 +136,7 @@ class MessagesEncoder:
         self.blocks.close()
         return [*self._drain(),
                 _encode("message_delta", {"type": "message_delta", "delta": stop_fields(self.totals),
-                                          "usage": usage(self.totals)}),
+                                          "usage": self._usage()}),
                 _encode("message_stop", {"type": "message_stop"})]
 
     def error(self, error: APIError) -> list[bytes]:
@@ -138,7 +147,12 @@ class MessagesEncoder:
 
     def body(self) -> dict[str, Any]:
         self.blocks.close()
-        return {**self.head, "content": self.blocks.blocks, **stop_fields(self.totals), "usage": usage(self.totals)}
+        return {**self.head, "content": self.blocks.blocks, **stop_fields(self.totals), "usage": self._usage()}
+
+    def _usage(self) -> dict[str, Any]:
+        t = self.totals
+        return usage(t.prompt_tokens or self.num_prompt_tokens, max(t.cached_tokens, self.num_cached_tokens),
+                     t.output_tokens)
 
     def _drain(self) -> list[bytes]:
         events = [_encode(kind, data) for kind, data in self.blocks.events]
@@ -155,7 +169,7 @@ async def create_message(request: Request) -> Response:
     m = validate(MessagesRequestModel, await read_json(request), state.config.limits)
     if m.max_tokens is None:
         raise bad_request("max_tokens: Field required", "max_tokens")
-    started = await start_chat(request, m.to_chat_request(), "msg", "messages")
+    started = await start_chat(request, m.to_chat_request(), "msg", MESSAGES)
     return await respond(request, started, MessagesEncoder(started))
 
 
@@ -165,7 +179,8 @@ async def count_tokens(request: Request) -> Response:
     engine = state.ready_engine()
     chat = validate(MessagesRequestModel, await read_json(request), state.config.limits).to_chat_request()
     check_model(chat.model, engine)
-    return json_response({"input_tokens": len(await render_chat(state, engine, chat))})
+    with refusals(MESSAGES):  # a prompt that cannot fit is refused from its length, as /v1/messages does
+        return json_response({"input_tokens": len(await render_chat(state, engine, chat))})
 
 
 MESSAGES_ROUTES = [

@@ -28,6 +28,7 @@ from api.errors import (
 )
 from api.http import ClientDisconnected
 from api.inflight import InFlightMiddleware
+from api.request_log import RequestLogMiddleware
 from api.anthropic_routes import MESSAGES_ROUTES
 from api.responses_routes import RESPONSES_ROUTES
 from api.framing import FramingMiddleware
@@ -75,9 +76,12 @@ def build_app(
                 loading.cancel()
             await state.close()
 
-    # Outermost first: count and watch the client, then check the body's framing and size, then the key.
+    # Outermost first: count and watch the client, log what is refused (the framing's refusals included),
+    # then check the body's framing and size, then the key.
     middleware = [
         Middleware(InFlightMiddleware, in_flight=state.in_flight),
+        Middleware(RequestLogMiddleware, metrics=state.metrics, access_log=config.access_log,
+                   skipped_paths=config.access_log_skipped_paths),
         Middleware(FramingMiddleware, max_request_bytes=config.max_request_bytes, metrics=state.metrics),
     ]
     if config.cors_origins:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from api.agent_args import add_agent_arguments, agent_engine_settings, agent_server_settings
 from api.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig
 from api.errors import OVERLOADED_RETRY_AFTER_S
 from api.keys import API_KEY_ENV
@@ -206,6 +207,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_robustness_arguments(parser)
     add_team_arguments(parser)
     add_reliability_arguments(parser)
+    add_agent_arguments(parser)
 
 
 def _add_robustness_arguments(parser: argparse.ArgumentParser) -> None:
@@ -215,8 +217,9 @@ def _add_robustness_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-n", type=int, default=_limit_default("max_n"), metavar="N",
                         help="most choices (n) per prompt")
     limits.add_argument("--max-output-tokens", type=int, default=None, metavar="N",
-                        help="most tokens one request may generate: a larger max_tokens is a 400, an absent one "
-                        "means this many; default: the rest of the context")
+                        help="most tokens one request may generate: a larger max_tokens is lowered to it (the "
+                        "reply then ends with finish_reason length), an absent one means this many; default: the "
+                        "rest of the context")
     limits.add_argument("--max-logprobs", type=int, default=_limit_default("max_logprobs"), metavar="N",
                         help=f"most top_logprobs (chat) / logprobs (completions), at most {HARD_MAX_LOGPROBS}")
     limits.add_argument("--max-stop", type=int, default=_limit_default("max_stop"), metavar="N",
@@ -292,6 +295,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         kv_events_config=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
         **reliability_engine_settings(args),
         **_speculative_settings(args),
+        **agent_engine_settings(args),
         grammar_cache_bytes=args.grammar_cache_bytes,
     )
     _check_parser_names(args.tool_parser, args.reasoning_parser)
@@ -319,6 +323,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout_s=args.shutdown_timeout,
         ui=not args.no_ui,
         **team_server_settings(args),
+        **agent_server_settings(args),
     )
 
 

@@ -36,6 +36,7 @@ class EngineStream:
         self._queue: asyncio.Queue[Item | Exception | None] = asyncio.Queue()
         self._running = len(sources)
         self._held: deque[Item] = deque()
+        self.first_output: RequestOutput | None = None  # the first output, once `first` has it
         self._tasks = [asyncio.create_task(self._pump(i, source)) for i, source in enumerate(sources)]
 
     async def _pump(self, index: int, source: AsyncIterator[RequestOutput]) -> None:
@@ -54,6 +55,7 @@ class EngineStream:
         item = await self._take()
         if item is not None:
             self._held.append(item)
+            self.first_output = item[1]
 
     async def next(self) -> Item | None:
         """The next output, None at the end; EngineFailed for an output that carries an error."""

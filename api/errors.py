@@ -21,6 +21,9 @@ from scheduler.request import ParamError
 logger = logging.getLogger("fp4serve.api")
 
 CLIENT_CLOSED = 499
+# Where a handler leaves the error it answered, in the request's scope["state"], for the refusal's
+# log line and metric (api/request_log.py): its OpenAI fields, whatever shape the body takes.
+ERROR_STATE = "fp4serve.error"
 
 # The OpenAI `type` for each status we send; the SDK picks its exception class from the status.
 _TYPES = {
@@ -111,18 +114,24 @@ def for_path(request: Request, response: Response) -> Response:
     return to_anthropic(response) if is_messages_path(request.url.path) else response
 
 
+def answer(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None, type_: str | None = None) -> Response:
+    """The error response in the route's shape, its fields left in the request's state for the
+    refusal's log line (api/request_log.py)."""
+    body = error_body(status, message, param, code, type_)
+    request.scope.setdefault("state", {})[ERROR_STATE] = body
+    return for_path(request, error_response(status, message, param, code, headers, body.type))
+
+
 async def handle_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError), f"registered for APIError, got {type(exc).__name__}"
-    return for_path(request, error_response(exc.status, exc.message, exc.param, exc.code, exc.headers, exc.type))
+    return answer(request, exc.status, exc.message, exc.param, exc.code, exc.headers, exc.type)
 
 
 async def handle_engine_overloaded(request: Request, exc: Exception) -> Response:
     """The queue is full (engine/admission.py: the early check before tokenizing, or the engine's
     own where the request is added): 503 `overloaded_error` with Retry-After."""
     assert isinstance(exc, EngineOverloadedError), f"registered for EngineOverloadedError, got {type(exc).__name__}"
-    server = getattr(request.app.state, "server", None)
-    if server is not None:
-        server.metrics.rejected.labels(reason="overloaded").inc()
     return await handle_api_error(request, overloaded(str(exc)))
 
 
@@ -130,16 +139,14 @@ async def handle_engine_dead(request: Request, exc: Exception) -> Response:
     """The engine died between the ready check and the request's admission."""
     assert isinstance(exc, EngineDeadError), f"registered for EngineDeadError, got {type(exc).__name__}"
     # The process is on its way out (api/app.py); a retry lands on its restarted successor.
-    return for_path(request, error_response(503, f"{exc}; see the server log", code="engine_dead",
-                                            headers={"Retry-After": "5"}))
+    return answer(request, 503, f"{exc}; see the server log", code="engine_dead", headers={"Retry-After": "5"})
 
 
 async def handle_engine_restarting(request: Request, exc: Exception) -> Response:
     """The engine process was lost before this request's first output; the retry waits for the
     new engine (engine/supervisor.py), which the OpenAI and Anthropic SDKs do by themselves."""
     assert isinstance(exc, EngineRestartingError), f"registered for EngineRestartingError, got {type(exc).__name__}"
-    return for_path(request, error_response(503, str(exc), code="engine_restarting",
-                                            headers={"Retry-After": str(RESTARTING_RETRY_AFTER_S)}))
+    return answer(request, 503, str(exc), code="engine_restarting", headers={"Retry-After": str(RESTARTING_RETRY_AFTER_S)})
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> Response:
@@ -151,13 +158,13 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
         message, code = f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
     else:
         message, code = str(exc.detail), None
-    return for_path(request, error_response(exc.status_code, message, code=code, headers=dict(exc.headers or {})))
+    return answer(request, exc.status_code, message, code=code, headers=dict(exc.headers or {}))
 
 
 async def handle_param_error(request: Request, exc: Exception) -> Response:
     """What the engine and SamplingParams raise for a user mistake (scheduler/request.py)."""
     assert isinstance(exc, ParamError), f"registered for ParamError, got {type(exc).__name__}"
-    return for_path(request, error_response(400, exc.message, exc.param, exc.code))
+    return answer(request, 400, exc.message, exc.param, exc.code)
 
 
 async def handle_client_disconnected(request: Request, exc: Exception) -> Response:

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from api.errors import bad_request
+from api.validation import check_depth
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -79,13 +80,17 @@ def _tool_calls(raw: Any, param: str) -> list[dict[str, Any]] | None:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise bad_request(f"{call_param}.function.name must be a string", f"{call_param}.function.name")
         calls.append(tool_call(call["id"] if isinstance(call.get("id"), str) else None, function["name"],
-                               function.get("arguments")))
+                               function.get("arguments"), f"{call_param}.function.arguments"))
     return calls
 
 
-def tool_call(call_id: str | None, name: str, arguments: Any) -> dict[str, Any]:
-    """One assistant tool call as templates read it; `arguments` a JSON string or an object."""
-    call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": _arguments(arguments)}}
+def tool_call(call_id: str | None, name: str, arguments: Any, param: str | None = None) -> dict[str, Any]:
+    """One assistant tool call as templates read it; `arguments` a JSON string or an object,
+    checked for depth (the template serializes it) when `param` names it in the request."""
+    parsed = _arguments(arguments)
+    if param is not None:
+        check_depth(parsed, param)
+    call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": parsed}}
     if call_id is not None:
         call["id"] = call_id
     return call
@@ -127,6 +132,7 @@ def function_tool(function: dict[str, Any], name_param: str, parameters_param: s
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise bad_request(f"{parameters_param} must be a JSON schema object", parameters_param)
+    check_depth(parameters, parameters_param)
     return {"type": "function", "function": function}
 
 

@@ -9,6 +9,7 @@ parameters; no second copy of it exists. /v1/responses and /v1/messages map thei
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Annotated, Any
 
@@ -22,18 +23,21 @@ from api.validation import (
     Int,
     Number,
     RequestModel,
-    Str,
     ToolsRequest,
     at_most,
+    check_depth,
     integral,
     limits_of,
-    output_cap,
     stop_limit,
     too_many,
 )
 from scheduler.request import SamplingParams
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# What an absent sampling field means when the checkpoint sets no default for it (OpenAI's and
+# vLLM's values); engine/generation_config.py's defaults override these.
+SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                       "repetition_penalty": 1.0}
 # Arguments the server itself passes to the template (or that would swap the template out).
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "add_generation_prompt", "tokenize",
                                       "chat_template"})
@@ -121,11 +125,6 @@ class SamplingRequest(RequestModel):
     def _n_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
         return at_most(value, "n", 1, limits_of(info).max_n, "--max-n")
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return output_cap(value, "max_tokens", info)
-
     @field_validator("stop")
     @classmethod
     def _stop_limit(cls, value: Any, info: ValidationInfo) -> Any:
@@ -149,9 +148,13 @@ class SamplingRequest(RequestModel):
         """A last chunk with `choices: []` and the usage (streaming only)."""
         return self.streaming and bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """`max_tokens` None: absent (the input processor resolves it against the prompt).
-        ParamError (a 400 naming the field) for what SamplingParams refuses."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: Iterable[tuple[str, float]] = ()) -> SamplingParams:
+        """`max_tokens` None: absent (the input processor resolves it against the prompt, and caps
+        it by --max-output-tokens). `defaults`: the checkpoint's generation_config.json values
+        (engine/generation_config.py) for the sampling fields the request leaves out. ParamError (a
+        400 naming the field) for what SamplingParams refuses."""
+        fallback = {**SAMPLING_DEFAULTS, **dict(defaults)}
         min_tokens = self.min_tokens or 0
         if max_tokens is not None and min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
@@ -159,13 +162,13 @@ class SamplingRequest(RequestModel):
             n=self.n or 1,
             max_tokens=max_tokens,
             min_tokens=min_tokens,
-            temperature=_default(self.temperature, 1.0),
-            top_p=_default(self.top_p, 1.0),
-            top_k=self.top_k or 0,
-            min_p=_default(self.min_p, 0.0),
+            temperature=_default(self.temperature, fallback["temperature"]),
+            top_p=_default(self.top_p, fallback["top_p"]),
+            top_k=int(_default(self.top_k, fallback["top_k"])),
+            min_p=_default(self.min_p, fallback["min_p"]),
             presence_penalty=_default(self.presence_penalty, 0.0),
             frequency_penalty=_default(self.frequency_penalty, 0.0),
-            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            repetition_penalty=_default(self.repetition_penalty, fallback["repetition_penalty"]),
             logit_bias=tuple(sorted((self.logit_bias or {}).items())),
             seed=self.seed,
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
@@ -197,11 +200,6 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
     def _top_logprobs_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
         return at_most(value, "top_logprobs", 0, limits_of(info).max_logprobs, "--max-logprobs")
 
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _max_completion_tokens_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return output_cap(value, "max_completion_tokens", info)
-
     @model_validator(mode="after")
     def _normalised(self) -> ChatCompletionRequest:
         """The nested shapes and the rules across fields, once every field has its type."""
@@ -213,6 +211,7 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         messages = parse_messages(self.messages)
         template_kwargs(self.chat_template_kwargs, self.enable_thinking)
+        check_depth(self.chat_template_kwargs, "chat_template_kwargs")
         return self.model_copy(update={"messages": messages, "tools": tools, "tool_choice": tool_choice,
                                        "response_format": response_format})
 
@@ -235,7 +234,13 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
-        return template_kwargs(self.chat_template_kwargs, self.enable_thinking)
+        """chat_template_kwargs with enable_thinking; a forced tool call turns thinking off unless the
+        request set it: the call must come within a small budget, and a weak model left to think
+        can spend all of max_tokens on it."""
+        kwargs = template_kwargs(self.chat_template_kwargs, self.enable_thinking)
+        if self.forces_tool_call and "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = False
+        return kwargs
 
     @property
     def calls_in_parallel(self) -> bool:
@@ -246,8 +251,8 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
         """tool_choice "required" or a named function: a grammar binds the output (api/tool_grammar.py)."""
         return bool(self.tools) and self.tool_choice not in (None, "auto", "none")
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens_requested, self.num_top_logprobs)
+    def to_sampling_params(self, defaults: Iterable[tuple[str, float]] = ()) -> SamplingParams:
+        return self.sampling_params(self.max_tokens_requested, self.num_top_logprobs, defaults)
 
 
 class CompletionRequestModel(SamplingRequest):
@@ -287,8 +292,8 @@ class CompletionRequestModel(SamplingRequest):
         """vLLM's echo semantics: max_tokens 0 returns the prompt alone (one token runs, unshown)."""
         return self.max_tokens == 0
 
-    def to_sampling_params(self) -> SamplingParams:
-        params = self.sampling_params(1 if self.prompt_only else self.max_tokens, self.logprobs)
+    def to_sampling_params(self, defaults: Iterable[tuple[str, float]] = ()) -> SamplingParams:
+        params = self.sampling_params(1 if self.prompt_only else self.max_tokens, self.logprobs, defaults)
         # The engine scores the prompt for `prompt_logprobs`, and for echo with logprobs.
         scored = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
         return replace(params, prompt_logprobs=max(scored)) if scored else params

@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
+from api.context_errors import COMPLETIONS, Dialect, refusals
 from api.deadline import Deadline
 from api.engine_stream import EngineStream
 from api.errors import APIError, bad_request
@@ -48,13 +49,17 @@ from api.sse import SSEResponse
 from api.tool_grammar import tool_call_grammar
 from engine.core_types import Owner
 from engine.outputs import RequestOutput
-from scheduler.request import ParamError, SamplingParams
+from scheduler.request import SamplingParams
 
 if TYPE_CHECKING:
     from api.state import ServerState
     from engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("fp4serve.api")
+
+# Sent with a chat request's tools when the chat template never shows them to the model.
+WARNING_HEADER = "x-fp4serve-warning"
+TOOLS_IGNORED = "the chat template ignores tools: the model never saw them"
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,7 @@ class Started:
     stream: EngineStream
     choices: Choices
     streaming: bool
+    headers: tuple[tuple[str, str], ...] = ()  # extra response headers (a warning)
 
 
 class Encoder(Protocol):
@@ -180,50 +186,74 @@ async def render_chat(state: ServerState, engine: AsyncEngine, chat: ChatComplet
                                     chat.add_generation_prompt is not False, chat.template_kwargs)
 
 
-async def start_chat(request: Request, chat: ChatCompletionRequest, id_prefix: str, prompt_param: str) -> Started:
-    """A chat request into the engine. `prompt_param`: what the protocol calls the prompt, for a
-    refusal that names it (messages, input)."""
+async def start_chat(request: Request, chat: ChatCompletionRequest, id_prefix: str, dialect: Dialect) -> Started:
+    """A chat request into the engine. `dialect`: how the API names the prompt and max_tokens,
+    and whose words its refusals use (api/context_errors.py)."""
     state = server_state(request)
     engine = state.ready_engine()
     check_model(chat.model, engine)
-    params = chat.to_sampling_params()  # the body's own mistakes come before the template runs
-    with engine.admission.preparing():
-        prompt = await render_chat(state, engine, chat)
-    tail = engine.input_processor.prompt_tail(prompt) if state.parsers.reasoning_parser is not None else ""
-    opens_reasoning = prompt_opens_reasoning(tail)
-    params = replace(params, grammar=_grammar(chat, state.parsers, tail, opens_reasoning))
-    header = ResponseHeader.new(id_prefix, engine.info.model_name)
-    owner = request_owner(request.scope, chat.priority)
-    stream = await start_stream(engine, [prompt], params, header.id, owner, prompt_param, request.receive,
-                                request_deadline(request.scope))
+    # The body's own mistakes come before the template runs.
+    params = chat.to_sampling_params(engine.info.sampling_defaults)
+    headers = _tools_ignored(request, chat, engine)
+    with refusals(dialect):
+        with engine.admission.preparing():
+            prompt = await render_chat(state, engine, chat)
+        tail = engine.input_processor.prompt_tail(prompt) if state.parsers.reasoning_parser is not None else ""
+        opens_reasoning = prompt_opens_reasoning(tail)
+        params = replace(params, grammar=_grammar(chat, state.parsers, tail, opens_reasoning))
+        header = ResponseHeader.new(id_prefix, engine.info.model_name)
+        owner = request_owner(request.scope, chat.priority)
+        stream = await start_stream(engine, [prompt], params, header.id, owner, request.receive,
+                                    request_deadline(request.scope))
     parsers = [state.parsers.make(chat.tools, chat.tool_choice, chat.calls_in_parallel, opens_reasoning, chat.streaming)
                for _ in range(params.n)]
-    return Started(header, [prompt], opens_reasoning, stream, Choices(params.n, parsers), chat.streaming)
+    return Started(header, [prompt], opens_reasoning, stream, Choices(params.n, parsers), chat.streaming, headers)
 
 
 async def start_completion(request: Request, req: CompletionRequestModel) -> Started:
-    """Completion prompts (text or token ids) into the engine, each with its own n samples."""
+    """Completion prompts (text or token ids) into the engine, each with its own n samples. Every
+    check a prompt's size allows runs before any prompt is tokenized, and tokenizing stops at the
+    first prompt that cannot fit."""
     state = server_state(request)
     engine = state.ready_engine()
     if len(req.prompt) > state.config.max_prompts:
         raise bad_request(f"{len(req.prompt)} prompts in one request; the limit is {state.config.max_prompts} "
                           "(--max-prompts)", "prompt")
     check_model(req.model, engine)
-    params = req.to_sampling_params()
-    with engine.admission.preparing():
-        prompts = [p if isinstance(p, list) else await state.run_blocking(engine.input_processor.encode, p)
-                   for p in req.prompt]
-    if req.response_format is not None:
-        params = replace(params, grammar=response_format_grammar(req.response_format, reasoning=False))
-    header = ResponseHeader.new("cmpl", engine.info.model_name)
-    stream = await start_stream(engine, prompts, params, header.id, request_owner(request.scope, req.priority),
-                                "prompt", request.receive, request_deadline(request.scope))
+    params = req.to_sampling_params(engine.info.sampling_defaults)
+    inputs = engine.input_processor
+    with refusals(COMPLETIONS):
+        for sent in req.prompt:
+            if isinstance(sent, list):
+                inputs.check_prompt_ids(len(sent))
+            else:
+                inputs.check_prompt_chars(len(sent))
+        prompts: list[list[int]] = []
+        with engine.admission.preparing():
+            for sent in req.prompt:
+                prompts.append(sent if isinstance(sent, list) else await state.run_blocking(inputs.encode, sent))
+                inputs.check_prompt_ids(len(prompts[-1]))
+        if req.response_format is not None:
+            params = replace(params, grammar=response_format_grammar(req.response_format, reasoning=False))
+        header = ResponseHeader.new("cmpl", engine.info.model_name)
+        stream = await start_stream(engine, prompts, params, header.id, request_owner(request.scope, req.priority),
+                                    request.receive, request_deadline(request.scope))
     return Started(header, prompts, False, stream, Choices(params.n, [None] * (len(prompts) * params.n)),
                    req.streaming)
 
 
+def _tools_ignored(request: Request, chat: ChatCompletionRequest, engine: AsyncEngine) -> tuple[tuple[str, str], ...]:
+    """A response header and a WARNING line when the request's tools never reach the model."""
+    if not chat.tools or engine.input_processor.renders_tools:
+        return ()
+    logger.warning("%s %s: %d tools sent, but the chat template of %s does not render tools: the model never sees "
+                   "them and answers as plain chat", request.method, request.url.path, len(chat.tools),
+                   engine.info.model_name)
+    return ((WARNING_HEADER, TOOLS_IGNORED),)
+
+
 async def start_stream(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                       owner: Owner, prompt_param: str, receive: Receive, deadline: Deadline | None) -> EngineStream:
+                       owner: Owner, receive: Receive, deadline: Deadline | None) -> EngineStream:
     """Every prompt validated by the engine before any runs, then the first output awaited (a
     client that leaves meanwhile is aborted: ClientDisconnected)."""
     if deadline is not None:
@@ -233,11 +263,9 @@ async def start_stream(engine: AsyncEngine, prompts: list[list[int]], params: Sa
         for i, prompt in enumerate(prompts):
             sources.append(engine.generate(prompt, params, request_id if len(prompts) == 1 else f"{request_id}-{i}",
                                            owner))
-    except BaseException as e:
+    except BaseException:
         for source in sources:  # not started: nothing entered the engine
             await source.aclose()  # type: ignore[attr-defined]
-        if isinstance(e, ParamError) and e.param == "prompt":
-            e.param = prompt_param
         raise
     stream = EngineStream(sources, deadline)
     try:
@@ -280,8 +308,10 @@ def prompt_opens_reasoning(prompt_tail: str) -> bool:
 async def respond(request: Request, started: Started, encoder: Encoder) -> Response:
     """The response: the encoder's events as SSE, or its body as JSON."""
     if started.streaming:
-        return SSEResponse(stream_events(started, encoder))
-    return json_response(await unless_disconnected(collect_body(started, encoder), request.receive))
+        return SSEResponse(stream_events(started, encoder), dict(started.headers))
+    response = json_response(await unless_disconnected(collect_body(started, encoder), request.receive))
+    response.headers.update(dict(started.headers))
+    return response
 
 
 async def stream_events(started: Started, encoder: Encoder) -> AsyncIterator[bytes]:

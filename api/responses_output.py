@@ -28,6 +28,7 @@ from api.parsers.base import ParsedDelta
 from api.pipeline import ChoiceDelta, Started, Totals
 from api.responses_request import ResponsesRequestModel
 from api.responses_store import ResponseStore, StoredResponse
+from api.responses_tools import ResponsesTools
 
 
 def new_id(prefix: str) -> str:
@@ -38,7 +39,8 @@ class OutputItems:
     """Builds the output items from deltas; `events` collects the stream events (each a dict
     without `sequence_number`, which the encoder adds)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: ResponsesTools) -> None:
+        self.tools = tools  # a call to a namespaced function goes out with its own name and `namespace`
         self.items: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item deltas go to now
@@ -58,8 +60,10 @@ class OutputItems:
             self._text(delta.content)
         for call in delta.tool_calls:
             if call.is_header:
-                self._open_item({"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": call.name,
-                                 "arguments": "", "status": "in_progress"})
+                name, namespace = self.tools.wire_name(call.name)
+                item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": name,
+                        "arguments": "", "status": "in_progress"}
+                self._open_item(item if namespace is None else {**item, "namespace": namespace})
                 self._open_call = call.index
                 self._call_index[self.items[-1]["id"]] = call.index
             if call.arguments and call.index == self._open_call:
@@ -182,9 +186,9 @@ def now() -> int:
     return int(time.time())
 
 
-def assistant_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def assistant_messages(items: list[dict[str, Any]], tools: ResponsesTools) -> list[dict[str, Any]]:
     """The output items as the chat messages a later turn (`previous_response_id`) replays, in
-    chat's normalised shape (api/messages.py)."""
+    chat's normalised shape (api/messages.py), calls under the names the model saw."""
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     for item in items:
         if item["type"] == "message":
@@ -192,7 +196,8 @@ def assistant_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif item["type"] == "reasoning":
             message["reasoning_content"] = item["content"][0]["text"]
         elif item["type"] == "function_call":
-            message.setdefault("tool_calls", []).append(tool_call(item["call_id"], item["name"], item["arguments"]))
+            name = tools.visible_name(item["name"], item.get("namespace"))
+            message.setdefault("tool_calls", []).append(tool_call(item["call_id"], name, item["arguments"]))
     if not message.get("reasoning_content"):
         message.pop("reasoning_content", None)
     return [message]
@@ -202,16 +207,17 @@ class ResponsesEncoder:
     """One response's events and body; the finished response goes to the store."""
 
     def __init__(self, started: Started, request: ResponsesRequestModel, chat: ChatCompletionRequest,
-                 store: ResponseStore, owner: bytes) -> None:
+                 tools: ResponsesTools, store: ResponseStore, owner: bytes) -> None:
         self.request = request
         self.chat = chat
+        self.tools = tools
         self.store = store
         self.owner = owner
         self.response_id = new_id("resp")
         self.model = started.header.model
         self.created_at = now()
         self.should_store = request.store is not False
-        self.items = OutputItems()
+        self.items = OutputItems(tools)
         self.totals = Totals()
         self._sequence = 0
 
@@ -246,7 +252,8 @@ class ResponsesEncoder:
         if self.should_store:
             instructions = self.request.instructions
             own = [msg for msg in self.chat.messages if not (instructions and msg is self.chat.messages[0])]
-            self.store.put(self.response_id, StoredResponse(self.owner, final, own + assistant_messages(self.items.items)))
+            replay = own + assistant_messages(self.items.items, self.tools)
+            self.store.put(self.response_id, StoredResponse(self.owner, final, replay))
         return final
 
     def _body(self, totals: Totals | None) -> dict[str, Any]:

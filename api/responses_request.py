@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field
 
 from api.errors import bad_request
-from api.messages import function_tool, parse_tool_choice, tool_call
+from api.messages import parse_tool_choice, tool_call
 from api.models import ChatCompletionRequest
 from api.response_format import parse_response_format, refuse_with_tool_choice
-from api.validation import Bool, Int, Number, Str, ToolsRequest, output_cap
+from api.responses_tools import ResponsesTools
+from api.validation import Bool, Int, Number, Str, ToolsRequest, check_depth
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 ROLES = ("system", "developer", "user", "assistant")
@@ -36,33 +37,34 @@ class ResponsesRequestModel(ToolsRequest):
     previous_response_id: Str | None = None
     metadata: dict[str, Any] | None = None
 
-    @field_validator("max_output_tokens")
-    @classmethod
-    def _max_output_tokens_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        return output_cap(value, "max_output_tokens", info)
+    def parsed_tools(self) -> ResponsesTools:
+        """The functions the model sees (namespaces flattened), and the hosted tools it does not."""
+        return ResponsesTools.parse(self.tools)
 
-    def to_chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    def to_chat_request(self, history: list[dict[str, Any]], tools: ResponsesTools | None = None) -> ChatCompletionRequest:
         """The chat request this one means; `history`: the messages of the `previous_response_id`
-        chain (stored in chat's normalised shape), or []."""
+        chain (stored in chat's normalised shape), or []; `tools`: `parsed_tools()`, if done."""
+        tools = self.parsed_tools() if tools is None else tools
+        for name in ("metadata", "reasoning", "text"):  # echoed in the response body, which is serialized
+            check_depth(getattr(self, name), name)
         messages = list(history)
         if self.instructions:
             # NOTE: as OpenAI does, instructions apply to this turn only: they are not carried
             # into the stored history, and they lead the prompt.
             messages.insert(0, {"role": "system", "content": self.instructions})
-        messages.extend(input_messages(self.input))
-        tools = _tools(self.tools) if self.tools is not None else None
-        tool_choice = parse_tool_choice(_tool_choice(self.tool_choice), tools)
+        messages.extend(input_messages(self.input, tools))
+        tool_choice = parse_tool_choice(tools.tool_choice(self.tool_choice), tools.tools)
         response_format = parse_response_format(_text_format(self.text))
         refuse_with_tool_choice(response_format, tool_choice)
         effort = (self.reasoning or {}).get("effort")
         return ChatCompletionRequest.mapped(
             model=self.model,
             messages=messages,
-            tools=tools,
+            tools=tools.tools,
             tool_choice=tool_choice,
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=response_format,
-            chat_template_kwargs={"enable_thinking": False} if effort in ("none", "minimal") else None,
+            chat_template_kwargs=_thinking(effort),
             max_tokens=self.max_output_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -70,9 +72,21 @@ class ResponsesRequestModel(ToolsRequest):
         )
 
 
-def input_messages(raw: Any) -> list[dict[str, Any]]:
+def _thinking(effort: Any) -> dict[str, Any] | None:
+    """`reasoning.effort` as the template's enable_thinking: none / minimal turn thinking off, any
+    other effort asks for it; absent leaves the template's default (but a forced call turns it
+    off: api/models.py)."""
+    if effort is None:
+        return None
+    return {"enable_thinking": effort not in ("none", "minimal")}
+
+
+def input_messages(raw: Any, tools: ResponsesTools | None = None) -> list[dict[str, Any]]:
     """`input` (a string, or a list of message / function_call / function_call_output /
-    reasoning items) as chat messages."""
+    reasoning items) as chat messages; a system or developer message may stand anywhere (the
+    input processor folds it into the system prompt where the template needs). A replayed call
+    to a namespaced function gets the name the model saw (`tools`)."""
+    tools = tools or ResponsesTools(None)
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
@@ -91,8 +105,12 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
             messages.append({"role": "system" if role == "developer" else role,
                              "content": _text(item.get("content"), f"{param}.content")})
         elif kind == "function_call":
-            call = tool_call(_string(item, "call_id", param), _string(item, "name", param),
-                             _string(item, "arguments", param))
+            namespace = item.get("namespace")
+            if namespace is not None and not isinstance(namespace, str):
+                raise bad_request(f"{param}.namespace must be a string", f"{param}.namespace")
+            name = tools.visible_name(_string(item, "name", param), namespace)
+            call = tool_call(_string(item, "call_id", param), name, _string(item, "arguments", param),
+                             f"{param}.arguments")
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -130,29 +148,6 @@ def _text(content: Any, param: str) -> str:
                               f"{param}[{j}]")
         texts.append(part["text"])
     return "".join(texts)
-
-
-def _tools(raw: Any) -> list[dict[str, Any]] | None:
-    """Responses tools are flat (`{"type": "function", "name", "parameters"}`); chat nests them.
-    Built-in tools (web_search, file_search, custom grammar tools, ...) are left out: this
-    server runs none of them, and agents such as Codex offer them beside their functions."""
-    if not isinstance(raw, list):
-        raise bad_request("tools must be an array of tool objects", "tools")
-    tools = []
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
-            raise bad_request(f"tools[{i}] must be an object with a type", f"tools[{i}]")
-        if tool["type"] != "function":
-            continue
-        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-        tools.append(function_tool(function, f"tools[{i}].name", f"tools[{i}].parameters"))
-    return tools or None
-
-
-def _tool_choice(raw: Any) -> Any:
-    if isinstance(raw, dict) and raw.get("type") == "function" and "function" not in raw:
-        return {"type": "function", "function": {"name": raw.get("name")}}
-    return raw
 
 
 def _text_format(text: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -4,20 +4,24 @@ store (api/responses_store.py)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from api.context_errors import RESPONSES
+from api.errors import APIError, bad_request
 from api.keys import token_from_headers
-from api.errors import APIError
 from api.http import json_response, read_json, server_state
 from api.pipeline import respond, start_chat
 from api.responses_output import ResponsesEncoder
 from api.responses_request import ResponsesRequestModel
 from api.responses_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore, owner_of
 from api.validation import validate
+
+logger = logging.getLogger("fp4serve.api")
 
 
 def response_store(request: Request) -> ResponseStore:
@@ -48,9 +52,16 @@ async def create_response(request: Request) -> Response:
         if previous is None:
             raise _not_found(m.previous_response_id)
         history = previous.messages
-    chat = m.to_chat_request(history)
-    started = await start_chat(request, chat, "resp", "input")
-    return await respond(request, started, ResponsesEncoder(started, m, chat, store, owner))
+    tools = m.parsed_tools()
+    if tools.tools is not None and len(tools.tools) > state.config.limits.max_tools:
+        raise bad_request(f"tools has {len(tools.tools)} functions, namespaces included; this server allows at most "
+                          f"{state.config.limits.max_tools} (--max-tools)", "tools")
+    if tools.dropped:
+        logger.warning("POST /v1/responses: tools of type %s are not run by this server and the model does not see "
+                       "them", ", ".join(tools.dropped))
+    chat = m.to_chat_request(history, tools)
+    started = await start_chat(request, chat, "resp", RESPONSES)
+    return await respond(request, started, ResponsesEncoder(started, m, chat, tools, store, owner))
 
 
 async def get_response(request: Request) -> Response:

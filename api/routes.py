@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-from typing import Any
+from dataclasses import replace
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from api.chat import ChatEncoder
 from api.completions import CompletionEncoder, echoed_prompt
+from api.context_errors import CHAT
 from api.http import json_response, read_json, server_state
 from api.keys import KEY_STATE, OPEN, KeyRecord
 from api.openapi import openapi_schema
@@ -30,7 +31,8 @@ logger = logging.getLogger("fp4serve")
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     chat = validate(ChatCompletionRequest, await read_json(request), state.config.limits)
-    started = await start_chat(request, chat, "chatcmpl", "messages")
+    dialect = replace(CHAT, max_tokens_param="max_completion_tokens") if chat.max_completion_tokens else CHAT
+    started = await start_chat(request, chat, "chatcmpl", dialect)
     return await respond(request, started, ChatEncoder(started, chat))
 
 
@@ -71,7 +73,9 @@ async def models(request: Request) -> Response:
         "object": "model",
         "created": state.started_at,
         "owned_by": "fp4serve",
-        "root": info.model_path,
+        # NOTE: the model as the operator named it (--model), never the folder it resolved to: for
+        # a built-in model or a converted GGUF that is a cache path under the server user's home.
+        "root": state.config.engine.model or info.model_name,
         "max_model_len": info.max_model_len,
     }
     return json_response({"object": "list", "data": [card]})

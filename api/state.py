@@ -25,6 +25,7 @@ from api.parsers import ParserSettings
 from api.rate_limit import RateLimiter
 from engine.admission import QueueLimits
 from engine.config import ConfigError, EngineConfig
+from engine.input_processor import MAX_TOKENS_POLICIES, MaxTokensPolicy
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -61,6 +62,9 @@ class ServerConfig:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_prompts: int = DEFAULT_MAX_PROMPTS
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0: none
+    max_tokens_policy: MaxTokensPolicy = "clamp"  # a max_tokens beyond the context's room: clamp | reject
+    access_log: bool = False  # one INFO line per request (api/request_log.py); refusals are logged regardless
+    access_log_skipped_paths: tuple[str, ...] = ("/health", "/metrics")
 
     def __post_init__(self) -> None:
         if self.max_request_bytes <= 0:
@@ -75,6 +79,9 @@ class ServerConfig:
             raise ConfigError(f"--body-timeout: must be positive, got {self.body_timeout_s}")
         if self.max_prompts < 1:
             raise ConfigError(f"--max-prompts: must be positive, got {self.max_prompts}")
+        if self.max_tokens_policy not in MAX_TOKENS_POLICIES:
+            raise ConfigError(f"--max-tokens-policy: '{self.max_tokens_policy}' is not one of "
+                              f"{', '.join(MAX_TOKENS_POLICIES)}")
 
     @property
     def url(self) -> str:
@@ -145,6 +152,7 @@ class ServerState:
             self.parsers = _resolve_parsers(self.config, engine.tokenizer.chat_template)
             await engine.start(self.config.queue, on_dead=self._engine_died,
                                max_output_tokens=self.config.limits.max_output_tokens)
+            engine.input_processor.max_tokens_policy = self.config.max_tokens_policy
         except Exception as e:
             self._fail(e)
             return
@@ -230,7 +238,8 @@ def _log_ready(engine: AsyncEngine, config: ServerConfig, parsers: ParserSetting
     info = engine.info
     logger.info(
         "fp4serve %s ready: model %s (%s%s), dtype %s, device %s, attention %s, max_model_len %d, "
-        "KV cache %d tokens (%d pages of %d), tool parser %s, reasoning parser %s; serving at %s/v1",
+        "KV cache %d tokens (%d pages of %d), tool parser %s, reasoning parser %s, max_tokens policy %s; serving at "
+        "%s/v1",
         info.version,
         info.model_name,
         info.model_path,
@@ -244,5 +253,6 @@ def _log_ready(engine: AsyncEngine, config: ServerConfig, parsers: ParserSetting
         info.block_size,
         parsers.tool_parser,
         parsers.reasoning_parser,
+        config.max_tokens_policy,
         config.url,
     )

@@ -3,7 +3,7 @@ handlers. They live at the root as in vLLM, so they check the API key themselves
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AfterValidator, model_validator
 from starlette.requests import Request
@@ -17,6 +17,9 @@ from api.messages import parse_messages, parse_tools
 from api.models import template_kwargs, token_id_list
 from api.pipeline import check_model
 from api.validation import Bool, RequestModel, Str, ToolsRequest, validate
+
+if TYPE_CHECKING:
+    from engine.input_processor import InputProcessor
 
 
 class TokenizeRequestModel(ToolsRequest):
@@ -65,21 +68,25 @@ async def tokenize(request: Request) -> Response:
     engine = state.ready_engine()
     req = validate(TokenizeRequestModel, await read_json(request), state.config.limits)
     check_model(req.model, engine)
-    token_ids = await state.run_blocking(_tokenize, engine.tokenizer, req)
+    token_ids = await state.run_blocking(_tokenize, engine.input_processor, req)
     body: dict[str, Any] = {"tokens": token_ids, "count": len(token_ids), "max_model_len": engine.info.max_model_len}
     if req.return_token_strs:
         body["token_strs"] = [engine.tokenizer.backend.id_to_token(t) for t in token_ids]
     return json_response(body)
 
 
-def _tokenize(tokenizer: Any, req: TokenizeRequestModel) -> list[int]:
-    """Blocking (run it off the loop). NOTE: messages go through the same calls as
-    InputProcessor.render_chat, so the count equals a chat request's usage.prompt_tokens."""
+def _tokenize(inputs: InputProcessor, req: TokenizeRequestModel) -> list[int]:
+    """Blocking (run it off the loop). NOTE: messages go through the same template call as
+    InputProcessor.render_chat (`chat_text`: late system messages folded where the template needs),
+    so the count equals a chat request's usage.prompt_tokens. A prompt too long to serve is still
+    counted: nothing here is refused for its length."""
+    tokenizer = inputs.tokenizer
+    assert tokenizer is not None, "the server's input processor has the checkpoint's tokenizer"
     if req.messages is None:
         assert req.prompt is not None, "a tokenize request holds a prompt or messages"
         return tokenizer.encode(req.prompt, add_special_tokens=req.with_special_tokens)
-    text = tokenizer.render_chat(req.messages, req.tools, req.add_generation_prompt is not False,
-                                 **template_kwargs(req.chat_template_kwargs, req.enable_thinking))
+    text = inputs.chat_text(req.messages, req.tools, req.add_generation_prompt is not False,
+                            template_kwargs(req.chat_template_kwargs, req.enable_thinking))
     return tokenizer.encode(text, add_special_tokens=req.with_special_tokens)
 
 

@@ -16,6 +16,11 @@ from api.errors import APIError, bad_request
 from api.limits import RequestLimits
 
 DEFAULT_LIMITS = RequestLimits()
+# Nesting a request's free-form JSON (tool schemas, tool-call arguments, metadata) may have: the
+# templates' `tojson` and the response's serializer recurse, and past a few hundred levels they fail
+# with Python's own words. One schema level is two JSON levels (properties -> name -> schema), so
+# this is response_format's 64 schema levels (api/response_format.py MAX_CHECK_DEPTH).
+MAX_JSON_DEPTH = 128
 
 
 def limits_of(info: ValidationInfo) -> RequestLimits:
@@ -33,14 +38,6 @@ def too_many(name: str, count: int, cap: int, flag: str) -> ValueError:
     return ValueError(f"{name} has {count} entries; this server allows at most {cap} ({flag})")
 
 
-def output_cap(value: int | None, name: str, info: ValidationInfo) -> int | None:
-    """A requested output length within --max-output-tokens."""
-    cap = limits_of(info).max_output_tokens
-    if value is not None and cap is not None and value > cap:
-        raise ValueError(f"{name} is {value}; this server generates at most {cap} tokens per request (--max-output-tokens)")
-    return value
-
-
 def stop_limit(value: Any, name: str, info: ValidationInfo) -> Any:
     """Stop strings (one, or a list) within --max-stop and --max-stop-length."""
     limits = limits_of(info)
@@ -52,6 +49,20 @@ def stop_limit(value: Any, name: str, info: ValidationInfo) -> Any:
         raise ValueError(f"{name} has a string of {longest} characters; this server allows at most "
                          f"{limits.max_stop_length} (--max-stop-length)")
     return value
+
+
+def check_depth(value: Any, param: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """A 400 naming `param` when `value` nests objects and arrays deeper than `limit`. Iterative,
+    so any depth is measured without recursion."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            raise bad_request(f"{param} is nested deeper than {limit} levels", param)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 
 def integral(value: Any) -> Any:

@@ -266,6 +266,9 @@ class EngineConfig:
     engine_start_timeout_s: float = 600.0  # most seconds an engine process may take to load; 0: no limit
     engine_max_restarts: int = 5  # lost engines replaced within the window; 0: a lost engine stops the server
     engine_restart_window_s: float = 600.0
+    # Sampling defaults for fields a request leaves out: auto (the model's generation_config.json),
+    # vllm (none), or a folder holding a generation_config.json (engine/generation_config.py).
+    generation_config: str = "auto"
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES  # compiled grammars kept (LRU); 0: none kept
 
     def __post_init__(self) -> None:

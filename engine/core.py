@@ -22,6 +22,7 @@ from engine.core_types import (
     PromptLogprobsChunk,
     SampledToken,
 )
+from engine.generation_config import generation_defaults
 from engine.model_path import default_model_name, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
 from engine.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
@@ -46,6 +47,7 @@ class EngineCore:
         path, is_demo = resolve_model_path(config)
         self.model_config = ModelConfig.from_checkpoint(path)
         mc = self.model_config
+        sampling_defaults = generation_defaults(config.generation_config, path)  # a bad file fails before the load
         max_model_len = config.max_model_len or mc.max_position_embeddings
         # The tokenizer loads on a constrained request's first compile only (xgrammar needs it).
         self.structured = StructuredOutputs(path, mc.vocab_size, config.grammar_cache_bytes)
@@ -104,6 +106,7 @@ class EngineCore:
             vocab_size=mc.vocab_size,
             eos_token_ids=mc.eos_token_ids,
             max_num_seqs=config.max_num_seqs,
+            sampling_defaults=sampling_defaults,
         )
 
     def _drafter(self, spec: SpeculativeConfig | None) -> Drafter | None:

@@ -36,6 +36,9 @@ class EngineInfo:
     vocab_size: int = 0  # the model's logits width: every user token id is checked against it
     eos_token_ids: tuple[int, ...] = ()  # from config.json and generation_config.json
     max_num_seqs: int = 128
+    # (field, value) sampling defaults from generation_config.json (engine/generation_config.py),
+    # for the fields a request leaves out
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -102,8 +103,11 @@ class Tokenizer:
                 tokenize=False,
                 **template_kwargs,
             )
-        except Exception as e:  # jinja2 errors and raise_exception() from templates
+        except jinja2.TemplateError as e:  # the template's own raise_exception() and jinja's errors: its words
             raise ParamError(f"the chat template failed on these messages: {e}", "messages") from None
+        except Exception as e:  # NOTE: anything else is Python's own (a recursion, a type error): not for clients
+            logger.warning("the chat template failed on a request's messages", exc_info=e)
+            raise ParamError("the chat template failed on these messages (see the server log)", "messages") from None
 
     def apply_chat_template(
         self,

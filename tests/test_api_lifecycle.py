@@ -189,7 +189,7 @@ async def never_disconnects() -> dict[str, Any]:
 
 async def start(engine: ScriptedEngine, num_prompts: int, receive: Any = never_disconnects) -> EngineStream:
     return await start_stream(engine, [[p] for p in range(num_prompts)], SamplingParams(), "r",  # type: ignore[arg-type]
-                              Owner(), "prompt", receive, None)
+                              Owner(), receive, None)
 
 
 @pytest.mark.parametrize("num_prompts", [1, 3])

@@ -73,8 +73,6 @@ def test_openapi_json_is_served_while_the_model_loads() -> None:
     ("body", "param", "flag"),
     [
         ({"n": 3}, "n", "--max-n"),
-        ({"max_tokens": 9}, "max_tokens", "--max-output-tokens"),
-        ({"max_completion_tokens": 9}, "max_completion_tokens", "--max-output-tokens"),
         ({"stop": ["a", "b", "c"]}, "stop", "--max-stop"),
         ({"stop": "abcdef"}, "stop", "--max-stop-length"),
         ({"stop_token_ids": [1, 2, 3]}, "stop_token_ids", "--max-stop"),
@@ -88,3 +86,12 @@ def test_server_limits_are_validators_naming_the_flag(body: dict[str, Any], para
         validate(ChatCompletionRequest, {**body, "messages": MESSAGES}, limits)
     assert info.value.param == param and flag in info.value.message
     validate(ChatCompletionRequest, {**body, "messages": MESSAGES})  # within the default limits
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_max_output_tokens_caps_rather_than_refuses(field: str) -> None:
+    # The cap applies where max_tokens is resolved (engine/input_processor.py): a body asking for
+    # more is valid, and runs with the cap.
+    limits = RequestLimits(max_output_tokens=8)
+    chat = validate(ChatCompletionRequest, {field: 9, "messages": MESSAGES}, limits)
+    assert chat.to_sampling_params().max_tokens == 9

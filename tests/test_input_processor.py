@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import CONTEXT_LENGTH_EXCEEDED, ContextLengthError
-from engine.input_processor import InputProcessor, child_request_id, resolve_max_tokens
+from engine.input_processor import InputProcessor, MaxTokens, MaxTokensPolicy, child_request_id, resolve_max_tokens
 from scheduler.request import ParamError, SamplingParams
 
 VOCAB = 24
 
 
-def processor(max_model_len: int = 32) -> InputProcessor:
-    return InputProcessor(VOCAB, max_model_len, eos_token_ids=(2,))
+def processor(max_model_len: int = 32, policy: MaxTokensPolicy = "reject") -> InputProcessor:
+    return InputProcessor(VOCAB, max_model_len, eos_token_ids=(2,), max_tokens_policy=policy)
 
 
 @pytest.mark.parametrize(
@@ -43,7 +43,7 @@ def test_bad_input_is_a_param_error_naming_the_parameter(prompt: list[int], para
 def test_absent_max_tokens_means_the_room_left_capped_by_max_output_tokens(
     num_prompt: int, max_len: int, cap: int | None, expected: int,
 ) -> None:
-    assert resolve_max_tokens(None, num_prompt, max_len, cap) == expected
+    assert resolve_max_tokens(None, num_prompt, max_len, cap) == MaxTokens(expected)
     [req] = InputProcessor(VOCAB, max_len, (2,), max_output_tokens=cap).process(
         "r", [1] * num_prompt, SamplingParams(max_tokens=None))
     assert req.params.max_tokens == expected
@@ -60,7 +60,7 @@ def test_a_prompt_filling_the_context_is_refused_with_its_numbers() -> None:
 
 def test_max_tokens_beyond_the_context_is_refused_naming_all_three_numbers() -> None:
     with pytest.raises(ContextLengthError) as excinfo:
-        resolve_max_tokens(50, 60, 100, cap=None)
+        resolve_max_tokens(50, 60, 100, cap=None, policy="reject")
     err = excinfo.value
     assert (err.param, err.code) == ("max_tokens", CONTEXT_LENGTH_EXCEEDED)
     assert (err.num_prompt_tokens, err.max_tokens, err.max_model_len) == (60, 50, 100)
@@ -125,3 +125,36 @@ def test_echo_shows_a_text_prompt_as_sent_and_decodes_one_sent_as_ids() -> None:
     assert inputs.echo_text(ids, "Hello there, world") == ("Hello there, world", first)
     assert inputs.echo_text(ids, None) == (tokenizer.decode(ids, skip_special_tokens=False), first)
     assert inputs.echo_text(ids, None)[0] == "Hello there, world" and first == "Hello"
+
+
+@pytest.mark.parametrize(("requested", "cap", "expected"),
+                         [(32000, None, MaxTokens(40, "context")), (40, None, MaxTokens(40)), (39, None, MaxTokens(39)),
+                          (30, 8, MaxTokens(8, "cap")), (32000, 100, MaxTokens(40, "context")),
+                          (32000, 40, MaxTokens(40, "context"))])
+def test_clamp_lowers_max_tokens_to_the_room_left_and_the_cap_caps(requested: int, cap: int | None,
+                                                                    expected: MaxTokens) -> None:
+    assert resolve_max_tokens(requested, 60, 100, cap, policy="clamp") == expected
+
+
+def test_reject_refuses_past_the_room_but_the_cap_still_only_caps() -> None:
+    assert resolve_max_tokens(30, 60, 100, cap=8, policy="reject") == MaxTokens(8, "cap")
+    with pytest.raises(ContextLengthError):
+        resolve_max_tokens(41, 60, 100, cap=8, policy="reject")
+
+
+def test_a_clamped_request_runs_with_the_room_left_and_one_info_line_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="fp4serve.engine"):
+        [req] = processor(max_model_len=100, policy="clamp").process("req-7", [1] * 60, SamplingParams(max_tokens=32000))
+    assert req.params.max_tokens == 40
+    [line] = [r.getMessage() for r in caplog.records if "lowered" in r.getMessage()]
+    assert line.startswith("req-7: max_tokens 32000 lowered to 40") and "--max-tokens-policy clamp" in line
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fp4serve.engine"):
+        processor(max_model_len=100, policy="clamp").process("req-8", [1] * 60, SamplingParams(max_tokens=40))
+    assert not [r for r in caplog.records if "lowered" in r.getMessage()]
+
+
+def test_a_prompt_that_fills_the_context_is_refused_under_clamp_too() -> None:
+    with pytest.raises(ContextLengthError) as excinfo:
+        processor(max_model_len=100, policy="clamp").process("r", [1] * 100, SamplingParams(max_tokens=5))
+    assert excinfo.value.max_tokens is None and excinfo.value.param == "prompt"

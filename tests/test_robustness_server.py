@@ -112,9 +112,6 @@ def test_the_sdk_retries_an_overload_honouring_retry_after_and_gets_through(
     [
         ("/v1/chat/completions", {"n": 5}, "n", "--max-n"),
         ("/v1/completions", {"n": 5}, "n", "--max-n"),
-        ("/v1/chat/completions", {"max_tokens": 17}, "max_tokens", "--max-output-tokens"),
-        ("/v1/chat/completions", {"max_completion_tokens": 17}, "max_completion_tokens", "--max-output-tokens"),
-        ("/v1/completions", {"max_tokens": 17}, "max_tokens", "--max-output-tokens"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 6}, "top_logprobs", "--max-logprobs"),
         ("/v1/completions", {"logprobs": 6}, "logprobs", "--max-logprobs"),
         ("/v1/chat/completions", {"stop": ["a", "b", "c"]}, "stop", "--max-stop"),
@@ -156,6 +153,15 @@ def test_an_absent_max_tokens_means_max_output_tokens(server: RunningServer) -> 
     status, events = asyncio.run(run())
     assert status == 200 and events[-1] == DONE
     assert events[-2]["usage"]["completion_tokens"] == MAX_OUTPUT_TOKENS
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_max_tokens_above_max_output_tokens_is_capped_not_refused(http: httpx.Client, field: str) -> None:
+    response = http.post("/v1/chat/completions", json={"messages": HELLO, field: MAX_OUTPUT_TOKENS + 1,
+                                                       "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["usage"]["completion_tokens"] == MAX_OUTPUT_TOKENS and body["choices"][0]["finish_reason"] == "length"
 
 
 def test_the_api_key_never_reaches_the_log_and_cors_stays_off(server: RunningServer, http: httpx.Client) -> None:
