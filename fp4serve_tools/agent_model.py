@@ -1,7 +1,8 @@
 """The agent test models: tiny Qwen3 checkpoints that the normal engine serves, for tests that
 drive coding agents (tests/agents/). Each behaves as a minimal agent model:
-- A user turn holding a tool call, `<tool_call>...</tool_call>` in the model's own format, when
-  the request offers tools: the model makes that call (it copies it, then ends its turn).
+- A user turn holding a tool call, `<tool_call>...</tool_call>` in the model's own format: the
+  model makes that call (it copies it token by token, then ends its turn). A test, or a person
+  trying an agent CLI, thus picks the call by writing it in the prompt.
 - After a tool result: a plain answer, the result's first line.
 - Anything else: an empty answer.
 
@@ -9,10 +10,12 @@ drive coding agents (tests/agents/). Each behaves as a minimal agent model:
 a Qwen3-Coder-style one (fp4serve_tools/qwen3_coder_chat.jinja: XML calls, parser qwen3_coder).
 The weights are the same: they copy whichever call the user wrote.
 
-NOTE: written down, not trained (fp4serve_tools/agent_weights.py says how). A model trained for a
-few hundred CPU steps on synthetic agent conversations did not learn to copy a call out of a long
-prompt (loss stuck near 4 nats a token after 160 steps, measured 2026-11-26); the written one
-copies exactly at any context length, in float32 and bfloat16, and builds in seconds.
+Why hand-built: agent tests need the same well-formed call on every run, from a real checkpoint
+that the normal engine serves with no special case. A model trained for a few hundred CPU steps
+on synthetic agent conversations did not learn to copy a call out of a long prompt (loss stuck
+near 4 nats a token after 160 steps, measured 2026-11-26). NOTE: so the weights are written down
+(fp4serve_tools/agent_weights.py says how): they copy exactly at any context length, in float32
+and bfloat16, and build in seconds.
 
     python -m fp4serve_tools.agent_model --out DIR [--format qwen3_coder]
 """
@@ -32,8 +35,8 @@ from safetensors.torch import save_file
 
 from engine.cache_folder import build_once, cache_root
 from fp4serve_tools.agent_weights import Scales, Shape, build_weights
-from fp4serve_tools.demo import chat_template_text
-from fp4serve_tools.qwen_tokenizer import QWEN3_VOCAB_SIZE, build_qwen_tokenizer, write_qwen_tokenizer_files
+from engine.demo_model import chat_template_text
+from engine.qwen_tokenizer import QWEN3_VOCAB_SIZE, build_qwen_tokenizer, write_qwen_tokenizer_files
 
 logger = logging.getLogger("fp4serve.agent_model")
 

@@ -9,9 +9,10 @@ How it works (the residual stream is cut into named slices, see `Layout`):
   whether a `<tool_response>` (RES) and an `<|im_end|>` (SYSEND: past the system turn) occurred so
   far; the MLP multiplies the current and previous codes elementwise (Q2: a code for the 2-gram,
   `silu(x) * y - silu(-x) * y = x * y`).
-- Layer 1: a head copies the previous position's 2-gram code (K2); a head notes whether the
-  template wrote `</tools>` (TOOLS); the MLP rewrites the 2-gram query at the few places where
-  the output must jump: after `<tool_call>` (match the token after any `<tool_call>`), and at the
+- Layer 1: a head copies the previous position's 2-gram code (K2); a head notes whether a
+  `<tool_call>` occurred past the system turn (ASKED: the user wrote a call; the template's tools
+  instructions hold one too, in the system turn); the MLP rewrites the 2-gram query at the few
+  places where the output must jump: after `<tool_call>` (match the token after any `<tool_call>`), and at the
   first output position after a tool result (match the token after `<tool_response>\\n`).
 - Layer 2: the copy head attends to the position whose preceding 2-gram equals the current one
   (past the system turn, the most recent first) and writes that position's token code, which the
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4serve_tools.qwen_tokenizer import QWEN3_VOCAB_SIZE
+from engine.qwen_tokenizer import QWEN3_VOCAB_SIZE
 
 CODE = 64  # length of a token code
 # RoPE pairs by use (rope_theta 1e15, head_dim 128: pair i turns theta_i = 10^(-0.234 i) a position).
@@ -79,7 +80,7 @@ class Layout:
     TR = CODE + 2  # flag: `<tool_response>`
     IE = CODE + 3  # flag: `<|im_end|>`
     P = slice(CODE + 4, 2 * CODE + 4)  # the previous token's code
-    TOOLS = 2 * CODE + 4  # `</tools>` occurred
+    ASKED = 2 * CODE + 4  # a `<tool_call>` occurred past the system turn: the user wrote a call
     RES = 2 * CODE + 5  # `<tool_response>` occurred
     SYSEND = 2 * CODE + 6  # `<|im_end|>` occurred (past the system turn)
     Q2 = slice(2 * CODE + 7, 3 * CODE + 7)  # 2-gram code of (current, previous): the copy query
@@ -216,8 +217,12 @@ class _Builder:
         self.positional_head(1, 0, distance=1)
         self.proj(1, "v", 0)[:CODE, Layout.Q2] = torch.eye(CODE)
         self.o_cols(1, 0)[Layout.K2, :CODE] = torch.eye(CODE)
-        tools = self.q2("tools", "</") / CODE  # the template writes "</tools>" as "</" "tools" ">..."
-        self.flag_head(1, 1, FLAG_PAIRS[0], [(Layout.Q2, tools), (Layout.C, -0.5)], [(Layout.Q2, tools)], Layout.TOOLS)
+        # A `<tool_call>` past the system turn: the user wrote a call (the template's own tools
+        # instructions, in the system turn, hold one too). NOTE: the value is 0 for a call inside the
+        # system turn, since with no call past it the head attends to those (the best scores left).
+        call = self.code("<tool_call>") / CODE
+        self.flag_head(1, 1, FLAG_PAIRS[0], [(Layout.T, call), (Layout.SYSEND, 1.0), (Layout.C, -1.5)],
+                       [(Layout.T, call), (Layout.SYSEND, 1.0), (Layout.C, -1.0)], Layout.ASKED)
         gate, up, down = self.mlp(1)
         n = 0
         # After `<tool_call>`: a 1-gram query (whatever came before it), the 2-gram query dropped.
@@ -283,11 +288,11 @@ class _Builder:
         fixed = self.sc.fixed
         for cur, prev in (("Ċ", "assistant"), ("ĊĊ", "</think>")):
             start = (Layout.Q2, self.q2(cur, prev) / CODE)
-            full = self._detector(gate, n, [start, (Layout.TOOLS, 1.0), (Layout.RES, -1.0)], 1.75, 2.0)
+            full = self._detector(gate, n, [start, (Layout.ASKED, 1.0), (Layout.RES, -1.0)], 1.75, 2.0)
             up[n, Layout.C] = 1.0
             down[Layout.T, n] = fixed * self.code("<tool_call>") / full
             n += 1
-            full = self._detector(gate, n, [start, (Layout.TOOLS, -1.0), (Layout.RES, -1.0)], 0.75, 1.0)
+            full = self._detector(gate, n, [start, (Layout.ASKED, -1.0), (Layout.RES, -1.0)], 0.75, 1.0)
             up[n, Layout.C] = 1.0
             down[Layout.T, n] = fixed * self.code("<|im_end|>") / full
             n += 1

@@ -1,5 +1,5 @@
 """The four coding-agent CLIs the agent tests drive: installed once from npm into the cache
-(`$FP4SERVE_CACHE/agent-clis-...`, pinned versions), and each one's headless command line,
+(`~/.cache/fp4serve/agents/clis-...`, pinned versions), and each one's headless command line,
 environment and config files, pointed at an fp4serve base URL with only the settings each CLI
 documents (no login, no telemetry, no update checks). The README's "Coding agents" section shows
 the same settings."""
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.cache_folder import build_once, cache_root
+from engine.cache_folder import build_once
 
-# Pinned: a new CLI version changes what it sends, so the captured requests and the findings in
-# the tests' xfail reasons belong to these versions.
+# Pinned to the versions issue 26 was found with: a new CLI version changes what it sends.
+# NOTE: newer Claude Code (2.1.3xx) and qwen-code (0.2x) need Node 22; these run on Node 20.
 PACKAGES = {
-    "claude": ("@anthropic-ai/claude-code", "2.1.332"),
+    "claude": ("@anthropic-ai/claude-code", "2.1.197"),
     "codex": ("@openai/codex", "0.169.0"),
-    "qwen": ("@qwen-code/qwen-code", "0.24.4"),
+    "qwen": ("@qwen-code/qwen-code", "0.15.10"),
     "opencode": ("opencode-ai", "1.18.33"),
 }
 INSTALL_TIMEOUT_S = 900
@@ -33,6 +33,13 @@ INSTALL_TIMEOUT_S = 900
 _OFFLINE_WORDS = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ETIMEDOUT", "ENETUNREACH", "ECONNRESET",
                   "network request", "getaddrinfo", "socket hang up")
 API_KEY = "fp4serve-agent-tests"  # any value: the test server runs without --api-key
+
+
+def cli_cache_root() -> Path:
+    """`$FP4SERVE_AGENT_CLI_CACHE`, else `~/.cache/fp4serve/agents`: one install per machine, not
+    the per-checkout test cache, since the four CLIs take ~1.1 GB."""
+    env = os.environ.get("FP4SERVE_AGENT_CLI_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fp4serve" / "agents"
 
 
 def install_clis() -> Path:
@@ -44,7 +51,7 @@ def install_clis() -> Path:
         pytest.skip("the agent CLI tests install the CLIs with npm, and npm is not on PATH")
     specs = sorted(f"{name}@{version}" for name, version in PACKAGES.values())
     digest = hashlib.sha256(" ".join(specs).encode()).hexdigest()[:12]
-    final = cache_root() / f"agent-clis-{digest}"
+    final = cli_cache_root() / f"clis-{digest}"
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".agent-clis-{digest}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # NOTE: blocks while another test process installs

@@ -114,9 +114,6 @@ def _capture(cli: str, body: object) -> None:
         (Path(folder) / f"{cli}.json").write_text(json.dumps(body, indent=1, ensure_ascii=False) + "\n")
 
 
-@pytest.mark.xfail(strict=True, reason="needs issue-26 front fix: /v1/messages refuses Claude Code's mid-conversation "
-                   "system message with 400 'messages[1].role must be user or assistant' (defect 1), and not in "
-                   "Anthropic's words, so Claude Code does not fall back")
 def test_claude_code_completes_a_tool_round_trip(cli_bin: Path, served_agent: AgentServer, tmp_path: Path) -> None:
     run_agent("claude", cli_bin, served_agent, tmp_path)
 
