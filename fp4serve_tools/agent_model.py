@@ -48,12 +48,23 @@ BOS_TOKEN_ID = 151_643  # <|endoftext|>
 EOS_TOKEN_ID = 151_645  # <|im_end|>
 
 
+_MID_SYSTEM_TURN = "{{- '<|im_start|>system\\n' + content + '<|im_end|>\\n' }}"
+_MID_SYSTEM_RAISE = "{{- raise_exception('System message must be at the beginning.') }}"
+
+
 def chat_template(fmt: str) -> str:
-    """Qwen3's template for JSON calls; the Qwen3-Coder-style one beside this file for XML."""
+    """fp4serve's Qwen3 template for JSON calls, the Qwen3-Coder-style one beside this file for XML;
+    both refuse a system message after the first, as Qwen3's own template does, so the server folds
+    one into the system prompt. NOTE: the model copies the most recent match of each token pair
+    and discounts only the first system turn: Claude Code's environment block, rendered as a system
+    turn after the user's request, would hold matches more recent than the request."""
     if fmt == JSON_FORMAT:
-        return chat_template_text()
-    assert fmt == XML_FORMAT, fmt
-    return (resources.files("fp4serve_tools") / "qwen3_coder_chat.jinja").read_text(encoding="utf-8")
+        text = chat_template_text()
+    else:
+        assert fmt == XML_FORMAT, fmt
+        text = (resources.files("fp4serve_tools") / "qwen3_coder_chat.jinja").read_text(encoding="utf-8")
+    assert text.count(_MID_SYSTEM_TURN) == 1, "the template's mid-conversation system turn moved"
+    return text.replace(_MID_SYSTEM_TURN, _MID_SYSTEM_RAISE)
 
 
 def digest(fmt: str, shape: Shape = Shape(), scales: Scales = Scales()) -> str:

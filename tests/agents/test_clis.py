@@ -75,7 +75,7 @@ def _run(case: Case, cli_bin: Path, served: AgentServer, base: Path, home: Path)
     cli = case.cli
     workdir = base / "project"
     workdir.mkdir()
-    notes = (base / "notes" if case.outside else workdir) / "notes.txt"
+    notes = (base / "elsewhere" if case.outside else workdir) / "notes.txt"
     notes.parent.mkdir(exist_ok=True)
     secret = f"zebra-{uuid.uuid4().hex[:8]}"
     notes.write_text(f"the secret word is {secret}\n")
