@@ -32,7 +32,7 @@ INSTALL_TIMEOUT_S = 900
 # What npm prints when the registry cannot be reached (then the tests skip, saying so).
 _OFFLINE_WORDS = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ETIMEDOUT", "ENETUNREACH", "ECONNRESET",
                   "network request", "getaddrinfo", "socket hang up")
-API_KEY = "fp4serve-agent-tests"  # any value: the test server runs without --api-key
+API_KEY = "fp4serve-agent-tests"  # the test server's --api-key
 
 
 def cli_cache_root() -> Path:
@@ -179,7 +179,7 @@ def opencode(bin_dir: Path, base_url: str, model: str, workdir: Path, home: Path
         "provider": {"fp4serve": {
             "npm": "@ai-sdk/openai-compatible",
             "name": "fp4serve",
-            "options": {"baseURL": f"{base_url}/v1", "apiKey": API_KEY},
+            "options": {"baseURL": f"{base_url}/v1", "apiKey": "{env:FP4SERVE_API_KEY}"},
             "models": {model: {"name": model}},
         }},
         "model": f"fp4serve/{model}",
@@ -188,6 +188,7 @@ def opencode(bin_dir: Path, base_url: str, model: str, workdir: Path, home: Path
         "share": "disabled",
     }, indent=2) + "\n")
     env = _base_env(home) | {
+        "FP4SERVE_API_KEY": API_KEY,
         "OPENCODE_DISABLE_AUTOUPDATE": "1",
         "OPENCODE_DISABLE_MODELS_FETCH": "1",  # no models.dev download: the bundled snapshot
         "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",

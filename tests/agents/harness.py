@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from fp4serve_tools.agent_model import SPEC_FILE
+from tests.agents.clis import API_KEY
 from tests.agents.proxy import Exchange, RecordingProxy
 from tests.server_utils import RunningServer, start_server
 
@@ -57,11 +58,14 @@ class AgentServer:
 @contextmanager
 def agent_server(model_path: Path, *extra: str) -> Iterator[AgentServer]:
     name = json.loads((model_path / SPEC_FILE).read_text())["name"]  # not the cache folder's name
+    # With a key, as a team endpoint runs: each CLI's way of sending it is checked too.
     server = start_server("--model", str(model_path), "--served-model-name", name,
                           "--tool-parser", "auto", "--reasoning-parser", "auto",
-                          "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", KV_CACHE_MEMORY, *extra)
+                          "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", KV_CACHE_MEMORY, *extra,
+                          api_key=API_KEY)
     try:
-        model = httpx.get(server.url("/v1/models"), timeout=10).json()["data"][0]["id"]
+        model = httpx.get(server.url("/v1/models"), headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=10).json()["data"][0]["id"]
         assert model == name, (model, name)
         proxy = RecordingProxy(server.base_url).start()
         try:
