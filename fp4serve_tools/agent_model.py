@@ -34,9 +34,13 @@ import torch
 from safetensors.torch import save_file
 
 from engine.cache_folder import build_once, cache_root
-from fp4serve_tools.agent_weights import Scales, Shape, build_weights
 from engine.demo_model import chat_template_text
-from engine.qwen_tokenizer import QWEN3_VOCAB_SIZE, build_qwen_tokenizer, write_qwen_tokenizer_files
+from engine.qwen_tokenizer import (
+    QWEN3_VOCAB_SIZE,
+    build_qwen_tokenizer,
+    write_qwen_tokenizer_files,
+)
+from fp4serve_tools.agent_weights import Scales, Shape, build_weights
 
 logger = logging.getLogger("fp4serve.agent_model")
 
@@ -67,8 +71,9 @@ def chat_template(fmt: str) -> str:
     return text.replace(_MID_SYSTEM_TURN, _MID_SYSTEM_RAISE)
 
 
-def digest(fmt: str, shape: Shape = Shape(), scales: Scales = Scales()) -> str:
+def digest(fmt: str, shape: Shape | None = None, scales: Scales | None = None) -> str:
     """What the written files depend on: the construction's source and numbers, and the template."""
+    shape, scales = shape or Shape(), scales or Scales()
     h = hashlib.sha256(json.dumps({"fmt": fmt, "seed": SEED, "shape": asdict(shape), "scales": asdict(scales)},
                                   sort_keys=True).encode())
     for name in ("agent_weights.py", "agent_model.py"):
@@ -77,8 +82,9 @@ def digest(fmt: str, shape: Shape = Shape(), scales: Scales = Scales()) -> str:
     return h.hexdigest()[:16]
 
 
-def write_agent_model(dst: Path, fmt: str = JSON_FORMAT, shape: Shape = Shape(), scales: Scales = Scales()) -> None:
+def write_agent_model(dst: Path, fmt: str = JSON_FORMAT, shape: Shape | None = None, scales: Scales | None = None) -> None:
     """An HF checkpoint folder: config, bf16 weights, the Qwen3 tokenizer with `fmt`'s template."""
+    shape, scales = shape or Shape(), scales or Scales()
     dst.mkdir(parents=True, exist_ok=True)
     tokenizer = build_qwen_tokenizer(cache_root())
     weights = build_weights(tokenizer, SEED, shape, scales)

@@ -35,7 +35,7 @@ from engine.qwen_tokenizer import QWEN3_VOCAB_SIZE
 
 CODE = 64  # length of a token code
 # RoPE pairs by use (rope_theta 1e15, head_dim 128: pair i turns theta_i = 10^(-0.234 i) a position).
-POSITIONAL_PAIRS = range(0, 12)  # theta 1 .. 0.003: sharp peaks at a fixed distance
+POSITIONAL_PAIRS = range(12)  # theta 1 .. 0.003: sharp peaks at a fixed distance
 RECENCY_PAIRS = range(3, 18)  # theta 0.2 .. 1e-4: summed, a score that falls with distance
 CONTENT_PAIRS = range(28, 60)  # theta < 3e-7: no rotation within 65,536 positions
 SYSTEM_TURN_PAIR = 60
@@ -258,7 +258,7 @@ class _Builder:
         assert n <= self.shape.intermediate_size, n
 
     def _layer2(self) -> None:
-        hd, pairs = self.shape.head_dim, self.pairs
+        pairs = self.pairs
         q, k, v = self.proj(2, "q", 0), self.proj(2, "k", 0), self.proj(2, "v", 0)
         for i in RECENCY_PAIRS:
             q[i, Layout.C] = k[i, Layout.C] = self.recency_raw()

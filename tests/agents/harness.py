@@ -87,9 +87,7 @@ def unrecovered(exchanges: list[Exchange]) -> list[Exchange]:
     followed: the ones a client could not recover from. Every 5xx counts."""
     out = []
     for i, e in enumerate(exchanges):
-        if e.status >= 500 or e.status == 0:
-            out.append(e)
-        elif e.status >= 400 and not any(200 <= later.status < 300 and later.path == e.path for later in exchanges[i + 1:]):
+        if e.status >= 500 or e.status == 0 or e.status >= 400 and not any(200 <= later.status < 300 and later.path == e.path for later in exchanges[i + 1:]):
             out.append(e)
     return out
 

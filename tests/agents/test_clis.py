@@ -25,7 +25,13 @@ from pathlib import Path
 import pytest
 
 from tests.agents.clis import SETUPS, cli_version
-from tests.agents.harness import AgentServer, mentions, model_requests, tool_names, unrecovered
+from tests.agents.harness import (
+    AgentServer,
+    mentions,
+    model_requests,
+    tool_names,
+    unrecovered,
+)
 
 RUN_TIMEOUT_S = 600
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 300)]
