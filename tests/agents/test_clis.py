@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import string
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -36,6 +38,7 @@ from tests.agents.harness import (
 RUN_TIMEOUT_S = 600
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 300)]
 CAPTURE_ENV = "FP4SERVE_AGENT_CAPTURE"
+SHM = "/dev/shm"  # a root outside /tmp, where the working folders are
 
 
 @dataclass(frozen=True)
@@ -46,15 +49,20 @@ class Case:
     cli: str
     tool: str
     arguments: Callable[[Path], dict[str, str]]  # the notes file -> the call's arguments
-    outside: bool = False  # the file lives outside the working folder
+    outside: bool = False  # the file lives outside the working folder, in a folder of its own
 
 
 CASES = {
     # Claude Code appends its environment (the working folder) as a system message after the
-    # request: a file outside that folder keeps the path in the call unlike any path there.
+    # request (folded into the system prompt, where the copy looks last): outside, as for qwen.
     "claude": Case("claude", "Read", lambda f: {"file_path": str(f)}, outside=True),
     "codex": Case("codex", "exec_command", lambda f: {"cmd": f"/bin/cat {f.name}"}),
-    "qwen": Case("qwen", "read_file", lambda f: {"file_path": str(f)}),
+    # qwen-code sends its working folder and a listing of it in a user message before the request:
+    # a path there followed by other tokens than in the call ("project" "/" then "\n", "notes.txt"
+    # then "\n") leaves the copy to choose between two matches by recency alone, which fails at
+    # some distances. Outside that folder, under a name that shares no token pair with it, the
+    # call's path is unlike anything before it.
+    "qwen": Case("qwen", "read_file", lambda f: {"file_path": str(f)}, outside=True),
     "opencode": Case("opencode", "read", lambda f: {"filePath": str(f)}),
 }
 
@@ -71,17 +79,21 @@ def run_agent(cli: str, cli_bin: Path, served: AgentServer, tmp_path: Path) -> d
     # NOTE: short folder names of our own, not pytest's: the model copies the call by 2-grams of
     # tokens, and "/pytest-of-root/pytest-12" repeats one ("/py" "test").
     base = Path(tempfile.mkdtemp(prefix="fp4a-"))
+    # Letters only: digits would pair with numbers in the CLIs' prompts ("20 items").
+    apart = Path(SHM if Path(SHM).is_dir() else tempfile.gettempdir()) / (
+        "agent-notes-" + "".join(random.choices(string.ascii_lowercase, k=10)))
     try:
-        return _run(case, cli_bin, served, base, home)
+        return _run(case, cli_bin, served, base, apart, home)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(apart, ignore_errors=True)
 
 
-def _run(case: Case, cli_bin: Path, served: AgentServer, base: Path, home: Path) -> dict[str, object]:
+def _run(case: Case, cli_bin: Path, served: AgentServer, base: Path, apart: Path, home: Path) -> dict[str, object]:
     cli = case.cli
     workdir = base / "project"
     workdir.mkdir()
-    notes = (base / "elsewhere" if case.outside else workdir) / "notes.txt"
+    notes = (apart if case.outside else workdir) / "notes.txt"
     notes.parent.mkdir(exist_ok=True)
     secret = f"zebra-{uuid.uuid4().hex[:8]}"
     notes.write_text(f"the secret word is {secret}\n")
