@@ -1,5 +1,5 @@
-"""Fixtures of the agent tests: the trained agent test models (built once per machine under the
-cache, fp4serve_tools/agent_model.py), a real server running one of them with the parsers the
+"""Fixtures of the agent tests: the agent test models (written once under the test cache, in
+seconds, fp4serve_tools/agent_model.py), a real server running one of them with the parsers the
 README tells agents to use, behind a recording proxy, and the CLIs installed from npm."""
 
 from __future__ import annotations

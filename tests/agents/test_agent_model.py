@@ -17,7 +17,6 @@ import openai
 import pytest
 import torch
 
-from fp4serve_tools.agent_model import ensure_agent_model
 from tests.agents.harness import AgentServer, agent_server
 
 pytestmark = pytest.mark.slow  # every test serves a model
@@ -138,9 +137,9 @@ def test_a_request_that_asks_for_no_call_gets_an_empty_answer(served: AgentServe
     assert choice.finish_reason == "stop" and not choice.message.tool_calls and not choice.message.content
 
 
-def test_the_xml_model_writes_qwen3_coder_calls() -> None:
+def test_the_xml_model_writes_qwen3_coder_calls(agent_model_xml: Path) -> None:
     arguments = {"file_path": PATH}
-    with agent_server(ensure_agent_model("qwen3_coder")) as served:
+    with agent_server(agent_model_xml) as served:
         client = served.server.openai(timeout=300)
         [choice] = ask(client, served.model, [{"role": "user", "content": xml_call("read_file", arguments)}]).choices
         assert choice.finish_reason == "tool_calls", choice

@@ -5,11 +5,12 @@ temp folder and HOME, configured only through its documented env vars and config
 file-reading tool, the CLI runs it, the file's unique content comes back to the server in the next
 request, and the CLI finishes its turn, with no 4xx/5xx it could not recover from.
 
-The tests that today's server fails are marked xfail(strict=True) with the issue-26 defect that
-breaks them: when the fix lands they pass, and the strict marker fails until it is removed.
+The server runs with --api-key, so each CLI's way of sending a key is checked too. Each test
+prints the CLI's version, every request's status, and the server's request log lines (prompt,
+cached tokens, TTFT): docs/PERF.md records them.
 
 Set FP4SERVE_AGENT_CAPTURE=DIR to write each CLI's first request with tools to DIR/<cli>.json
-(tests/agents/captured/ holds the committed ones, for replay tests that need no CLI)."""
+(to replay one against a server by hand)."""
 
 from __future__ import annotations
 
