@@ -12,8 +12,8 @@ import pytest
 
 from engine.model_source import smollm2_gguf_path
 from engine.tokenizer import Tokenizer
-from fp4serve_tools.demo import chat_template_text
-from fp4serve_tools.qwen_tokenizer import write_qwen_tokenizer_files
+from engine.demo_model import chat_template_text
+from engine.qwen_tokenizer import write_qwen_tokenizer_files
 
 WARNING = "does not render tools"
 
