@@ -20,13 +20,16 @@ MAX_STRING_LENGTH_BOUND = 32
 # One string character: anything but a quote, a backslash or a control character, or an escape.
 _CHAR_THEN = r'[^"\\\x00-\x1f] {next} | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{{4}} ) {next}'
 
-# NOTE: whitespace is bounded on purpose. With unbounded whitespace between JSON tokens a masked
-# model can emit newlines forever (why vLLM grew --disable-any-whitespace); 20 characters still
-# cover json.dumps' single spaces and modest pretty-printing. Numbers are bounded for the same
-# reason: 19 integer digits (int64), 16 fraction digits.
+# NOTE: JSON is compact, with json.dumps' separators (", " and ": ") and no other whitespace: the
+# form chat templates render tool calls in (transformers' `tojson`), so the form models learn. Any
+# whitespace between tokens let a weak or quantized model fill its budget with "\n\t" and never
+# finish (why vLLM grew --disable-any-whitespace; xgrammar's any_whitespace=False does the same).
+# Numbers are bounded for the same reason: 19 integer digits (int64), 16 fraction digits.
+COMMA, COLON = '", "', '": "'
 _BASE_RULES = {
-    "ws": r"[ \t\n]{0,20}",
-    "blank": r"[ \t\n]{0,4}",  # around think blocks and between calls
+    # Around think blocks and between calls: the template's own newlines ("</think>\n\n", one
+    # "\n" between two calls), and no other whitespace.
+    "blank": r"[\n]{0,2}",
     # NOTE: right recursion, not `"\"" char* "\""`: xgrammar caches token masks per rule
     # position, and a starred alternation made every in-string mask ~150 ms on a 150k vocabulary.
     "json_string": r'"\"" json_string_rest',
@@ -35,15 +38,14 @@ _BASE_RULES = {
     "json_integer": r'"-"? json_uint',
     "json_number": r'"-"? json_uint ( "." [0-9]{1,16} )? ( [eE] [+-]? [0-9]{1,3} )?',
     "json_value": r'json_object | json_array | json_string | json_number | "true" | "false" | "null"',
-    "json_member": r'json_string ws ":" ws json_value',
-    "json_object": r'"{" ws ( json_member ( ws "," ws json_member )* ws )? "}"',
-    "json_array": r'"[" ws ( json_value ( ws "," ws json_value )* ws )? "]"',
+    "json_member": f"json_string {COLON} json_value",
+    "json_object": f'"{{" ( json_member ( {COMMA} json_member )* )? "}}"',
+    "json_array": f'"[" ( json_value ( {COMMA} json_value )* )? "]"',
 }
 _BASE_DEPENDS = {
     "json_string": ("json_string_rest",), "json_integer": ("json_uint",), "json_number": ("json_uint",),
     "json_value": ("json_object", "json_array", "json_string", "json_number"),
-    "json_member": ("json_string", "ws", "json_value"), "json_object": ("ws", "json_member"),
-    "json_array": ("ws", "json_value"),
+    "json_member": ("json_string", "json_value"), "json_object": ("json_member",), "json_array": ("json_value",),
 }
 
 
@@ -60,12 +62,11 @@ class SchemaGrammar:
         self.rules = rules
         self.root = root if isinstance(root, dict) else {}
         self._refs: dict[str, str] = {}
-        rules.base("ws")  # between any two JSON tokens
 
     def arguments(self) -> str:
         """A tool's `arguments`: an object, `{}` for a function without parameters."""
         if not self.root:
-            return '"{" ws "}"'
+            return '"{}"'
         return self.value({**self.root, "type": "object"} if "type" not in self.root else self.root, 0)
 
     def value(self, schema: Any, depth: int) -> str:
@@ -139,14 +140,14 @@ class SchemaGrammar:
         extra = schema.get("additionalProperties")
         if not isinstance(properties, dict):
             if extra is False:
-                return '( "{" ws "}" )'
+                return '"{}"'
             if isinstance(extra, dict) and extra:
-                member = f'{self.rules.base("json_string")} ws ":" ws {self.value(extra, depth + 1)}'
-                return self.rules.add("map", f'"{{" ws ( {member} ( ws "," ws {member} )* ws )? "}}"')
+                member = f'{self.rules.base("json_string")} {COLON} {self.value(extra, depth + 1)}'
+                return self.rules.add("map", f'"{{" ( {member} ( {COMMA} {member} )* )? "}}"')
             return self.rules.base("json_object")
         required = required_keys(schema, properties)
         members = [
-            f'{literal(json.dumps(k, ensure_ascii=False))} ws ":" ws {self.value(v, depth + 1)}'
+            f'{literal(json.dumps(k, ensure_ascii=False) + ": ")} {self.value(v, depth + 1)}'
             for k, v in properties.items()
         ]
         keys = list(properties)
@@ -154,7 +155,7 @@ class SchemaGrammar:
         # written is any j with only optional members before it.
         rest = ['""'] * (len(members) + 1)
         for i in range(len(members) - 1, 0, -1):
-            item = f'ws "," ws {members[i]}'
+            item = f"{COMMA} {members[i]}"
             body = item if keys[i] in required else f"( {item} )?"
             rest[i] = self.rules.add("rest", body if rest[i + 1] == '""' else f"{body} {rest[i + 1]}")
         firsts = []
@@ -164,7 +165,7 @@ class SchemaGrammar:
                 break
         else:
             firsts.append('""')
-        return self.rules.add("object", f'"{{" ws ( {" | ".join(firsts)} ) ws "}}"')
+        return self.rules.add("object", f'"{{" ( {" | ".join(firsts)} ) "}}"')
 
     def _array(self, schema: dict[str, Any], depth: int) -> str:
         items = schema.get("items")
@@ -173,24 +174,23 @@ class SchemaGrammar:
         if hi is not None and hi < lo:
             hi = lo
         if hi == 0:
-            return '( "[" ws "]" )'
-        more = f'( ws "," ws {item} )'
+            return '"[]"'
+        more = f"( {COMMA} {item} )"
         more += "*" if hi is None and lo <= 1 else f'{{{max(lo - 1, 0)},{"" if hi is None else hi - 1}}}'
-        inner = f"{item} {more}" if lo >= 1 else f"( {item} {more} ws )?"
-        return self.rules.add("array", f'"[" ws {inner} ws "]"' if lo >= 1 else f'"[" ws {inner} "]"')
+        inner = f"{item} {more}" if lo >= 1 else f"( {item} {more} )?"
+        return self.rules.add("array", f'"[" {inner} "]"')
 
     def _constant(self, value: Any) -> str:
-        """Exactly `value`, with the same whitespace freedom as any other JSON."""
+        """Exactly `value`, written compactly like any other JSON."""
         if not isinstance(value, (dict, list)):
             return literal(json.dumps(value, ensure_ascii=False))
         if isinstance(value, dict):
-            parts = [f'{literal(json.dumps(k, ensure_ascii=False))} ws ":" ws {self._constant(v)}' for k, v in value.items()]
+            parts = [f"{literal(json.dumps(k, ensure_ascii=False) + ': ')} {self._constant(v)}" for k, v in value.items()]
             opening, closing = '"{"', '"}"'
         else:
             parts = [self._constant(v) for v in value]
             opening, closing = '"["', '"]"'
-        inner = " ws ".join([opening, ' ws "," ws '.join(parts)] if parts else [opening])
-        return f"( {inner} ws {closing} )"
+        return f"( {opening} {f' {COMMA} '.join(parts)} {closing} )"
 
     def _ref(self, ref: Any, depth: int) -> str:
         if not isinstance(ref, str):

@@ -60,13 +60,11 @@ def tool_call_grammar(
 
 
 def _json_call(rules: Rules, function: dict[str, Any]) -> str:
-    """`<tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>`, as the chat template writes it."""
+    """`<tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>`, as the chat template writes it:
+    compact JSON, no whitespace but the separators' single spaces."""
     arguments = SchemaGrammar(rules, function.get("parameters")).arguments()
     name = literal(json.dumps(function["name"], ensure_ascii=False))
-    body = (
-        f'"<tool_call>\\n{{" ws "\\"name\\"" ws ":" ws {name} ws "," ws "\\"arguments\\"" ws ":" ws '
-        f'{arguments} ws "}}\\n</tool_call>"'
-    )
+    body = f'"<tool_call>\\n{{\\"name\\": " {name} ", \\"arguments\\": " {arguments} "}}\\n</tool_call>"'
     return rules.add(f"call_{function['name']}", body)
 
 

@@ -1,5 +1,6 @@
-"""The checkpoint's tokenizer: encode, decode, the chat template (through transformers), and
-per-token text/bytes for logprobs. Incremental decoding lives in engine/detokenizer.py."""
+"""The checkpoint's tokenizer: encode, decode, the chat template (through transformers), whether
+that template shows the model a request's tools, and per-token text/bytes for logprobs.
+Incremental decoding lives in engine/detokenizer.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ from engine.config import ConfigError
 from scheduler.request import ParamError
 
 logger = logging.getLogger("fp4serve.tokenizer")
+
+# A tool no template can know: its name appears in a rendering only if the template writes tools.
+_PROBE_TOOL_NAME = "fp4serve_probe_tool_6f1d"
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": _PROBE_TOOL_NAME, "description": "A probe: does the chat template show tools to the model?",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
+_PROBE_MESSAGES = [{"role": "user", "content": "hello"}]
 
 
 @lru_cache(maxsize=1)
@@ -52,6 +60,25 @@ class Tokenizer:
         self._byte_level = "ByteLevel" in json.dumps(json.loads(self.backend.to_str()).get("decoder"))
         self._added_ids = frozenset(self.backend.get_added_tokens_decoder())
         self._token_cache: dict[int, tuple[str, tuple[int, ...]]] = {}
+        # Whether a request's tools reach the model: a template that ignores them (SmolLM2's) turns
+        # a tool request into a plain chat, and the model never knows it could call anything.
+        self.template_renders_tools = self._renders_tools()
+        if self.chat_template and not self.template_renders_tools:
+            logger.warning("the chat template of %s does not render tools: a request's tools never reach the "
+                           "model, which answers them as plain chat; serve a checkpoint whose template writes "
+                           "tools (Qwen3, Qwen3-Coder, Llama 3.1+) for tool calling", path)
+
+    def _renders_tools(self) -> bool:
+        """Render a probe conversation with a probe tool: True when the tool's name is in the prompt
+        (and not without the tool). A template that fails on the probe counts as not rendering."""
+        if not self.chat_template:
+            return False
+        try:
+            with_tool = self.render_chat(_PROBE_MESSAGES, [_PROBE_TOOL])
+            without = self.render_chat(_PROBE_MESSAGES, None)
+        except ParamError:
+            return False
+        return _PROBE_TOOL_NAME in with_tool and _PROBE_TOOL_NAME not in without
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
