@@ -367,9 +367,11 @@ def test_the_sdk_parse_helper_returns_the_pydantic_object(client: openai.OpenAI,
 
 def test_with_reasoning_a_think_block_comes_first_and_the_content_is_the_json(client: openai.OpenAI) -> None:
     # <think> is nudged so that the model opens a block, </think> more so that it closes it soon.
+    # NOTE: top_p and top_k off: the demo checkpoint's generation_config.json (Qwen3's top_k 20,
+    # top_p 0.95) would otherwise keep only the two nudged tokens, and no block would hold text.
     completion = client.chat.completions.create(
-        model=DEMO_MODEL_NAME, messages=MESSAGES, max_tokens=300, temperature=1.0, seed=4, n=3,
-        response_format=json_schema(MODE), logit_bias=THINK_BIAS, extra_body={"return_token_ids": True},
+        model=DEMO_MODEL_NAME, messages=MESSAGES, max_tokens=300, temperature=1.0, top_p=1.0, seed=4, n=3,
+        response_format=json_schema(MODE), logit_bias=THINK_BIAS, extra_body={"return_token_ids": True, "top_k": -1},
     )
     for choice in completion.choices:
         token_ids = choice.model_extra["token_ids"]
