@@ -24,11 +24,17 @@ from pydantic import BaseModel, Field
 from api.app import ServerConfig
 from api.errors import APIError
 from api.models import ChatCompletionRequest, CompletionRequestModel
-from api.response_format import ResponseFormat, parse_response_format, response_format_grammar
-from api.schema_grammar import MAX_STRING_LENGTH_BOUND
+from api.response_format import (
+    ResponseFormat,
+    parse_response_format,
+    response_format_spec,
+)
 from api.validation import validate
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_NAME
+from engine.grammars import ebnf
+from engine.grammars.schema import MAX_STRING_LENGTH_BOUND
+from scheduler.structured_output import Reasoning
 from tests.server_utils import InProcessServer, in_process_server
 
 ENGINE = EngineConfig(kv_cache_memory="32MiB", max_model_len=1024)
@@ -111,7 +117,8 @@ def accepts() -> Accepts:
 def grammar_of(raw: dict[str, Any], reasoning: bool = False, starts_in_reasoning: bool = False) -> str:
     fmt = parse_response_format(raw)
     assert fmt is not None
-    return response_format_grammar(fmt, reasoning, starts_in_reasoning)
+    mode = Reasoning.OPEN if starts_in_reasoning else Reasoning.OPTIONAL if reasoning else Reasoning.NONE
+    return ebnf(response_format_spec(fmt, mode))
 
 
 OBJECTS = ["{}", '{"a": [1, {"b": null}], "c": "d\\n\\u00e9"}', json.dumps({"x": {"y": [True]}})]
