@@ -7,6 +7,7 @@ mask applied to logits against a plain-torch reference."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -141,6 +142,34 @@ def test_check_refuses_invalid_grammars_with_a_param_error(grammar: str, valid: 
     with pytest.raises(ParamError) as e:
         StructuredOutputs.check(StructuredOutput.ebnf(grammar))
     assert e.value.param == "grammar" and e.value.message.startswith("invalid grammar")
+
+
+@pytest.mark.parametrize("sampling", [SAMPLING["greedy"], SAMPLING["seeded"]], ids=["greedy", "seeded"])
+def test_a_regex_spec_is_compiled_by_xgrammar_and_binds_the_output(engine: OfflineEngine, sampling: dict[str, Any]) -> None:
+    pattern = r"(yes|no), [1-9][0-9]{0,2}!"
+    [result] = run(engine, [(PROMPTS[0], SamplingParams(max_tokens=20, structured=StructuredOutput.regex(pattern), **sampling))])
+    assert re.fullmatch(pattern, result.texts[0]) and result.finish_reasons == ["stop"], result.texts[0]
+
+
+def test_an_invalid_regex_is_refused_with_a_param_error() -> None:
+    with pytest.raises(ParamError) as e:
+        StructuredOutputs.check(StructuredOutput.regex("(unclosed"))
+    assert e.value.param == "regex" and e.value.message.startswith("invalid regex")
+
+
+def test_equal_specs_share_one_compile_and_different_ones_do_not(engine: OfflineEngine) -> None:
+    """The cache keys on the spec: a schema sent again (a new dict, the same JSON) is a hit."""
+    structured = StructuredOutputs(engine.tokenizer.hf, engine.core.model_config.vocab_size)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    first = structured.prepare(StructuredOutput.json_schema(schema), "a", "r1")
+    again = structured.prepare(StructuredOutput.json_schema(json.loads(json.dumps(schema))), "b", "r2")
+    optional = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    other = structured.prepare(StructuredOutput.json_schema(optional), "a", "r3")
+    assert again is first and other is not first
+    stats = structured.stats()
+    assert stats is not None and (stats.hits, stats.misses) == (1, 2)
+    for request_id in ("r1", "r2", "r3"):
+        structured.remove_request(request_id)
 
 
 # ---- the pieces ---------------------------------------------------------------------------------------------
