@@ -44,12 +44,13 @@ from api.keys import request_owner
 from api.models import ChatCompletionRequest, CompletionRequestModel
 from api.parsers import OutputParser, ParsedDelta, ParserSettings
 from api.parsers.base import coalesce_tool_deltas
-from api.response_format import response_format_grammar
+from api.response_format import response_format_spec
 from api.sse import SSEResponse
-from api.tool_grammar import tool_call_grammar
+from api.tool_grammar import tool_call_spec
 from engine.core_types import Owner
 from engine.outputs import RequestOutput
 from scheduler.request import SamplingParams
+from scheduler.structured_output import Reasoning, StructuredOutput
 
 if TYPE_CHECKING:
     from api.state import ServerState
@@ -200,7 +201,7 @@ async def start_chat(request: Request, chat: ChatCompletionRequest, id_prefix: s
             prompt = await render_chat(state, engine, chat)
         tail = engine.input_processor.prompt_tail(prompt) if state.parsers.reasoning_parser is not None else ""
         opens_reasoning = prompt_opens_reasoning(tail)
-        params = replace(params, grammar=_grammar(chat, state.parsers, tail, opens_reasoning))
+        params = replace(params, structured=_structured(chat, state.parsers, tail, opens_reasoning))
         header = ResponseHeader.new(id_prefix, engine.info.model_name)
         owner = request_owner(request.scope, chat.priority)
         stream = await start_stream(engine, [prompt], params, header.id, owner, request.receive,
@@ -234,7 +235,7 @@ async def start_completion(request: Request, req: CompletionRequestModel) -> Sta
                 prompts.append(sent if isinstance(sent, list) else await state.run_blocking(inputs.encode, sent))
                 inputs.check_prompt_ids(len(prompts[-1]))
         if req.response_format is not None:
-            params = replace(params, grammar=response_format_grammar(req.response_format, reasoning=False))
+            params = replace(params, structured=response_format_spec(req.response_format))
         header = ResponseHeader.new("cmpl", engine.info.model_name)
         stream = await start_stream(engine, prompts, params, header.id, request_owner(request.scope, req.priority),
                                     request.receive, request_deadline(request.scope))
@@ -276,21 +277,24 @@ async def start_stream(engine: AsyncEngine, prompts: list[list[int]], params: Sa
     return stream
 
 
-def _grammar(chat: ChatCompletionRequest, parsers: ParserSettings, prompt_tail: str, opens_reasoning: bool) -> str | None:
-    """The grammar that enforces response_format, or tool_choice "required" or a named function
+def _structured(chat: ChatCompletionRequest, parsers: ParserSettings, prompt_tail: str,
+                opens_reasoning: bool) -> StructuredOutput | None:
+    """What response_format, or tool_choice "required" or a named function, makes the output be
     (the request model refuses both at once); None when the output is free."""
     if chat.response_format is None and not chat.forces_tool_call:
         return None
     # A think block may come first unless the prompt closed it (enable_thinking=false).
-    reasoning = parsers.reasoning_parser is not None and not prompt_closes_reasoning(prompt_tail)
+    reasoning = Reasoning.NONE
+    if parsers.reasoning_parser is not None and not prompt_closes_reasoning(prompt_tail):
+        reasoning = Reasoning.OPEN if opens_reasoning else Reasoning.OPTIONAL
     if chat.response_format is not None:
-        return response_format_grammar(chat.response_format, reasoning, starts_in_reasoning=opens_reasoning)
+        return response_format_spec(chat.response_format, reasoning)
     if parsers.tool_parser is None:
         raise bad_request(
             "tool_choice 'required' or a named function needs the server to run with --tool-parser", "tool_choice"
         )
-    return tool_call_grammar(chat.tools, chat.tool_choice, parsers.tool_parser, reasoning=reasoning,
-                             starts_in_reasoning=opens_reasoning, parallel_tool_calls=chat.calls_in_parallel)
+    return tool_call_spec(chat.tools, chat.tool_choice, parsers.tool_parser, reasoning,
+                          parallel_tool_calls=chat.calls_in_parallel)
 
 
 def prompt_closes_reasoning(prompt_tail: str) -> bool:

@@ -1,8 +1,8 @@
 """`response_format` of chat and completions: the request field parsed into a frozen
-`ResponseFormat` (its JSON schema checked), and the EBNF grammar (xgrammar's dialect) the output
-must then match, after an optional `<think>` block. Plain text: the engine compiles it.
+`ResponseFormat` (its JSON schema checked: a bad one is a 400 here, before any compile), and the
+`StructuredOutput` the engine then enforces, after an optional think block.
 
-A json_schema is enforced as api/schema_grammar.py's `SchemaGrammar` reads it: types, properties
+A json_schema is enforced as engine/grammars/schema.py's `SchemaGrammar` reads it: types, properties
 and required (in the schema's order, undeclared ones refused, with or without `strict`), items,
 min/maxItems, enum, const, anyOf/oneOf, allOf of one, local $refs, nullable, min/maxLength up to
 32. Not enforced (the output may break them): pattern, format, numeric ranges other than a
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from api.errors import bad_request
-from api.schema_grammar import Rules, SchemaGrammar
+from scheduler.structured_output import THINK, Reasoning, StructuredOutput, ThinkTags
 
 JSON_OBJECT, JSON_SCHEMA = "json_object", "json_schema"
 KINDS = ("text", JSON_OBJECT, JSON_SCHEMA)
@@ -93,25 +93,13 @@ def refuse_with_tool_choice(fmt: ResponseFormat | None, tool_choice: str | dict[
         raise bad_request(f"response_format {fmt.type} cannot be combined with tool_choice {forced}; pick one", PARAM)
 
 
-def response_format_grammar(fmt: ResponseFormat, reasoning: bool, starts_in_reasoning: bool = False) -> str:
-    """The grammar of an output in `fmt`: one JSON object (json_object) or one value that fits
-    the schema, with no text before or after it. `reasoning` and `starts_in_reasoning` as in
-    api/tool_grammar.py: a `<think>...</think>` block may (or, left open by the prompt, must)
-    come first.
-
-    NOTE: a hand grammar, not xgrammar's own converter (Grammar.from_json_schema, 0.2.8), which
-    was measured against it on 2026-11-24 (docs/PERF.md): it does not give the same guarantees
-    (its numbers take unbounded digits, `[1-9] [0-9]*`, so a masked model can write digits until
-    max_tokens; and it counts an escape such as `\n` as two characters against maxLength, refusing
-    documents the schema allows), and it compiles no faster on the 151,936-token Qwen vocabulary
-    (81 vs 74 ms for json_object, 82 vs 70 ms for a 5-property schema, one compiler thread)."""
-    rules = Rules()
+def response_format_spec(fmt: ResponseFormat, reasoning: Reasoning = Reasoning.NONE,
+                         think: ThinkTags = THINK) -> StructuredOutput:
+    """What an output in `fmt` must be: one JSON object (json_object) or one value that fits the
+    schema, with no text before or after it; a think block first as `reasoning` says."""
     if fmt.type == JSON_OBJECT:
-        value = rules.base("json_object")
-    else:
-        converter = SchemaGrammar(rules, fmt.schema)
-        value = converter.value(fmt.schema if isinstance(fmt.schema, dict) else {}, 0)
-    return rules.with_reasoning(value, reasoning, starts_in_reasoning)
+        return StructuredOutput.json_object(reasoning, think)
+    return StructuredOutput.json_schema(fmt.schema, reasoning, think)
 
 
 def check_schema(schema: Any) -> None:

@@ -179,8 +179,8 @@ class EngineCore:
         params = request.params
         assert params.n == 1, f"{request.request_id}: the front fans n out"
         grammar_ready = None
-        if params.grammar is not None:
-            compiled = self.structured.prepare(params.grammar, request.owner.key, request.request_id)
+        if params.structured is not None:
+            compiled = self.structured.prepare(params.structured, request.owner.key, request.request_id)
             grammar_ready = compiled.done
         self.scheduler.add_request(
             Request(
@@ -240,7 +240,7 @@ class EngineCore:
             # The tokens the scheduler kept: a stop inside the accepted drafts ends the list there.
             toks = emitted[request.request_id][: request.num_output_tokens - before[request.request_id]]
             reason = request.finish_reason if request.is_finished else None
-            if reason is not None and request.params.grammar is not None:
+            if reason is not None and request.params.structured is not None:
                 # Its grammar goes now, not at the runner's next step (which may be long in coming).
                 self.structured.remove_request(request.request_id)
             with_logprobs = request.params.logprobs is not None

@@ -1,4 +1,5 @@
-"""`GrammarCache`: compiled grammars by their text, bounded by bytes, and the compiles that fill it.
+"""`GrammarCache`: compiled grammars by their spec (a frozen `StructuredOutput`: equal specs share
+one grammar), bounded by bytes, and the compiles that fill it.
 
 - Each kept grammar is charged xgrammar's own size of it (`memory_size_bytes`); the least recently
   used leave once the total passes the budget, and a grammar larger than the whole budget is served
@@ -18,7 +19,7 @@ import ctypes.util
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -55,16 +56,16 @@ def _malloc_trim() -> Callable[[], None]:
 class GrammarCache:
     """Thread-safe: `get` and `release` run on the engine's thread, compiles on the pool's."""
 
-    def __init__(self, compile_fn: Callable[[str], Any], budget_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+    def __init__(self, compile_fn: Callable[[Any], Any], budget_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
                  num_workers: int = DEFAULT_COMPILE_WORKERS) -> None:
         assert budget_bytes >= 0 and num_workers >= 1, f"budget {budget_bytes}, workers {num_workers}"
         self.budget_bytes = budget_bytes
         self._compile_fn = compile_fn
         self._num_workers = num_workers
         self._lock = threading.Lock()
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # grammar text -> entry, least recent first
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # spec -> entry, least recent first
         self._held: dict[Future[Any], _Entry] = {}  # every entry some request holds, in the cache or not
-        self._queues: dict[str, deque[str]] = {}  # key -> grammars waiting to start, in arrival order
+        self._queues: dict[str, deque[Hashable]] = {}  # key -> specs waiting to start, in arrival order
         self._turns: deque[str] = deque()  # keys with grammars waiting, next turn first
         self._compiling: set[str] = set()  # keys with a compile running
         self._executor: ThreadPoolExecutor | None = None
@@ -73,7 +74,7 @@ class GrammarCache:
         self._held_bytes = 0  # held by requests, not kept
         self._hits = self._misses = self._evictions = 0
 
-    def get(self, grammar: str, key: str, hold: bool = True) -> Future[Any]:
+    def get(self, grammar: Hashable, key: str, hold: bool = True) -> Future[Any]:
         """The grammar compiled, compiling, or queued for `key`'s next turn. With `hold`, the caller
         holds it until it calls `release` with the returned future."""
         with self._lock:
@@ -159,7 +160,7 @@ class GrammarCache:
                 self._executor = ThreadPoolExecutor(self._num_workers, thread_name_prefix="fp4serve-grammar")
             self._executor.submit(self._run, grammar, key, entry)
 
-    def _run(self, grammar: str, key: str, entry: _Entry) -> None:
+    def _run(self, grammar: Hashable, key: str, entry: _Entry) -> None:
         """On a pool thread: compile, charge, evict, then start the next compile."""
         compiled: Any = None
         error: BaseException | None = None
@@ -187,7 +188,7 @@ class GrammarCache:
             del compiled
             self._trim()
 
-    def _keep(self, grammar: str, entry: _Entry) -> bool:
+    def _keep(self, grammar: Hashable, entry: _Entry) -> bool:
         """With the lock held: keep a compiled entry, evicting the least recently used ones over the
         budget (a held one moves to `held_bytes`); returns whether memory was freed."""
         if entry.size > self.budget_bytes:

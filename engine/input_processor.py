@@ -185,10 +185,10 @@ class InputProcessor:
                    "(--max-tokens-policy clamp)" if resolved.lowered_by == "context" else "--max-output-tokens")
             logger.info("%s: max_tokens %d lowered to %d, %s", request_id, params.max_tokens, resolved.value, why)
         params = replace(params, max_tokens=resolved.value)
-        if params.grammar is not None:
+        if params.structured is not None:
             from engine.structured import StructuredOutputs  # xgrammar: only for constrained requests
 
-            StructuredOutputs.check(params.grammar)
+            StructuredOutputs.check(params.structured)
         for name, num_top in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if num_top is not None and num_top > self.vocab_size:
                 raise ParamError(f"{name} {num_top} is more than the vocabulary's {self.vocab_size} tokens", name)

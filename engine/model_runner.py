@@ -84,7 +84,7 @@ class ModelRunner:
         max_model_len: int,
         structured: StructuredOutputs | None = None,
     ) -> None:
-        """`structured`: grammar state for requests with `SamplingParams.grammar`; None when the
+        """`structured`: grammar state for requests with `SamplingParams.structured`; None when the
         caller never sends one."""
         self.config = config
         self.model_config = model_config
@@ -223,10 +223,10 @@ class ModelRunner:
                 self.prompt_logprobs.add_request(r.request_id, nr.prompt_token_ids, nr.params.prompt_logprobs)
                 if self.drafter is not None:
                     self.drafter.add_request(r.request_id, nr.prompt_token_ids, nr.params.speculative)
-                if nr.params.grammar is not None:
+                if nr.params.structured is not None:
                     assert self.structured is not None, "a grammar request reached a runner without StructuredOutputs"
                     # Compiles in the background while this request's prompt runs.
-                    self.structured.add_request(r.request_id, nr.params.grammar, nr.eos_token_ids + nr.params.stop_token_ids)
+                    self.structured.add_request(r.request_id, nr.params.structured, nr.eos_token_ids + nr.params.stop_token_ids)
         if out.is_empty:
             return StepResult({}, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
         batch = build_forward_batch(out, self.block_size, self.device)

@@ -223,7 +223,7 @@ class Sampler:
         for i, s in enumerate(states):
             # NOTE: not for a grammar's rows: once the grammar is complete its stop tokens are
             # all it allows, and masking them too would leave nothing to sample.
-            if s.num_output_tokens < s.params.min_tokens and s.params.grammar is None:
+            if s.num_output_tokens < s.params.min_tokens and s.params.structured is None:
                 mask_rows += [i] * len(s.min_tokens_ids)
                 mask_cols += s.min_tokens_ids
             for token_id, bias in s.params.logit_bias:

@@ -1,7 +1,24 @@
-"""Grammar-constrained decoding with xgrammar: compiles requests' EBNF grammars (off the step
-thread, cached by text within a byte budget, keys taking turns: engine/grammar_cache.py), owns one
-matcher per constrained request, builds the token bitmask of a step's constrained rows
+"""Grammar-constrained decoding with xgrammar: compiles requests' `StructuredOutput` specs (off the
+step thread, cached by spec within a byte budget, keys taking turns: engine/grammar_cache.py), owns
+one matcher per constrained request, builds the token bitmask of a step's constrained rows
 (`GrammarMask`), and advances the matchers with the sampled tokens.
+
+Which compiler each kind uses (measured by `python -m bench.structured_compile`, docs/PERF.md):
+- regex and ebnf: xgrammar's own (`compile_regex`, `compile_grammar`): nothing of ours to add.
+- json_object, json_schema and tool_calls: our rules (engine/grammars/), for three guarantees
+  xgrammar 0.2.8's JSON-schema compiler and structural tags do not give. Compile times were the
+  same within noise on the Qwen vocabulary, and so were masks except in a length-bounded string,
+  where xgrammar's `{0,n}` repetition took up to ~75 ms a token and our chain of rules 0.1 ms:
+  - the output ends: our numbers take at most 19 integer and 16 fraction digits; xgrammar's take
+    `[0-9]*`, so a masked weak model can write digits until max_tokens;
+  - a string's minLength/maxLength count an escape such as `\\n` as one character, as JSON
+    Schema does; xgrammar's length-bounded strings allow no escapes at all;
+  - a forced tool call is compact JSON with json.dumps' separators and nothing else around it
+    but the template's newlines; structural tags (JSONSchemaFormat) take any whitespace between
+    tokens or none (max_whitespace_cnt), never ", " and ": ", and "required" lets free text sit
+    between the calls.
+  What xgrammar's compiler enforces and ours does not (pattern, format, numeric ranges,
+  min/maxProperties) is listed in api/response_format.py: the output may break those keywords.
 
 A grammar's end allows only the request's stop tokens (EOS, stop_token_ids), so a request ends
 with finish_reason "stop" exactly when its grammar is complete. xgrammar is imported on first use:
@@ -21,8 +38,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.core_types import GrammarCacheStats
-from engine.grammar_cache import DEFAULT_COMPILE_WORKERS, DEFAULT_GRAMMAR_CACHE_BYTES, GrammarCache
+from engine.grammar_cache import (
+    DEFAULT_COMPILE_WORKERS,
+    DEFAULT_GRAMMAR_CACHE_BYTES,
+    GrammarCache,
+)
 from scheduler.request import ParamError
+from scheduler.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
     import xgrammar
@@ -51,7 +73,9 @@ class GrammarMask:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] (not written) -> a float32 copy whose constrained rows hold -inf at every
         token the grammar does not allow. Unconstrained rows are copied, never touched."""
-        from xgrammar import apply_token_bitmask_inplace  # a CPU kernel, or Triton/CUDA on GPU
+        from xgrammar import (
+            apply_token_bitmask_inplace,  # a CPU kernel, or Triton/CUDA on GPU
+        )
 
         out = logits.to(torch.float32, copy=True)  # [B, V] f32
         if len(self.rows) == out.shape[0]:
@@ -92,7 +116,7 @@ class StructuredOutputs:
         self._compiler: xgrammar.GrammarCompiler | None = None  # built on first compile, by a worker
         self._compiler_lock = threading.Lock()  # the first compiles may start on two workers at once
         # NOTE: a lambda, so that the compile step can be replaced on an instance (tests slow it down).
-        self._cache = GrammarCache(lambda grammar: self._compile_now(grammar), cache_bytes, compile_workers)
+        self._cache = GrammarCache(lambda spec: self._compile_now(spec), cache_bytes, compile_workers)
         self._used = False  # whether any grammar was asked for: stats() is None until then
         self._held: dict[str, Future[Any]] = {}  # request id -> the grammar it holds, from prepare to remove
         self._requests: dict[str, _Constrained] = {}
@@ -101,22 +125,27 @@ class StructuredOutputs:
 
     # ---- requests ------------------------------------------------------------------------------
     @staticmethod
-    def check(grammar: str) -> None:
-        """Raise ParamError unless `grammar` is valid EBNF (syntax and rule names; no tokenizer
-        needed, about a millisecond): lets a caller refuse a bad grammar before it is queued."""
+    def check(spec: StructuredOutput) -> None:
+        """Raise ParamError unless an ebnf spec's grammar or a regex spec's pattern is valid (no
+        tokenizer needed, about a millisecond): lets a caller refuse it before it is queued. The
+        other kinds come from the api, which checked their schemas."""
         import xgrammar
 
         try:
-            xgrammar.Grammar.from_ebnf(grammar)
+            if spec.kind == "ebnf":
+                xgrammar.Grammar.from_ebnf(spec.text)
+            elif spec.kind == "regex":
+                xgrammar.Grammar.from_regex(spec.text)
         except RuntimeError as e:
-            raise ParamError(f"invalid grammar: {str(e).splitlines()[-1][:300]}", "grammar") from None
+            raise ParamError(f"invalid {'grammar' if spec.kind == 'ebnf' else 'regex'}: {str(e).splitlines()[-1][:300]}",
+                             "grammar" if spec.kind == "ebnf" else "regex") from None
 
-    def add_request(self, request_id: str, grammar: str, stop_token_ids: Sequence[int]) -> None:
+    def add_request(self, request_id: str, spec: StructuredOutput, stop_token_ids: Sequence[int]) -> None:
         """The request starts running with the grammar `prepare` started for it (or starts it now,
         on the `default` key's turn, when nothing was prepared)."""
         assert request_id not in self._requests, f"request {request_id!r} is already constrained"
         assert stop_token_ids, f"{request_id}: a grammar needs a stop token to end on"
-        compiled = self._held.get(request_id) or self.prepare(grammar, "default", request_id)
+        compiled = self._held.get(request_id) or self.prepare(spec, "default", request_id)
         self._requests[request_id] = _Constrained(compiled, tuple(dict.fromkeys(stop_token_ids)))
 
     def remove_request(self, request_id: str) -> None:
@@ -173,22 +202,23 @@ class StructuredOutputs:
                 logger.error("%s: sampled token %d is not allowed by its grammar", request_id, token_id)
 
     # ---- internals ----------------------------------------------------------------------------
-    def prepare(self, grammar: str, key: str = "default", request_id: str | None = None) -> Future[Any]:
-        """Start compiling `grammar` on `key`'s turn (or find it compiled); done() tells when it is
+    def prepare(self, spec: StructuredOutput, key: str = "default", request_id: str | None = None) -> Future[Any]:
+        """Start compiling `spec`'s grammar on `key`'s turn (or find it compiled); done() tells when it is
         ready. With `request_id`, the request holds the grammar (from here through `add_request`)
         until `remove_request`; a compile no request holds any more before it starts is dropped.
 
         Called when a request arrives, so the engine can keep the request out of the batch until
         then: a new grammar (up to seconds) never stalls other users' steps."""
         self._used = True
-        future = self._cache.get(grammar, key, hold=request_id is not None)
+        future = self._cache.get(spec, key, hold=request_id is not None)
         if request_id is not None:
             assert request_id not in self._held, f"request {request_id!r} already holds a grammar"
             self._held[request_id] = future
         return future
 
-    def _compile_now(self, grammar: str) -> Any:
-        """On a worker thread: the compiler (built once, ~2 s for a 150k vocabulary) compiles."""
+    def _compile_now(self, spec: StructuredOutput) -> Any:
+        """On a worker thread: the compiler (built once, ~2 s for a 150k vocabulary) compiles
+        (which compiler for which kind: the module docstring)."""
         import xgrammar
 
         with self._compiler_lock:
@@ -202,7 +232,11 @@ class StructuredOutputs:
                 # One thread per compile: the machine's cores belong to the model. xgrammar's own
                 # cache is off (it would be a second, unmetered copy): GrammarCache keeps them.
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler.compile_grammar(grammar)
+        if spec.kind == "regex":
+            return self._compiler.compile_regex(spec.text)
+        from engine.grammars import ebnf
+
+        return self._compiler.compile_grammar(ebnf(spec))
 
     def _matcher(self, request_id: str, state: _Constrained) -> Any:
         if state.matcher is None and not state.failed:

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from scheduler.structured_output import StructuredOutput
+
 
 class ParamError(ValueError):
     """A user mistake in request parameters; api/ turns it into a 400 naming `param` (and `code`)."""
@@ -54,10 +56,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # EBNF (xgrammar's dialect) the output must match, e.g. api/tool_grammar.py's for tool_choice
-    # "required"; the request stops when it is complete (engine/structured.py). Kept out of the
-    # repr: a grammar for many tools runs to kilobytes.
-    grammar: str | None = field(default=None, repr=False)
+    # What the output must be (a JSON schema, forced tool calls, ...): engine/structured.py
+    # compiles it, and the request stops when it is complete.
+    structured: StructuredOutput | None = None
     # False: never draft tokens for this request (the per-request opt-out of speculative decoding).
     speculative: bool = True
 

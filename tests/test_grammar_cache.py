@@ -8,7 +8,6 @@ manager, and through the engine with its metrics."""
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -25,17 +24,20 @@ from engine.grammar_cache import GrammarCache
 from engine.offline import OfflineEngine
 from engine.structured import StructuredOutputs
 from scheduler.request import SamplingParams
+from scheduler.structured_output import StructuredOutput
 from tests.server_utils import metric
 
 WAIT_S = 120  # a bound on a wait that should end at once, not a timing assertion
 
 
-def enum_grammar(salt: str, n: int = 2000) -> str:
-    """EBNF for a JSON string out of `n` values (as a response_format enum becomes)."""
-    import xgrammar
+def literal(text: str) -> StructuredOutput:
+    """A grammar for exactly `text` (equal texts: equal specs, one cache entry)."""
+    return StructuredOutput.ebnf(f'root ::= "{text}"')
 
-    schema = {"type": "string", "enum": [f"{salt}-value-{i}" for i in range(n)]}
-    return str(xgrammar.Grammar.from_json_schema(json.dumps(schema)))
+
+def enum_grammar(salt: str, n: int = 2000) -> StructuredOutput:
+    """A JSON string out of `n` values (as a response_format enum becomes)."""
+    return StructuredOutput.json_schema({"type": "string", "enum": [f"{salt}-value-{i}" for i in range(n)]})
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +46,19 @@ def engine() -> OfflineEngine:
 
 
 @pytest.fixture(scope="module")
-def compile_fn(engine: OfflineEngine) -> Callable[[str], Any]:
+def compile_fn(engine: OfflineEngine) -> Callable[[StructuredOutput], Any]:
     """xgrammar's compiler for the demo's 151k-token vocabulary."""
     structured = StructuredOutputs(engine.tokenizer.hf, engine.core.model_config.vocab_size)
     return structured._compile_now
 
 
 @pytest.fixture(scope="module")
-def one_size(compile_fn: Callable[[str], Any]) -> int:
+def one_size(compile_fn: Callable[[StructuredOutput], Any]) -> int:
     return compile_fn(enum_grammar("probe")).memory_size_bytes
 
 
 def test_kept_bytes_stay_within_the_budget_and_the_oldest_grammars_leave(
-    compile_fn: Callable[[str], Any], one_size: int
+    compile_fn: Callable[[StructuredOutput], Any], one_size: int
 ) -> None:
     budget = int(2.5 * one_size)
     cache = GrammarCache(compile_fn, budget_bytes=budget)
@@ -76,7 +78,7 @@ def test_kept_bytes_stay_within_the_budget_and_the_oldest_grammars_leave(
     assert cache.stats().hits == 1 and cache.stats().misses == 7
 
 
-def test_a_grammar_larger_than_the_budget_is_served_but_not_kept(compile_fn: Callable[[str], Any], one_size: int) -> None:
+def test_a_grammar_larger_than_the_budget_is_served_but_not_kept(compile_fn: Callable[[StructuredOutput], Any], one_size: int) -> None:
     cache = GrammarCache(compile_fn, budget_bytes=one_size // 2)
     grammar = enum_grammar("huge")
     assert cache.get(grammar, "alice").result(timeout=WAIT_S).memory_size_bytes > one_size // 2
@@ -85,7 +87,7 @@ def test_a_grammar_larger_than_the_budget_is_served_but_not_kept(compile_fn: Cal
 
 
 def test_a_grammar_evicted_while_a_request_holds_it_counts_as_held_until_released(
-    compile_fn: Callable[[str], Any], one_size: int
+    compile_fn: Callable[[StructuredOutput], Any], one_size: int
 ) -> None:
     cache = GrammarCache(compile_fn, budget_bytes=int(1.5 * one_size))
     first = cache.get(enum_grammar("held-1"), "alice")
@@ -104,17 +106,17 @@ def test_a_grammar_evicted_while_a_request_holds_it_counts_as_held_until_release
 class GatedCompiles:
     """A compile function whose calls are recorded and, for gated grammars, held until released."""
 
-    def __init__(self, compile_fn: Callable[[str], Any]) -> None:
+    def __init__(self, compile_fn: Callable[[StructuredOutput], Any]) -> None:
         self.compile_fn = compile_fn
-        self.started: list[str] = []
-        self.gates: dict[str, threading.Event] = {}
-        self.running: dict[str, threading.Event] = {}
+        self.started: list[StructuredOutput] = []
+        self.gates: dict[StructuredOutput, threading.Event] = {}
+        self.running: dict[StructuredOutput, threading.Event] = {}
 
-    def gate(self, grammar: str) -> str:
+    def gate(self, grammar: StructuredOutput) -> StructuredOutput:
         self.gates[grammar], self.running[grammar] = threading.Event(), threading.Event()
         return grammar
 
-    def __call__(self, grammar: str) -> Any:
+    def __call__(self, grammar: StructuredOutput) -> Any:
         self.started.append(grammar)
         if grammar in self.gates:
             self.running[grammar].set()
@@ -122,13 +124,13 @@ class GatedCompiles:
         return self.compile_fn(grammar)
 
 
-def test_a_small_schema_of_another_key_is_ready_while_a_huge_one_compiles(compile_fn: Callable[[str], Any]) -> None:
+def test_a_small_schema_of_another_key_is_ready_while_a_huge_one_compiles(compile_fn: Callable[[StructuredOutput], Any]) -> None:
     gated = GatedCompiles(compile_fn)
     cache = GrammarCache(gated, budget_bytes=64 << 20)
     huge = cache.get(gated.gate(enum_grammar("huge-1")), "mallory")
     more = [cache.get(enum_grammar(f"huge-{i}"), "mallory") for i in (2, 3)]  # mallory's own wait behind it
     assert gated.running[enum_grammar("huge-1")].wait(WAIT_S)
-    small = cache.get('root ::= "ok"', "alice")
+    small = cache.get(literal("ok"), "alice")
     assert small.result(timeout=WAIT_S).memory_size_bytes > 0
     assert not huge.done() and not any(f.done() for f in more)
     assert cache.stats().num_queued == 2  # mallory compiles one grammar at a time
@@ -137,38 +139,37 @@ def test_a_small_schema_of_another_key_is_ready_while_a_huge_one_compiles(compil
         future.result(timeout=WAIT_S)
 
 
-def test_keys_take_turns_on_a_busy_pool(compile_fn: Callable[[str], Any]) -> None:
+def test_keys_take_turns_on_a_busy_pool(compile_fn: Callable[[StructuredOutput], Any]) -> None:
     gated = GatedCompiles(compile_fn)
     cache = GrammarCache(gated, budget_bytes=64 << 20, num_workers=1)
-    first = gated.gate('root ::= "a1"')
+    first = gated.gate(literal("a1"))
     futures = [cache.get(first, "a")]
     assert gated.running[first].wait(WAIT_S)
-    futures += [cache.get(g, k) for g, k in (('root ::= "a2"', "a"), ('root ::= "a3"', "a"), ('root ::= "b1"', "b"),
-                                            ('root ::= "c1"', "c"), ('root ::= "b2"', "b"))]
+    futures += [cache.get(literal(name), name[0]) for name in ("a2", "a3", "b1", "c1", "b2")]
     gated.gates[first].set()
     for future in futures:
         future.result(timeout=WAIT_S)
-    names = [re.search(r'"(\w+)"', g).group(1) for g in gated.started]
+    names = [re.search(r'"(\w+)"', g.text).group(1) for g in gated.started]
     assert names == ["a1", "b1", "c1", "a2", "b2", "a3"]
 
 
-def test_a_compile_nobody_waits_for_never_runs(engine: OfflineEngine, compile_fn: Callable[[str], Any]) -> None:
+def test_a_compile_nobody_waits_for_never_runs(engine: OfflineEngine, compile_fn: Callable[[StructuredOutput], Any]) -> None:
     structured = StructuredOutputs(engine.tokenizer.hf, engine.core.model_config.vocab_size, compile_workers=1)
     gated = GatedCompiles(compile_fn)
     structured._compile_now = gated  # type: ignore[method-assign]
-    busy = gated.gate('root ::= "busy"')
+    busy = gated.gate(literal("busy"))
     structured.prepare(busy, "a", "r1")
     assert gated.running[busy].wait(WAIT_S)
-    shared = structured.prepare('root ::= "shared"', "b", "r2")
-    assert structured.prepare('root ::= "shared"', "c", "r3") is shared  # one compile, two waiters
-    abandoned = structured.prepare('root ::= "abandoned"', "b", "r4")
+    shared = structured.prepare(literal("shared"), "b", "r2")
+    assert structured.prepare(literal("shared"), "c", "r3") is shared  # one compile, two waiters
+    abandoned = structured.prepare(literal("abandoned"), "b", "r4")
     structured.remove_request("r2")  # r3 still waits for "shared"
     structured.remove_request("r4")  # nobody waits for "abandoned" any more
     assert abandoned.cancelled() and not shared.cancelled()
     gated.gates[busy].set()
     shared.result(timeout=WAIT_S)
-    structured.add_request("r3", 'root ::= "shared"', [0])
-    assert 'root ::= "abandoned"' not in gated.started
+    structured.add_request("r3", literal("shared"), [0])
+    assert literal("abandoned") not in gated.started
     assert structured.stats().num_queued == 0
 
 
@@ -192,15 +193,15 @@ def test_in_the_engine_one_keys_huge_grammar_holds_up_only_its_own_requests(
     monkeypatch.setattr(structured, "_compile_now", gated)
     huge = gated.gate(enum_grammar("mallory"))
     prompt = engine.tokenizer.encode("Pick one", add_special_tokens=False)
-    mallory = add_for_key(engine, "mallory", prompt, SamplingParams(max_tokens=16, temperature=0.0, grammar=huge))
+    mallory = add_for_key(engine, "mallory", prompt, SamplingParams(max_tokens=16, temperature=0.0, structured=huge))
     assert gated.running[huge].wait(WAIT_S)
-    alice = add_for_key(engine, "alice", prompt, SamplingParams(max_tokens=8, temperature=0.0, grammar='root ::= "ok"'))
+    alice = add_for_key(engine, "alice", prompt, SamplingParams(max_tokens=8, temperature=0.0, structured=literal("ok")))
     finished: set[str] = set()
     deadline = time.monotonic() + WAIT_S
     while alice not in finished:
         assert time.monotonic() < deadline, "alice's small grammar waited behind mallory's huge one"
         finished |= {out.request_id for out in engine.step() if out.finish_reason is not None}
-    assert mallory not in finished and gated.started == [huge, 'root ::= "ok"']
+    assert mallory not in finished and gated.started == [huge, literal("ok")]
     gated.gates[huge].set()
     while engine.has_unfinished():
         engine.step()
@@ -217,7 +218,7 @@ def test_the_engine_keeps_its_grammars_within_the_budget_and_reports_it(
     monkeypatch.setattr(engine.core.runner, "structured", structured)
     prompt = engine.tokenizer.encode("Pick one", add_special_tokens=False)
     grammars = [enum_grammar(f"e{i}") for i in range(5)]
-    results = engine.generate([prompt] * 5, [SamplingParams(max_tokens=16, temperature=0.0, grammar=g) for g in grammars])
+    results = engine.generate([prompt] * 5, [SamplingParams(max_tokens=16, temperature=0.0, structured=g) for g in grammars])
     for i, result in enumerate(results):
         assert re.fullmatch(rf'"e{i}-value-\d+"', result.texts[0]), result.texts[0]
     stats = structured.stats()
@@ -233,6 +234,6 @@ def test_the_engine_keeps_its_grammars_within_the_budget_and_reports_it(
 def test_stats_are_none_until_a_grammar_is_asked_for(engine: OfflineEngine) -> None:
     structured = StructuredOutputs(engine.tokenizer.hf, engine.core.model_config.vocab_size)
     assert structured.stats() is None
-    future: Future[Any] = structured.prepare('root ::= "x"')
+    future: Future[Any] = structured.prepare(literal("x"))
     future.result(timeout=WAIT_S)
     assert structured.stats() is not None and structured.stats().misses == 1

@@ -9,6 +9,7 @@ import pytest
 from engine.errors import CONTEXT_LENGTH_EXCEEDED, ContextLengthError
 from engine.input_processor import InputProcessor, MaxTokens, MaxTokensPolicy, child_request_id, resolve_max_tokens
 from scheduler.request import ParamError, SamplingParams
+from scheduler.structured_output import StructuredOutput
 
 VOCAB = 24
 
@@ -26,7 +27,8 @@ def processor(max_model_len: int = 32, policy: MaxTokensPolicy = "reject") -> In
         ([1, 2], {"stop_token_ids": (1, VOCAB)}, "stop_token_ids"),
         ([1, VOCAB], {}, "prompt"),
         ([1, -1], {}, "prompt"),
-        ([1, 2], {"grammar": "root ::= undefined_rule"}, "grammar"),
+        ([1, 2], {"structured": StructuredOutput.ebnf("root ::= undefined_rule")}, "grammar"),
+        ([1, 2], {"structured": StructuredOutput.regex("(unclosed")}, "regex"),
         (list(range(20)) * 2, {}, "prompt"),
         ([1] * 20, {"max_tokens": 13}, "max_tokens"),
         ([], {}, "prompt"),

@@ -24,11 +24,17 @@ from pydantic import BaseModel, Field
 from api.app import ServerConfig
 from api.errors import APIError
 from api.models import ChatCompletionRequest, CompletionRequestModel
-from api.response_format import ResponseFormat, parse_response_format, response_format_grammar
-from api.schema_grammar import MAX_STRING_LENGTH_BOUND
+from api.response_format import (
+    ResponseFormat,
+    parse_response_format,
+    response_format_spec,
+)
 from api.validation import validate
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_NAME
+from engine.grammars import ebnf
+from engine.grammars.schema import MAX_STRING_LENGTH_BOUND
+from scheduler.structured_output import Reasoning
 from tests.server_utils import InProcessServer, in_process_server
 
 # generation_config vllm: the sampling these tests' seeds and biases were chosen under, not the demo
@@ -113,7 +119,8 @@ def accepts() -> Accepts:
 def grammar_of(raw: dict[str, Any], reasoning: bool = False, starts_in_reasoning: bool = False) -> str:
     fmt = parse_response_format(raw)
     assert fmt is not None
-    return response_format_grammar(fmt, reasoning, starts_in_reasoning)
+    mode = Reasoning.OPEN if starts_in_reasoning else Reasoning.OPTIONAL if reasoning else Reasoning.NONE
+    return ebnf(response_format_spec(fmt, mode))
 
 
 OBJECTS = ["{}", '{"a": [1, {"b": null}], "c": "d\\n\\u00e9"}', json.dumps({"x": {"y": [True]}})]
@@ -369,9 +376,11 @@ def test_the_sdk_parse_helper_returns_the_pydantic_object(client: openai.OpenAI,
 
 def test_with_reasoning_a_think_block_comes_first_and_the_content_is_the_json(client: openai.OpenAI) -> None:
     # <think> is nudged so that the model opens a block, </think> more so that it closes it soon.
+    # NOTE: top_p and top_k off: the demo checkpoint's generation_config.json (Qwen3's top_k 20,
+    # top_p 0.95) would otherwise keep only the two nudged tokens, and no block would hold text.
     completion = client.chat.completions.create(
-        model=DEMO_MODEL_NAME, messages=MESSAGES, max_tokens=300, temperature=1.0, seed=4, n=3,
-        response_format=json_schema(MODE), logit_bias=THINK_BIAS, extra_body={"return_token_ids": True},
+        model=DEMO_MODEL_NAME, messages=MESSAGES, max_tokens=300, temperature=1.0, top_p=1.0, seed=4, n=3,
+        response_format=json_schema(MODE), logit_bias=THINK_BIAS, extra_body={"return_token_ids": True, "top_k": -1},
     )
     for choice in completion.choices:
         token_ids = choice.model_extra["token_ids"]

@@ -196,7 +196,8 @@ def test_a_request_naming_two_keys_is_refused_everywhere_a_key_is_read(server: R
 # ---- the grammar budget, as /metrics reports it --------------------------------------------------
 def test_compiled_grammars_stay_within_the_budget_across_keys(server: RunningServer) -> None:
     def pick(key: str, salt: str) -> httpx.Response:
-        schema = {"type": "object", "properties": {"v": {"enum": [f"{salt}-{i}" for i in range(1500)]}},
+        # ~340 KiB compiled each (xgrammar's size, the Qwen vocabulary): three fit the 1 MiB budget, six do not.
+        schema = {"type": "object", "properties": {"v": {"enum": [f"{salt}-{i}" for i in range(4000)]}},
                   "required": ["v"]}
         return httpx.post(server.url("/v1/chat/completions"), headers={"Authorization": f"Bearer {key}"}, timeout=120,
                           json={"model": MODEL, "messages": [{"role": "user", "content": "pick"}], "max_tokens": 24,

@@ -19,6 +19,7 @@ from engine.sampler import Sampler
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.rejection import verify
 from scheduler.request import SamplingParams
+from scheduler.structured_output import StructuredOutput
 from tests.factories import make_hybrid_checkpoint
 
 
@@ -250,7 +251,7 @@ def test_constrained_requests_keep_their_output(sampling: dict[str, Any]) -> Non
     config = dict(kv_cache_memory="512KiB", block_size=16, dtype="float32")
     ref_engine = OfflineEngine.from_config(EngineConfig(**config))
     ps = [ref_engine.tokenizer.encode(t, add_special_tokens=False) for t in ("Hello there", "Write a number")]
-    params = [SamplingParams(max_tokens=40, grammar=g, **sampling) for g in grammars]
+    params = [SamplingParams(max_tokens=40, structured=StructuredOutput.ebnf(g), **sampling) for g in grammars]
     ref = ref_engine.generate(ps, params)
     engine = OfflineEngine.from_config(EngineConfig(**config, speculative_method="ngram", speculative_max_batch=8))
     steps = record_steps(engine)

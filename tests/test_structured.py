@@ -7,6 +7,7 @@ mask applied to logits against a plain-torch reference."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -17,6 +18,7 @@ from engine.config import EngineConfig
 from engine.offline import OfflineEngine, OfflineResult
 from engine.structured import GrammarMask, StructuredOutputs, bitmask_words
 from scheduler.request import ParamError, SamplingParams
+from scheduler.structured_output import StructuredOutput
 
 # 8 pages of 16 tokens (the demo's float32 KV is 4 KiB a token): small enough to preempt.
 ENGINE = EngineConfig(kv_cache_memory="512KiB", block_size=16, dtype="float32")
@@ -55,7 +57,7 @@ def run(engine: OfflineEngine, requests: list[tuple[str, SamplingParams]]) -> li
 def test_output_matches_the_grammar_and_stops_when_it_is_complete(
     engine: OfflineEngine, grammar: str, pattern: str, sampling: dict[str, Any]
 ) -> None:
-    [result] = run(engine, [(PROMPTS[0], SamplingParams(max_tokens=40, grammar=grammar, **sampling))])
+    [result] = run(engine, [(PROMPTS[0], SamplingParams(max_tokens=40, structured=StructuredOutput.ebnf(grammar), **sampling))])
     assert re.fullmatch(pattern, result.texts[0]), result.texts[0]
     assert result.finish_reasons == ["stop"]
     *body, last = result.token_ids[0]
@@ -72,7 +74,7 @@ def test_the_same_request_unconstrained_does_not_match(engine: OfflineEngine) ->
 def test_unconstrained_requests_in_the_batch_sample_what_they_sample_alone(engine: OfflineEngine) -> None:
     greedy = SamplingParams(max_tokens=10, temperature=0.0)
     seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=3)
-    constrained = SamplingParams(max_tokens=30, temperature=0.0, grammar=GRAMMARS["json"][0])
+    constrained = SamplingParams(max_tokens=30, temperature=0.0, structured=StructuredOutput.ebnf(GRAMMARS["json"][0]))
     alone = [run(engine, [(PROMPTS[1], greedy)])[0], run(engine, [(PROMPTS[2], seeded)])[0],
              run(engine, [(PROMPTS[3], constrained)])[0]]
     together = run(engine, [(PROMPTS[3], constrained), (PROMPTS[1], greedy), (PROMPTS[2], seeded)])
@@ -82,14 +84,14 @@ def test_unconstrained_requests_in_the_batch_sample_what_they_sample_alone(engin
 
 
 def test_max_tokens_cuts_a_grammar_short_with_length(engine: OfflineEngine) -> None:
-    [result] = run(engine, [(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.0, grammar=GRAMMARS["literal"][0]))])
+    [result] = run(engine, [(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.0, structured=StructuredOutput.ebnf(GRAMMARS["literal"][0])))])
     assert result.finish_reasons == ["length"]
     assert len(result.token_ids[0]) == 2
     assert "Hello, world!".startswith(result.texts[0]) and result.texts[0] != "Hello, world!"
 
 
 def test_min_tokens_past_the_grammars_end_is_filled_with_stop_tokens(engine: OfflineEngine) -> None:
-    params = SamplingParams(max_tokens=20, min_tokens=8, temperature=1.0, seed=5, grammar='root ::= "Hi"')
+    params = SamplingParams(max_tokens=20, min_tokens=8, temperature=1.0, seed=5, structured=StructuredOutput.ebnf('root ::= "Hi"'))
     [result] = run(engine, [(PROMPTS[0], params)])
     ids, stops = result.token_ids[0], set(engine.tokenizer.eos_token_ids)
     first_stop = next(i for i, t in enumerate(ids) if t in stops)
@@ -100,7 +102,7 @@ def test_min_tokens_past_the_grammars_end_is_filled_with_stop_tokens(engine: Off
 
 def test_a_preempted_request_resumes_inside_its_grammar(engine: OfflineEngine) -> None:
     grammar = 'root ::= "n=" [0-9]{40}'
-    params = SamplingParams(max_tokens=50, temperature=0.0, grammar=grammar)
+    params = SamplingParams(max_tokens=50, temperature=0.0, structured=StructuredOutput.ebnf(grammar))
     prompts = PROMPTS[:3]
     alone = [run(engine, [(p, params)])[0].token_ids for p in prompts]
     before = engine.core.scheduler.stats().num_preemptions
@@ -111,7 +113,7 @@ def test_a_preempted_request_resumes_inside_its_grammar(engine: OfflineEngine) -
 
 
 def test_an_invalid_grammar_is_refused_before_it_is_queued(engine: OfflineEngine) -> None:
-    broken = SamplingParams(max_tokens=8, temperature=0.0, grammar="root ::= undefined_rule")
+    broken = SamplingParams(max_tokens=8, temperature=0.0, structured=StructuredOutput.ebnf("root ::= undefined_rule"))
     with pytest.raises(ParamError) as e:
         engine.add_request(PROMPTS[0], broken)
     assert e.value.param == "grammar"
@@ -125,7 +127,7 @@ def test_a_grammar_that_does_not_compile_ends_only_its_own_request(
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     alone = run(engine, [(PROMPTS[1], greedy)])[0]
     monkeypatch.setattr(StructuredOutputs, "check", staticmethod(lambda grammar: None))
-    broken = SamplingParams(max_tokens=8, temperature=0.0, grammar="root ::= undefined_rule")
+    broken = SamplingParams(max_tokens=8, temperature=0.0, structured=StructuredOutput.ebnf("root ::= undefined_rule"))
     together = run(engine, [(PROMPTS[0], broken), (PROMPTS[1], greedy)])
     assert together[0].texts == [""] and together[0].finish_reasons == ["stop"]
     assert together[1].token_ids == alone.token_ids
@@ -135,11 +137,39 @@ def test_a_grammar_that_does_not_compile_ends_only_its_own_request(
                                                 ('root ::= "unclosed', False)])
 def test_check_refuses_invalid_grammars_with_a_param_error(grammar: str, valid: bool) -> None:
     if valid:
-        StructuredOutputs.check(grammar)
+        StructuredOutputs.check(StructuredOutput.ebnf(grammar))
         return
     with pytest.raises(ParamError) as e:
-        StructuredOutputs.check(grammar)
+        StructuredOutputs.check(StructuredOutput.ebnf(grammar))
     assert e.value.param == "grammar" and e.value.message.startswith("invalid grammar")
+
+
+@pytest.mark.parametrize("sampling", [SAMPLING["greedy"], SAMPLING["seeded"]], ids=["greedy", "seeded"])
+def test_a_regex_spec_is_compiled_by_xgrammar_and_binds_the_output(engine: OfflineEngine, sampling: dict[str, Any]) -> None:
+    pattern = r"(yes|no), [1-9][0-9]{0,2}!"
+    [result] = run(engine, [(PROMPTS[0], SamplingParams(max_tokens=20, structured=StructuredOutput.regex(pattern), **sampling))])
+    assert re.fullmatch(pattern, result.texts[0]) and result.finish_reasons == ["stop"], result.texts[0]
+
+
+def test_an_invalid_regex_is_refused_with_a_param_error() -> None:
+    with pytest.raises(ParamError) as e:
+        StructuredOutputs.check(StructuredOutput.regex("(unclosed"))
+    assert e.value.param == "regex" and e.value.message.startswith("invalid regex")
+
+
+def test_equal_specs_share_one_compile_and_different_ones_do_not(engine: OfflineEngine) -> None:
+    """The cache keys on the spec: a schema sent again (a new dict, the same JSON) is a hit."""
+    structured = StructuredOutputs(engine.tokenizer.hf, engine.core.model_config.vocab_size)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    first = structured.prepare(StructuredOutput.json_schema(schema), "a", "r1")
+    again = structured.prepare(StructuredOutput.json_schema(json.loads(json.dumps(schema))), "b", "r2")
+    optional = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    other = structured.prepare(StructuredOutput.json_schema(optional), "a", "r3")
+    assert again is first and other is not first
+    stats = structured.stats()
+    assert stats is not None and (stats.hits, stats.misses) == (1, 2)
+    for request_id in ("r1", "r2", "r3"):
+        structured.remove_request(request_id)
 
 
 # ---- the pieces ---------------------------------------------------------------------------------------------
@@ -152,7 +182,7 @@ def test_a_completed_grammar_allows_only_the_stop_tokens_then_terminates(engine:
     vocab_size = engine.core.model_config.vocab_size
     structured = StructuredOutputs(engine.tokenizer.hf, vocab_size)
     stops = (151645, 151643)
-    structured.add_request("r", 'root ::= "Hi there"', stops)
+    structured.add_request("r", StructuredOutput.ebnf('root ::= "Hi there"'), stops)
     cpu = torch.device("cpu")
     for token_id in encode(engine, "Hi there"):
         mask = structured.mask(["free", "r"], cpu)
@@ -208,7 +238,7 @@ def test_a_grammar_still_compiling_never_stalls_other_requests(
 
     monkeypatch.setattr(structured, "_compile_now", slow_compile)
     slow = engine.add_request(engine.tokenizer.encode(PROMPTS[0]),
-                              SamplingParams(max_tokens=4, temperature=0.0, grammar='root ::= "ok" [0-9]'))
+                              SamplingParams(max_tokens=4, temperature=0.0, structured=StructuredOutput.ebnf('root ::= "ok" [0-9]')))
     other = engine.add_request(engine.tokenizer.encode(PROMPTS[1]), SamplingParams(max_tokens=4, temperature=0.0))
     finished: dict[str, float] = {}
     deadline = time.monotonic() + 60

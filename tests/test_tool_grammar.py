@@ -1,4 +1,4 @@
-"""The tool_choice grammars (api/tool_grammar.py, api/schema_grammar.py) checked by xgrammar's own
+"""The tool_choice grammars (api/tool_grammar.py's spec, engine/grammars/) checked by xgrammar's own
 matcher: they accept the tool-call texts Qwen3 / Qwen3-Coder write (the chat template's own
 rendering included) and the parsers read those back to the same calls; they refuse wrong names,
 missing or undeclared arguments, wrong types, stray text, and a second call when only one is
@@ -16,8 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from api.parsers import parse_text
-from api.schema_grammar import Rules, SchemaGrammar
-from api.tool_grammar import tool_call_grammar
+from api.tool_grammar import tool_call_spec
+from engine.grammars import ebnf
+from engine.grammars.schema import Rules, SchemaGrammar
+from scheduler.structured_output import Reasoning
 
 WEATHER = {
     "type": "function",
@@ -67,6 +69,14 @@ def json_call(name: str, arguments: Any, separators: tuple[str, str] = (", ", ":
 def xml_call(name: str, values: dict[str, str]) -> str:
     params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def tool_call_grammar(tools: Any, tool_choice: Any, tool_parser: str | None, reasoning: bool, *,
+                      starts_in_reasoning: bool = False, parallel_tool_calls: bool = True) -> str | None:
+    """The api's spec for tool_choice, as the engine's grammar text (None: nothing enforced)."""
+    mode = Reasoning.OPEN if starts_in_reasoning else Reasoning.OPTIONAL if reasoning else Reasoning.NONE
+    spec = tool_call_spec(tools, tool_choice, tool_parser, mode, parallel_tool_calls=parallel_tool_calls)
+    return None if spec is None else ebnf(spec)
 
 
 def grammar(fmt: str, tool_choice: Any = "required", reasoning: bool = False, **kwargs: Any) -> str:

@@ -5,8 +5,8 @@ of a model answer, then <|im_end|>), so each test knows exactly what the model "
 stream helper must end with the right calls and typed arguments, reasoning beside them, indices 0
 and 1 for parallel calls, and finish_reason "tool_calls" — or "length" when max_tokens cuts a call.
 
-The last tests drive the unscripted random model with tool_choice "required" / a named function;
-they need api/ to pass `tool_call_grammar(...)` into SamplingParams and are skipped until it does.
+The last tests drive the unscripted random model with tool_choice "required" / a named function,
+which the engine enforces (a tool_calls `StructuredOutput`, engine/grammars/tools.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """JSON values that fit a JSON schema, as EBNF in xgrammar's dialect: `SchemaGrammar` turns one
-schema into rules of a `Rules` set (shared JSON rules, unique names, reuse of equal bodies). Plain
-text, no grammar engine: api/tool_grammar.py builds tool-call grammars from it."""
+schema into rules of a `Rules` set (shared JSON rules, unique names, reuse of equal bodies), and
+`Rules.with_reasoning` puts a think block before them. Plain text: engine/grammars/tools.py builds
+tool-call grammars from it, engine/structured.py compiles the result (why these rules and not
+xgrammar's own converter: its docstring)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import json
 import re
 from typing import Any
 
-from api.parsers.reasoning import THINK_CLOSE, THINK_OPEN
+from scheduler.structured_output import Reasoning, ThinkTags
 
 # Schemas nested deeper than this take any JSON value there (bounds the grammar's size).
 MAX_SCHEMA_DEPTH = 24
@@ -255,17 +257,18 @@ class Rules:
         excludes = ", ".join(literal(s) for s in stops)
         return self.add(hint, f"TagDispatch(loop_after_dispatch=false, excludes=({excludes}))")
 
-    def with_reasoning(self, body: str, reasoning: bool, starts_in_reasoning: bool, blank_first: bool = False) -> str:
-        """The whole grammar: `body`, after a `<think>...</think>` block that the output must
-        close first (the prompt left it open) or may open itself (`reasoning`). `blank_first`:
-        whitespace may also lead when there is no think block."""
+    def with_reasoning(self, body: str, reasoning: Reasoning, think: ThinkTags, blank_first: bool = False) -> str:
+        """The whole grammar: `body`, after a think block that the output must close first
+        (Reasoning.OPEN: the prompt left it open) or may open itself (Reasoning.OPTIONAL).
+        `blank_first`: whitespace may also lead when there is no think block."""
         blank = self.base("blank")
-        if starts_in_reasoning:
-            think = self.text_without((THINK_CLOSE,), "think")
-            return self.grammar(f'{think} "{THINK_CLOSE}" {blank} {body}')
-        if reasoning:
-            think = self.text_without((THINK_CLOSE,), "think")
-            return self.grammar(f'{blank} ( "{THINK_OPEN}" {think} "{THINK_CLOSE}" {blank} )? {body}')
+        opening, closing = literal(think.open), literal(think.close)
+        if reasoning is Reasoning.OPEN:
+            inside = self.text_without((think.close,), "think")
+            return self.grammar(f"{inside} {closing} {blank} {body}")
+        if reasoning is Reasoning.OPTIONAL:
+            inside = self.text_without((think.close,), "think")
+            return self.grammar(f"{blank} ( {opening} {inside} {closing} {blank} )? {body}")
         return self.grammar(f"{blank} {body}" if blank_first else body)
 
     def grammar(self, root: str) -> str:

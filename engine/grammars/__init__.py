@@ -1,0 +1,29 @@
+"""Our own EBNF rules for the structured outputs whose guarantees xgrammar's converters do not give
+(engine/structured.py says which and why): JSON values of a schema (schema.py) and forced tool
+calls (tools.py). `ebnf` is the one entry: a spec in, grammar text out."""
+
+from __future__ import annotations
+
+import json
+
+from engine.grammars.schema import Rules, SchemaGrammar
+from engine.grammars.tools import tool_call_grammar
+from scheduler.structured_output import StructuredOutput
+
+
+def ebnf(spec: StructuredOutput) -> str:
+    """The grammar text of a json_object, json_schema, tool_calls or ebnf spec (regex has none:
+    xgrammar compiles the pattern itself)."""
+    if spec.kind == "ebnf":
+        return spec.text
+    if spec.kind == "tool_calls":
+        return tool_call_grammar(spec)
+    rules = Rules()
+    if spec.kind == "json_object":
+        value = rules.base("json_object")
+    elif spec.kind == "json_schema":
+        schema = json.loads(spec.text)
+        value = SchemaGrammar(rules, schema).value(schema if isinstance(schema, dict) else {}, 0)
+    else:
+        raise ValueError(f"no EBNF for a {spec.kind} spec")
+    return rules.with_reasoning(value, spec.reasoning, spec.think)
