@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import ast
 import io
+import json
 import re
+import shutil
 import subprocess
 import sys
 import tokenize
@@ -340,6 +342,14 @@ def _renamed_module(name: str, renames: Renames) -> str | None:
     return None
 
 
+def _segment(lines: list[str], start: int, col: int, end: int, end_col: int) -> str:
+    """The source of a node, from ast's positions (columns count UTF-8 bytes)."""
+    raw = [line.encode("utf-8") for line in lines[start - 1:end]]
+    if len(raw) == 1:
+        return raw[0][col:end_col].decode("utf-8")
+    return (raw[0][col:] + b"".join(raw[1:-1]) + raw[-1][:end_col]).decode("utf-8")
+
+
 def rewrite_imports(source: str, renames: Renames) -> str:
     """Python code: `import engine.x[ as y]`, `from engine.x import ...`, `from engine import x, gguf as g`
     (one statement per new package, the local names kept: `import nvfp4 as quantization` where the
@@ -350,18 +360,14 @@ def rewrite_imports(source: str, renames: Renames) -> str:
         return source
     plain = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
              for a in node.names if a.asname is None and _renamed_module(a.name, renames)}
+    dotted = renames.dotted_pattern()
+    segments = source.splitlines(keepends=True)
     edits: list[tuple[int, int, int, int, str]] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            if any(_renamed_module(a.name, renames) for a in node.names):
-                names = [(_renamed_module(a.name, renames) or a.name) + (f" as {a.asname}" if a.asname else "")
-                         for a in node.names]
-                edits.append((node.lineno, node.col_offset, node.end_lineno, node.end_col_offset,
-                              "import " + ", ".join(names)))
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+        span = (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset) if isinstance(node, ast.stmt) else None
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module and any(
+                f"{_renamed_module(node.module, renames) or node.module}.{a.name}" in renames.modules for a in node.names):
             module = _renamed_module(node.module, renames) or node.module
-            if module == node.module and not any(f"{module}.{a.name}" in renames.modules for a in node.names):
-                continue
             groups: dict[str, list[str]] = {}
             for alias in node.names:
                 new = renames.modules.get(f"{module}.{alias.name}")
@@ -369,8 +375,15 @@ def rewrite_imports(source: str, renames: Renames) -> str:
                 local = alias.asname or alias.name
                 groups.setdefault(package, []).append(leaf if local == leaf else f"{leaf} as {local}")
             indent = " " * node.col_offset
-            text = f"\n{indent}".join(f"from {package} import {', '.join(names)}" for package, names in groups.items())
-            edits.append((node.lineno, node.col_offset, node.end_lineno, node.end_col_offset, text))
+            edits.append((*span, f"\n{indent}".join(f"from {package} import {', '.join(names)}"
+                                                     for package, names in groups.items())))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and dotted is not None:
+            # Only module names stand in an import statement: rename them where they are written, so a
+            # parenthesised list keeps its lines.
+            text = _segment(segments, *span)
+            new_text = dotted.sub(lambda m: renames.modules[m.group(1)], text)
+            if new_text != text:
+                edits.append((*span, new_text))
         elif isinstance(node, ast.Attribute) and plain and node.lineno == node.end_lineno:
             name = _dotted(node)
             if name in renames.modules and any(p == name or p.startswith(name + ".") for p in plain):
@@ -444,9 +457,39 @@ def apply(p: Plan, root: Path = ROOT) -> list[str]:
         init.write_text(f'"""{NEW_PACKAGES[folder]}"""\n', encoding="utf-8")
         _git(root, "add", str(init.relative_to(root)))
     renames = Renames.of(p.moves)
+    sorted_before = _imports_sorted(root, [rel for rel in _tracked(root) if rel.endswith(".py")])
     changed = [rel for rel in _tracked(root) if is_text(rel) and rewrite_file(root / rel, renames)]
+    _sort_imports(root, [rel for rel in changed if rel in sorted_before])
     _git(root, "add", "-u")
     return changed
+
+
+def _ruff() -> str | None:
+    beside = Path(sys.executable).parent / "ruff"
+    return str(beside) if beside.exists() else shutil.which("ruff")
+
+
+RUFF_ISORT = ("check", "--select", "I", "--line-length", "120", "--no-cache", "--quiet")
+
+
+def _imports_sorted(root: Path, files: list[str]) -> set[str]:
+    """The files whose imports ruff's isort finds in order now (empty without ruff): only their order
+    is mended after the rewrite, so a file sorted otherwise on purpose keeps its order."""
+    ruff = _ruff()
+    if ruff is None or not files:
+        return set()
+    done = subprocess.run([ruff, *RUFF_ISORT, "--output-format", "json", *files], cwd=root, capture_output=True,
+                          text=True)
+    unsorted = {str(Path(item["filename"]).resolve().relative_to(root.resolve())) for item in json.loads(done.stdout or "[]")}
+    return set(files) - unsorted
+
+
+def _sort_imports(root: Path, files: list[str]) -> None:
+    ruff = _ruff()
+    if ruff is None:
+        print("ruff not found: the rewritten imports keep their places (not re-sorted)")
+    elif files:
+        subprocess.run([ruff, *RUFF_ISORT, "--fix", *files], cwd=root, check=False)
 
 
 def report(p: Plan) -> None:
