@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import io
 import json
 import re
@@ -266,7 +267,8 @@ class Renames:
     def of(moves: dict[str, str]) -> Renames:
         return Renames({module_of(old): module_of(new) for old, new in moves.items()}, dict(moves))
 
-    def dotted_pattern(self) -> re.Pattern[str] | None:
+    @functools.cached_property
+    def dotted_re(self) -> re.Pattern[str] | None:
         if not self.modules:
             return None
         new_names = set(self.modules.values())
@@ -278,7 +280,8 @@ class Renames:
             parts.append(re.escape(old) + guard)
         return re.compile(r"(?<![\w.])(" + "|".join(parts) + r")(?![\w])")
 
-    def path_pattern(self) -> re.Pattern[str] | None:
+    @functools.cached_property
+    def path_re(self) -> re.Pattern[str] | None:
         if not self.paths:
             return None
         names = "|".join(re.escape(old) for old in sorted(self.paths, key=len, reverse=True))
@@ -287,10 +290,10 @@ class Renames:
 
 def rewrite_text(text: str, renames: Renames) -> str:
     """Dotted module names (imports, `python -m`, mock targets, prose) and file paths, old to new."""
-    dotted = renames.dotted_pattern()
+    dotted = renames.dotted_re
     if dotted is not None:
         text = dotted.sub(lambda m: renames.modules[m.group(1)], text)
-    paths = renames.path_pattern()
+    paths = renames.path_re
     if paths is not None:
         text = paths.sub(lambda m: renames.paths[m.group(1)], text)
     return text
@@ -360,7 +363,7 @@ def rewrite_imports(source: str, renames: Renames) -> str:
         return source
     plain = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
              for a in node.names if a.asname is None and _renamed_module(a.name, renames)}
-    dotted = renames.dotted_pattern()
+    dotted = renames.dotted_re
     segments = source.splitlines(keepends=True)
     edits: list[tuple[int, int, int, int, str]] = []
     for node in ast.walk(tree):
@@ -527,8 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in leftovers(ROOT, Renames.of({**p.moves, **{old: MOVES[old] for old in p.done}})):
         print(f"check by hand: {line}")
     final = plan()
-    over = [folder for folder, (_, now) in final.counts.items() if now > MAX_TOP]
-    return 1 if over else 0
+    print("Python files at each folder's top level now:")
+    for folder, (_, now) in final.counts.items():
+        print(f"  {folder + '/':32} {now:3}{'   OVER ' + str(MAX_TOP) if now > MAX_TOP else ''}")
+    return 1 if final.over() else 0
 
 
 if __name__ == "__main__":
