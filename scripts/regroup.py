@@ -8,6 +8,7 @@ moved) when a folder would hold more than MAX_TOP Python files at its top level.
 
     python scripts/regroup.py --check   # print the plan and the folder counts; change nothing
     python scripts/regroup.py           # git mv, write the new packages' __init__.py, rewrite
+    python scripts/regroup.py --rewrite # later: a branch merged after the regroup still names old modules
 """
 
 from __future__ import annotations
@@ -513,12 +514,29 @@ def report(p: Plan) -> None:
         print(f"  {folder + '/':32} {before:3} -> {after:3}{'   OVER ' + str(MAX_TOP) if after > MAX_TOP else ''}")
 
 
+def rewrite_late(p: Plan, root: Path = ROOT) -> int:
+    """References to modules moved earlier. An old name that is now a package's (api.responses, the
+    old chat pieces, now the Responses API's folder) cannot be told apart: it is listed, not rewritten."""
+    packages = {folder.replace("/", ".") for folder in NEW_PACKAGES}
+    moved = {old: MOVES[old] for old in p.done if module_of(old) not in packages}
+    for old in sorted(set(p.done) - set(moved)):
+        print(f"check by hand: {module_of(old)} (now {module_of(MOVES[old])}) is also a package's name now")
+    renames = Renames.of(moved)
+    changed = [rel for rel in _tracked(root) if is_text(rel) and rewrite_file(root / rel, renames)]
+    print(f"rewrote {len(changed)} files: {' '.join(changed)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="print the plan and the folder counts; change nothing")
+    parser.add_argument("--rewrite", action="store_true",
+                        help="after a branch merged past the regroup: rewrite its references to modules already moved")
     args = parser.parse_args(argv)
     p = plan()
     report(p)
+    if args.rewrite:
+        return rewrite_late(p)
     if p.over() or p.clashes:
         print(f"refused: {', '.join(p.over()) or 'clashes'} (over {MAX_TOP} files, or a clash); nothing moved",
               file=sys.stderr)

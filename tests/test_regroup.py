@@ -135,3 +135,14 @@ def test_a_scratch_repository_regroups_and_imports(scratch: Path) -> None:
     assert done.stdout.strip() == "('weight',) {'chatcmpl': 1}", done.stderr
     again = regroup.plan(scratch)
     assert again.moves == {} and "engine/loader.py" in again.done
+
+
+def test_a_branch_merged_after_the_regroup_gets_its_old_names_rewritten(scratch: Path) -> None:
+    regroup.apply(regroup.plan(scratch), scratch)
+    late = "from engine.quantization import LINEAR_SUFFIXES\nfrom api.responses import ID\n"
+    (scratch / "engine/late.py").write_text(late)
+    _git(scratch, "add", "engine/late.py")
+    regroup.rewrite_late(regroup.plan(scratch), scratch)
+    # api.responses names the Responses API's package now: left for a person, and listed.
+    assert (scratch / "engine/late.py").read_text() == (
+        "from engine.weights.formats.nvfp4 import LINEAR_SUFFIXES\nfrom api.responses import ID\n")
