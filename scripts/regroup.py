@@ -137,6 +137,7 @@ MOVES: dict[str, str] = {
     "api/completions.py": "api/openai/completions.py",
     "api/responses.py": "api/openai/shared.py",
     "api/tokenize.py": "api/openai/tokenize.py",
+    "api/openai_stream.py": "api/openai/stream.py",
     # api/responses/: the Responses API
     "api/responses_request.py": "api/responses/request.py",
     "api/responses_output.py": "api/responses/output.py",
@@ -148,7 +149,6 @@ MOVES: dict[str, str] = {
     "api/anthropic_routes.py": "api/anthropic/routes.py",
     # api/grammars/
     "api/tool_grammar.py": "api/grammars/tool_grammar.py",
-    "api/schema_grammar.py": "api/grammars/schema_grammar.py",
     "api/response_format.py": "api/grammars/response_format.py",
     # api/access/
     "api/keys.py": "api/access/keys.py",
