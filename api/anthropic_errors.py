@@ -2,7 +2,7 @@
 /v1/messages routes. Every error those paths can answer takes it: the app's exception handlers
 (api/errors.py: validation 400, unknown model 404, 405, 408, body too large 413, a full queue 503,
 a dead engine, a deadline 504, an unexpected 500) and the key middleware's 401 and 429
-(api/keys.py) build the OpenAI body first and `to_anthropic` re-shapes it here, keeping the
+(api/access/keys.py) build the OpenAI body first and `to_anthropic` re-shapes it here, keeping the
 status and headers (Retry-After, x-ratelimit-*). The Anthropic SDK picks its exception class from
 the status (429 RateLimitError, 503 ServiceUnavailableError, ...) and reads `error.type`."""
 

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
-from api.keys import KeyMiddleware
+from api.access.keys import KeyMiddleware
 from api.errors import (
     APIError,
     handle_api_error,
@@ -27,15 +27,15 @@ from api.errors import (
     handle_unexpected,
 )
 from api.http import ClientDisconnected
-from api.inflight import InFlightMiddleware
-from api.request_log import RequestLogMiddleware
-from api.anthropic_routes import MESSAGES_ROUTES
-from api.responses_routes import RESPONSES_ROUTES
-from api.framing import FramingMiddleware
-from api.key_metrics import key_metrics_routes
+from api.transport.inflight import InFlightMiddleware
+from api.access.request_log import RequestLogMiddleware
+from api.anthropic.routes import MESSAGES_ROUTES
+from api.responses.routes import RESPONSES_ROUTES
+from api.transport.framing import FramingMiddleware
+from api.ops.key_metrics import key_metrics_routes
 from api.routes import ROUTES
-from api.stats import stats_routes
-from api.ui import ui_routes
+from api.ops.stats import stats_routes
+from api.ops.ui import ui_routes
 from api.state import (
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -44,13 +44,13 @@ from api.state import (
     ServerState,
     load_engine,
 )
-from engine.admission import EngineOverloadedError
-from engine.async_engine import EngineDeadError, EngineRestartingError
+from engine.front.admission import EngineOverloadedError
+from engine.front.async_engine import EngineDeadError, EngineRestartingError
 from engine.config import EngineConfig
 from scheduler.request import ParamError
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine.front.async_engine import AsyncEngine
 
 __all__ = ["DEFAULT_MAX_QUEUED_REQUESTS", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_SHUTDOWN_TIMEOUT_S", "ServerConfig",
            "ServerState", "build_app", "load_engine"]

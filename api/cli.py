@@ -1,5 +1,5 @@
 """The `fp4serve` command: `serve` (hypercorn started from code, uvloop where installed) and
-`parse-output` (api/parse_output.py). Flags map one-to-one onto `EngineConfig` and
+`parse-output` (api/parsers/parse_output.py). Flags map one-to-one onto `EngineConfig` and
 `ServerConfig` fields; room is left for more subcommands (e.g. `quantize`)."""
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from api.agent_args import add_agent_arguments, agent_engine_settings, agent_server_settings
+from api.flags.agent import add_agent_arguments, agent_engine_settings, agent_server_settings
 from api.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig
 from api.errors import OVERLOADED_RETRY_AFTER_S
-from api.keys import API_KEY_ENV
-from api.limits import HARD_MAX_LOGPROBS, RequestLimits
-from api.reliability_args import add_reliability_arguments, reliability_engine_settings
-from api.team_args import add_team_arguments, team_engine_settings, team_server_settings
-from engine.admission import QueueLimits
-from engine.async_engine import MAX_CONSECUTIVE_FAILURES
+from api.access.keys import API_KEY_ENV
+from api.access.limits import HARD_MAX_LOGPROBS, RequestLimits
+from api.flags.reliability import add_reliability_arguments, reliability_engine_settings
+from api.flags.team import add_team_arguments, team_engine_settings, team_server_settings
+from engine.front.admission import QueueLimits
+from engine.front.async_engine import MAX_CONSECUTIVE_FAILURES
 from engine.config import ConfigError, EngineConfig, KVEventsConfig, parse_memory
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -449,10 +449,10 @@ def _check_port_free(host: str, port: int) -> None:
 
 def _add_parse_output(commands: Any) -> None:
     # Another module owns this subcommand; the CLI works without it.
-    if importlib.util.find_spec("api.parse_output") is None:
+    if importlib.util.find_spec("api.parsers.parse_output") is None:
         return
     try:
-        module = importlib.import_module("api.parse_output")
+        module = importlib.import_module("api.parsers.parse_output")
     except ImportError:
         return
     parser = commands.add_parser("parse-output", help="parse a saved model output with a tool/reasoning parser",

@@ -1,7 +1,7 @@
 """`EngineStream`: the engine outputs of one HTTP request, as (prompt index, output). Every
 prompt's engine stream is pumped by a task of its own into one queue, so several prompts merge in
 the order their outputs were made; each wait for the next output ends at the request's deadline
-(api/deadline.py); an output carrying an engine error is raised as `EngineFailed`."""
+(api/transport/deadline.py); an output carrying an engine error is raised as `EngineFailed`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from api.deadline import Deadline
+from api.transport.deadline import Deadline
 from api.errors import APIError
-from engine.outputs import RequestOutput
+from engine.front.outputs import RequestOutput
 
 Item = tuple[int, RequestOutput]  # (prompt index, output)
 

@@ -14,15 +14,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.anthropic_errors import is_messages_path, to_anthropic
-from engine.admission import EngineOverloadedError
-from engine.async_engine import EngineDeadError, EngineRestartingError
+from engine.front.admission import EngineOverloadedError
+from engine.front.async_engine import EngineDeadError, EngineRestartingError
 from scheduler.request import ParamError
 
 logger = logging.getLogger("fp4serve.api")
 
 CLIENT_CLOSED = 499
 # Where a handler leaves the error it answered, in the request's scope["state"], for the refusal's
-# log line and metric (api/request_log.py): its OpenAI fields, whatever shape the body takes.
+# log line and metric (api/access/request_log.py): its OpenAI fields, whatever shape the body takes.
 ERROR_STATE = "fp4serve.error"
 
 # The OpenAI `type` for each status we send; the SDK picks its exception class from the status.
@@ -117,7 +117,7 @@ def for_path(request: Request, response: Response) -> Response:
 def answer(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
            headers: dict[str, str] | None = None, type_: str | None = None) -> Response:
     """The error response in the route's shape, its fields left in the request's state for the
-    refusal's log line (api/request_log.py)."""
+    refusal's log line (api/access/request_log.py)."""
     body = error_body(status, message, param, code, type_)
     request.scope.setdefault("state", {})[ERROR_STATE] = body
     return for_path(request, error_response(status, message, param, code, headers, body.type))
@@ -129,7 +129,7 @@ async def handle_api_error(request: Request, exc: Exception) -> Response:
 
 
 async def handle_engine_overloaded(request: Request, exc: Exception) -> Response:
-    """The queue is full (engine/admission.py: the early check before tokenizing, or the engine's
+    """The queue is full (engine/front/admission.py: the early check before tokenizing, or the engine's
     own where the request is added): 503 `overloaded_error` with Retry-After."""
     assert isinstance(exc, EngineOverloadedError), f"registered for EngineOverloadedError, got {type(exc).__name__}"
     return await handle_api_error(request, overloaded(str(exc)))
@@ -144,7 +144,7 @@ async def handle_engine_dead(request: Request, exc: Exception) -> Response:
 
 async def handle_engine_restarting(request: Request, exc: Exception) -> Response:
     """The engine process was lost before this request's first output; the retry waits for the
-    new engine (engine/supervisor.py), which the OpenAI and Anthropic SDKs do by themselves."""
+    new engine (engine/client/supervisor.py), which the OpenAI and Anthropic SDKs do by themselves."""
     assert isinstance(exc, EngineRestartingError), f"registered for EngineRestartingError, got {type(exc).__name__}"
     return answer(request, 503, str(exc), code="engine_restarting", headers={"Retry-After": str(RESTARTING_RETRY_AFTER_S)})
 

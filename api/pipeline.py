@@ -16,8 +16,8 @@ AsyncEngine's per-request stream (pumped into `EngineStream`, which merges promp
 deadline), the event generator (`stream_events`), and SSEResponse.
 
 Adding an API is a mapping, not a pipeline: write its request model with a `to_chat_request()`
-(api/responses_request.py, api/anthropic_request.py), and an `Encoder` for its events and body
-(api/responses_output.py, api/anthropic_routes.py); its route is then read, validate, map,
+(api/responses/request.py, api/anthropic/request.py), and an `Encoder` for its events and body
+(api/responses/output.py, api/anthropic/routes.py); its route is then read, validate, map,
 `start_chat`, `respond`. Nothing here changes."""
 
 from __future__ import annotations
@@ -35,26 +35,26 @@ from starlette.responses import Response
 from starlette.types import Receive
 
 from api.context_errors import COMPLETIONS, Dialect, refusals
-from api.deadline import Deadline
+from api.transport.deadline import Deadline
 from api.engine_stream import EngineStream
 from api.errors import APIError, bad_request
 from api.http import json_response, server_state, unless_disconnected
-from api.inflight import request_deadline
-from api.keys import request_owner
-from api.models import ChatCompletionRequest, CompletionRequestModel
+from api.transport.inflight import request_deadline
+from api.access.keys import request_owner
+from api.request.models import ChatCompletionRequest, CompletionRequestModel
 from api.parsers import OutputParser, ParsedDelta, ParserSettings
 from api.parsers.base import coalesce_tool_deltas
-from api.response_format import response_format_spec
-from api.sse import SSEResponse
-from api.tool_grammar import tool_call_spec
+from api.grammars.response_format import response_format_spec
+from api.transport.sse import SSEResponse
+from api.grammars.tool_grammar import tool_call_spec
 from engine.core_types import Owner
-from engine.outputs import RequestOutput
+from engine.front.outputs import RequestOutput
 from scheduler.request import SamplingParams
 from scheduler.structured_output import Reasoning, StructuredOutput
 
 if TYPE_CHECKING:
     from api.state import ServerState
-    from engine.async_engine import AsyncEngine
+    from engine.front.async_engine import AsyncEngine
 
 logger = logging.getLogger("fp4serve.api")
 

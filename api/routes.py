@@ -1,7 +1,7 @@
 """Thin HTTP handlers: /v1/chat/completions and /v1/completions (read, validate, and through the
-pipeline, api/pipeline.py, with their shapes from api/chat.py and api/completions.py); models,
+pipeline, api/pipeline.py, with their shapes from api/openai/chat.py and api/openai/completions.py); models,
 usage, health, version, metrics and the OpenAPI document; and the one `ROUTES` list of these and
-/tokenize, /detokenize (api/tokenize.py). Lifecycle lives in api/app.py."""
+/tokenize, /detokenize (api/openai/tokenize.py). Lifecycle lives in api/app.py."""
 
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api.chat import ChatEncoder
-from api.completions import CompletionEncoder, echoed_prompt
+from api.openai.chat import ChatEncoder
+from api.openai.completions import CompletionEncoder, echoed_prompt
 from api.context_errors import CHAT
 from api.http import json_response, read_json, server_state
-from api.keys import KEY_STATE, OPEN, KeyRecord
-from api.openapi import openapi_schema
-from api.models import ChatCompletionRequest, CompletionRequestModel
+from api.access.keys import KEY_STATE, OPEN, KeyRecord
+from api.ops.openapi import openapi_schema
+from api.request.models import ChatCompletionRequest, CompletionRequestModel
 from api.pipeline import respond, start_chat, start_completion
-from api.tokenize import TOKENIZE_ROUTES
-from api.validation import validate
+from api.openai.tokenize import TOKENIZE_ROUTES
+from api.request.validation import validate
 
 logger = logging.getLogger("fp4serve")
 
@@ -56,7 +56,7 @@ async def usage(request: Request) -> Response:
     record: KeyRecord = request.scope.get("state", {}).get(KEY_STATE, OPEN)
     totals = state.engine.metrics.usage if state.engine is not None else {}
     names = sorted(set(totals) | set(state.keys.names())) if record.admin else [record.name]
-    from engine.metrics import KeyUsage
+    from engine.front.metrics import KeyUsage
 
     return json_response({
         "object": "usage",
@@ -107,7 +107,7 @@ async def version(request: Request) -> Response:
 
 
 async def openapi(request: Request) -> Response:
-    """The request models as an OpenAPI 3.1 document (api/openapi.py)."""
+    """The request models as an OpenAPI 3.1 document (api/ops/openapi.py)."""
     try:
         value = importlib.metadata.version("fp4serve")
     except importlib.metadata.PackageNotFoundError:

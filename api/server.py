@@ -11,8 +11,8 @@ import signal
 from collections.abc import Callable
 
 from api.app import ServerConfig, build_app, load_engine
-from api.deadline import server_stopping_error
-from engine.async_engine import AsyncEngine
+from api.transport.deadline import server_stopping_error
+from engine.front.async_engine import AsyncEngine
 from engine.config import EngineConfig
 
 logger = logging.getLogger("fp4serve")
@@ -45,7 +45,7 @@ class Server:
         from hypercorn.asyncio import serve as hypercorn_serve
         from hypercorn.config import Config as HypercornConfig
 
-        from api.hypercorn_h2 import mend_hypercorn_h2
+        from api.transport.hypercorn_h2 import mend_hypercorn_h2
 
         mend_hypercorn_h2(self.config.body_timeout_s)
 
@@ -113,7 +113,7 @@ def log_settings(config: ServerConfig) -> None:
         "required" if config.api_key or config.api_keys_file else "not required", ", ".join(config.cors_origins) or "off",
     )
     if config.api_keys_file:
-        from api.keys import parse_keys_file
+        from api.access.keys import parse_keys_file
 
         names = [r.name for r in parse_keys_file(config.api_keys_file)]
         logger.info("API keys from %s: %s", config.api_keys_file, ", ".join(names))

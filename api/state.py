@@ -1,7 +1,7 @@
 """The server's configuration (`ServerConfig`) and its lifecycle (`ServerState`: loading → ready →
 stopping, or failed — a failed load, or an engine that died and will not be restarted): the one
 mutable object of the app, which the routes read. While the engine process restarts
-(engine/supervisor.py) the phase stays ready: requests wait for the new engine, and /health
+(engine/client/supervisor.py) the phase stays ready: requests wait for the new engine, and /health
 answers 503 `restarting` (`health`). Its own module, so api/app.py (the Starlette app) and api/routes.py (the
 handlers) both import it and not each other."""
 
@@ -17,18 +17,18 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from api.errors import APIError
-from api.inflight import InFlight
-from api.keys import KeyRing
-from api.limits import RequestLimits
-from api.metrics import ServerMetrics
+from api.transport.inflight import InFlight
+from api.access.keys import KeyRing
+from api.access.limits import RequestLimits
+from api.transport.metrics import ServerMetrics
 from api.parsers import ParserSettings
-from api.rate_limit import RateLimiter
-from engine.admission import QueueLimits
+from api.access.rate_limit import RateLimiter
+from engine.front.admission import QueueLimits
 from engine.config import ConfigError, EngineConfig
-from engine.input_processor import MAX_TOKENS_POLICIES, MaxTokensPolicy
+from engine.front.input_processor import MAX_TOKENS_POLICIES, MaxTokensPolicy
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine.front.async_engine import AsyncEngine
 
 logger = logging.getLogger("fp4serve")
 
@@ -57,13 +57,13 @@ class ServerConfig:
     queue: QueueLimits = QueueLimits(max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS)
     request_timeout_s: float | None = None  # from arrival to the last byte; None: no limit
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # how long a drain waits for in-flight requests
-    ui: bool = True  # the web page at / (api/ui.py)
-    api_keys_file: str | None = None  # TOML [[keys]] (api/keys.py); exclusive with api_key
+    ui: bool = True  # the web page at / (api/ops/ui.py)
+    api_keys_file: str | None = None  # TOML [[keys]] (api/access/keys.py); exclusive with api_key
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_prompts: int = DEFAULT_MAX_PROMPTS
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (LRU); 0: none
     max_tokens_policy: MaxTokensPolicy = "clamp"  # a max_tokens beyond the context's room: clamp | reject
-    access_log: bool = False  # one INFO line per request (api/request_log.py); refusals are logged regardless
+    access_log: bool = False  # one INFO line per request (api/access/request_log.py); refusals are logged regardless
     access_log_skipped_paths: tuple[str, ...] = ("/health", "/metrics")
 
     def __post_init__(self) -> None:
@@ -90,7 +90,7 @@ class ServerConfig:
 
 
 def load_engine(config: EngineConfig) -> AsyncEngine:
-    from engine.async_engine import AsyncEngine  # torch and the model: only once we serve
+    from engine.front.async_engine import AsyncEngine  # torch and the model: only once we serve
 
     return AsyncEngine.from_config(config)
 

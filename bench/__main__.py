@@ -321,7 +321,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_offline(args: argparse.Namespace) -> int:
     from bench.offline import EngineTokenCounter, format_offline, run_offline
     from engine.config import EngineConfig
-    from engine.offline import OfflineEngine
+    from engine.front.offline import OfflineEngine
     from scheduler.request import SamplingParams
 
     fields: dict[str, object] = dict(model=args.model, dtype=args.dtype, device=args.device,
@@ -372,7 +372,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from bench.profile import format_profile, profile_decode
     from engine.config import EngineConfig
-    from engine.offline import OfflineEngine
+    from engine.front.offline import OfflineEngine
 
     engine = OfflineEngine.from_config(EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,

@@ -22,7 +22,7 @@ from typing import Any
 # NOTE: engine/ and torch are imported inside the functions (bench/ stays an HTTP client at
 # module level, tests/test_layering.py), engine first: it sets OMP_WAIT_POLICY, which OpenMP reads
 # once, when torch loads it. Engine types are `Any` here for the same reason.
-Engine = Any  # an engine.offline.OfflineEngine
+Engine = Any  # an engine.front.offline.OfflineEngine
 Forward = Callable[[Any], Any]  # ForwardBatch -> hidden states
 
 
@@ -101,7 +101,7 @@ def probe(engine: Engine, batch_size: int, prompt_len: int, steps: int, rounds: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from engine.config import EngineConfig
-    from engine.offline import OfflineEngine
+    from engine.front.offline import OfflineEngine
 
     p = argparse.ArgumentParser(prog="python -m bench.compile_probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint folder")

@@ -18,7 +18,7 @@ PROMPT_LEN = 16
 
 
 class _Engine(Protocol):
-    """What the curve needs of engine.offline.OfflineEngine (imported lazily: bench/ layering)."""
+    """What the curve needs of engine.front.offline.OfflineEngine (imported lazily: bench/ layering)."""
 
     timings: Any
 
@@ -115,7 +115,7 @@ def write_tiny_model(dst: Path, kind: str, hidden: int, num_layers: int, seed: i
 def curves_for(models: Sequence[str], batch_size: int, context: int, window: int,
                kv_cache_memory: str) -> dict[str, list[CurvePoint]]:
     from engine.config import EngineConfig
-    from engine.offline import OfflineEngine
+    from engine.front.offline import OfflineEngine
 
     curves: dict[str, list[CurvePoint]] = {}
     for path in models:

@@ -200,8 +200,8 @@ def bench_engine(model: Any, raw: dict[str, Any], fmt: str, num_requests: int, i
                  output_len: int) -> ThroughputRow:
     """OfflineEngine over the in-memory model: all requests at once, max_num_seqs = their number."""
     from engine.config import EngineConfig
-    from engine.offline import OfflineEngine
-    from engine.qwen_tokenizer import default_cache_dir, write_qwen_tokenizer_files
+    from engine.front.offline import OfflineEngine
+    from engine.weights.qwen_tokenizer import default_cache_dir, write_qwen_tokenizer_files
     from scheduler.request import SamplingParams
 
     tokens = num_requests * (input_len + output_len + BLOCK_SIZE)

@@ -37,7 +37,7 @@ def layer_kinds(cfg: Any) -> dict[str, tuple[int, int]]:
 
 
 def make_op(fmt: str, shape: tuple[int, int], lm_head_t: bool = False) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]:
-    from engine.int8_linear import Int8Linear  # lazily: bench/ imports engine/ only in its functions
+    from engine.weights.formats.int8_linear import Int8Linear  # lazily: bench/ imports engine/ only in its functions
 
     wdtype, adtype = FORMATS[fmt]
     weight = torch.randn(shape) * 0.05  # [N, K] float32

@@ -178,7 +178,7 @@ def check_run(results: dict[str, Any], questions: list[Question], folder: Path) 
 def model_folder(model: str | None) -> Path:
     """The checkpoint folder the server loads for --model (a GGUF is converted once, as the server does)."""
     from engine.config import EngineConfig
-    from engine.model_path import resolve_model_path
+    from engine.weights.model_path import resolve_model_path
 
     return resolve_model_path(EngineConfig(model=model))[0]
 
@@ -199,7 +199,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_lm_eval(args: argparse.Namespace) -> int:
     import shlex
 
-    from engine.model_source import model_name
+    from engine.weights.model_source import model_name
 
     try:
         lm_eval = find_lm_eval(args.lm_eval)

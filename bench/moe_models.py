@@ -33,7 +33,7 @@ def write_moe_pair(dst: Path, shapes: MoeShapes, seed: int = 0) -> tuple[Path, P
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from engine.demo_model import BOS_TOKEN_ID, EOS_TOKEN_ID, ensure_demo_model
+    from engine.weights.demo_model import BOS_TOKEN_ID, EOS_TOKEN_ID, ensure_demo_model
 
     demo = ensure_demo_model()
     vocab = json.loads((demo / "config.json").read_text())["vocab_size"]

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from bench.datasets import COMMON_WORDS, Conversation
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
 
 STAGES = ("schedule", "prepare", "forward", "sample", "detokenize")

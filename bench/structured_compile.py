@@ -2,7 +2,7 @@
 
 For each schema (a small object, a nested agent tool, an enum of 10,000 strings) it compiles, on the
 151,936-token Qwen3 vocabulary with one compiler thread and no xgrammar cache (as
-engine/structured.py builds its compiler):
+engine/structured_output/manager.py builds its compiler):
 - ours: the engine's EBNF for a `StructuredOutput` (engine/grammars/), json_schema or a forced
   tool call;
 - xgr-json: `GrammarCompiler.compile_json_schema(schema, any_whitespace=False,
@@ -57,11 +57,11 @@ TOOL_NAME = "edit"
 
 def compiler() -> tuple[Any, Any]:
     """(GrammarCompiler, tokenizer) for the demo checkpoint's Qwen3 vocabulary, built as
-    engine/structured.py builds its own."""
+    engine/structured_output/manager.py builds its own."""
     import xgrammar
     from transformers import AutoTokenizer
 
-    from engine.demo_model import ensure_demo_model
+    from engine.weights.demo_model import ensure_demo_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_demo_model()), local_files_only=True)
     info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=151_936)

@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     from engine.config import EngineConfig
-    from engine.offline import OfflineEngine
+    from engine.front.offline import OfflineEngine
 
     names = [s.strip() for s in args.settings.split(",") if s.strip()]
     engines = {}

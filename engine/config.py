@@ -215,7 +215,7 @@ def parse_memory(text: str) -> tuple[int | None, float | None]:
     return int(number * _UNITS[unit]), None
 
 
-# Compiled grammars kept for reuse, in bytes of xgrammar's own accounting (engine/grammar_cache.py):
+# Compiled grammars kept for reuse, in bytes of xgrammar's own accounting (engine/structured_output/grammar_cache.py):
 # vLLM's default for xgrammar's cache (VLLM_XGRAMMAR_CACHE_MB).
 DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
 
@@ -226,7 +226,7 @@ DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 512
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF folder, .gguf file or built-in name (engine/model_source.py); None: the default
+    model: str | None = None  # HF folder, .gguf file or built-in name (engine/weights/model_source.py); None: the default
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
@@ -234,13 +234,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     kv_cache_memory: str | None = None  # bytes ("2GiB") or a fraction of free device memory
     block_size: int = 16
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | bfloat16 | float16 | float32 (engine/dtype_policy.py)
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | bfloat16 | float16 | float32 (engine/weights/dtype_policy.py)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | flashinfer | cpu | torch
     enforce_eager: bool = False  # decode without CUDA graphs
     device: str = "auto"  # auto | cpu | cuda
     # auto | none (or None) | nvfp4 | int8: quantize a float checkpoint at load (int8: CPU only);
-    # auto: int8 for the built-in SmolLM2 on CPU, else none (engine/dtype_policy.py)
+    # auto: int8 for the built-in SmolLM2 on CPU, else none (engine/weights/dtype_policy.py)
     quantization: str | None = "auto"
     num_state_slots: int | None = None  # hybrid models: recurrent-state slots; None: max_num_seqs (GPU: capped)
     # Hybrid prefix caching: DeltaNet state checkpoints (None: sized from memory; 0: hybrid prefix
@@ -259,20 +259,20 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     speculative_max_batch: int | None = None  # None: engine/spec_decode/config.py's measured default
-    kv_events_config: KVEventsConfig | None = None  # None: no KV-cache events (engine/kv_events.py)
+    kv_events_config: KVEventsConfig | None = None  # None: no KV-cache events (engine/cache_events/kv_events.py)
     # mtp: take the MTP head (mtp.*) from this second checkpoint folder (FP8 or float) of the same model
     speculative_model: str | None = None
-    # The engine process's supervisor, in the server's process (engine/supervisor.py).
+    # The engine process's supervisor, in the server's process (engine/client/supervisor.py).
     engine_step_timeout_s: float = 60.0  # a step making no progress this long is a hang; 0: no watchdog
     engine_start_timeout_s: float = 600.0  # most seconds an engine process may take to load; 0: no limit
     engine_max_restarts: int = 5  # lost engines replaced within the window; 0: a lost engine stops the server
     engine_restart_window_s: float = 600.0
-    # Data parallel (engine/placement.py): engine cores behind the one server, each a process with its
+    # Data parallel (engine/client/placement.py): engine cores behind the one server, each a process with its
     # own device (or CPUs) and KV cache; the rank is which of them a core is (set per core by for_rank).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     # Sampling defaults for fields a request leaves out: auto (the model's generation_config.json),
-    # vllm (none), or a folder holding a generation_config.json (engine/generation_config.py).
+    # vllm (none), or a folder holding a generation_config.json (engine/weights/generation_config.py).
     generation_config: str = "auto"
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES  # compiled grammars kept (LRU); 0: none kept
 
@@ -348,7 +348,7 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
 @dataclass(frozen=True)
 class KVEventsConfig:
     """vLLM's `--kv-events-config` (its `KVEventsConfig` fields and defaults): KV-cache events
-    published over ZMQ for routers that track what each replica caches (engine/kv_events.py)."""
+    published over ZMQ for routers that track what each replica caches (engine/cache_events/kv_events.py)."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" | "null"; None: "zmq" when enabled, as vLLM derives it

@@ -1,8 +1,8 @@
 """The engine core: scheduler + model runner, speaking token ids only. Each step is schedule ->
 execute -> update and returns every scheduled request's new token ids, logprob ids and finish
 reason, and prompt logprobs as ids and floats (`EngineCoreOutputs`). Text, stop strings, n > 1 and per-request metrics live in the
-front (engine/input_processor.py, engine/output_processor.py); the core runs in its own process
-(engine/core_proc.py) or on a thread of the server's (engine/core_client.py)."""
+front (engine/front/input_processor.py, engine/front/output_processor.py); the core runs in its own process
+(engine/core_proc.py) or on a thread of the server's (engine/client/core_client.py)."""
 
 from __future__ import annotations
 
@@ -22,20 +22,20 @@ from engine.core_types import (
     PromptLogprobsChunk,
     SampledToken,
 )
-from engine.generation_config import generation_defaults
-from engine.model_path import default_model_name, resolve_model_path
+from engine.weights.generation_config import generation_defaults
+from engine.weights.model_path import default_model_name, resolve_model_path
 from engine.model_runner import ModelRunner, StepResult
 from engine.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
-from engine.grammar_cache import DEFAULT_COMPILE_WORKERS
-from engine.structured import StructuredOutputs
+from engine.structured_output.grammar_cache import DEFAULT_COMPILE_WORKERS
+from engine.structured_output.manager import StructuredOutputs
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Drafter, Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
-    from engine.kv_events import KVEvents
-    from engine.prefix_cache_feed import PrefixCacheFeed
+    from engine.cache_events.kv_events import KVEvents
+    from engine.cache_events.prefix_cache_feed import PrefixCacheFeed
 
 __all__ = ["VERSION", "EngineCore", "EngineInfo", "resolve_model_path"]
 
@@ -89,10 +89,10 @@ class EngineCore:
             if not self.scheduler.config.enable_prefix_caching:
                 logger.warning("KV events: prefix caching is off, so no page ever enters the cache and no "
                                "BlockStored event will be sent")
-        # Data parallel: the front places requests by what each core caches (engine/placement.py).
+        # Data parallel: the front places requests by what each core caches (engine/client/placement.py).
         self.prefix_feed: PrefixCacheFeed | None = None
         if config.data_parallel_size > 1 and self.scheduler.config.enable_prefix_caching:
-            from engine.prefix_cache_feed import PrefixCacheFeed
+            from engine.cache_events.prefix_cache_feed import PrefixCacheFeed
 
             self.prefix_feed = PrefixCacheFeed(self.scheduler.block_manager.event_sink)
             self.scheduler.block_manager.event_sink = self.prefix_feed
@@ -159,7 +159,7 @@ class EngineCore:
     def _kv_events(config: EngineConfig) -> KVEvents | None:
         if config.kv_events_config is None or not config.kv_events_config.enabled:
             return None
-        from engine.kv_events import KVEvents  # zmq, msgspec and cbor2 only with events on
+        from engine.cache_events.kv_events import KVEvents  # zmq, msgspec and cbor2 only with events on
 
         return KVEvents(config.kv_events_config, config.block_size, config.data_parallel_rank)
 
@@ -174,7 +174,7 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        """A validated sample (engine/input_processor.py); a constrained one waits in the queue
+        """A validated sample (engine/front/input_processor.py); a constrained one waits in the queue
         with status WAITING_FOR_GRAMMAR until its grammar compiled."""
         params = request.params
         assert params.n == 1, f"{request.request_id}: the front fans n out"

@@ -4,7 +4,7 @@ The loop applies the front's messages (new requests, aborts, shutdown), steps wh
 unfinished and emits one `EngineCoreOutputs` per step. A failed step ends every live request
 with an error and the loop goes on; MAX_CONSECUTIVE_FAILURES in a row, or a crash of the loop
 itself, end it with a `dead` message. The same loop runs on a thread of the server's process
-(in-process mode) or in a process of its own, behind a pipe (engine/core_client.py).
+(in-process mode) or in a process of its own, behind a pipe (engine/client/core_client.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.allocator import memory_releaser
 from engine.config import ConfigError, EngineConfig
 from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, FairShareUpdate, Shutdown
-from engine.heartbeat import Heartbeat
+from engine.host.allocator import memory_releaser
+from engine.host.heartbeat import Heartbeat
 from scheduler.scheduler import SchedulerStats
 
 logger = logging.getLogger("fp4serve.engine")
@@ -47,8 +47,8 @@ class EngineCoreLoop:
     ) -> None:
         self.core = core
         self.emit = emit
-        self.heartbeat = heartbeat  # what the server's watchdog reads (engine/supervisor.py)
-        self.release_memory = release_memory  # run when the loop idles after work (engine/allocator.py)
+        self.heartbeat = heartbeat  # what the server's watchdog reads (engine/client/supervisor.py)
+        self.release_memory = release_memory  # run when the loop idles after work (engine/host/allocator.py)
         self.num_failures = 0  # consecutive failed steps
         self._stepped = False  # since the loop last idled
 
@@ -138,14 +138,14 @@ def run_engine_core_proc(
 ) -> None:
     """The engine process's main: load, say ready (EngineInfo) or why not, then loop until the
     front says shutdown or goes away (its end of the pipe closes). `heartbeat_slots`: the shared
-    array the server's watchdog reads (engine/heartbeat.py); `carried`: the last stats of the
+    array the server's watchdog reads (engine/host/heartbeat.py); `carried`: the last stats of the
     engine this one replaces, whose cumulative and fair-share counters it continues
-    (engine/supervisor.py)."""
+    (engine/client/supervisor.py)."""
     # NOTE: the front handles SIGINT/SIGTERM and drains; it stops this process through the pipe,
     # so a signal to the whole process group must not kill the engine under in-flight requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the front reloads its API keys on SIGHUP (api/keys.py)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the front reloads its API keys on SIGHUP (api/access/keys.py)
     # The watchdog sends SIGUSR1 before it kills a hung engine: every thread's stack goes to stderr
     # (the server's log), even from inside a C call that never returns.
     faulthandler.register(signal.SIGUSR1, all_threads=True)

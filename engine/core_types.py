@@ -40,7 +40,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...] = ()  # from config.json and generation_config.json
     max_num_seqs: int = 128
     prefix_caching: bool = True  # whether the scheduler reuses cached pages (data parallel places by them)
-    # (field, value) sampling defaults from generation_config.json (engine/generation_config.py),
+    # (field, value) sampling defaults from generation_config.json (engine/weights/generation_config.py),
     # for the fields a request leaves out
     sampling_defaults: tuple[tuple[str, float], ...] = ()
 
@@ -60,7 +60,7 @@ class Owner:
 
 @dataclass(frozen=True)
 class EngineCoreRequest:
-    """One sample to generate, already validated (engine/input_processor.py)."""
+    """One sample to generate, already validated (engine/front/input_processor.py)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -118,7 +118,7 @@ class EngineCoreOutput:
 class PrefixCacheDelta:
     """What one step changed in a core's prefix cache, as page hashes (the scheduler's own chain,
     scheduler/block_manager.py `hash_block`): with data parallel, the front keeps a copy of each
-    core's set to place requests where their prefix is (engine/placement.py). Apply `cleared`,
+    core's set to place requests where their prefix is (engine/client/placement.py). Apply `cleared`,
     then `removed`, then `stored`."""
 
     stored: tuple[bytes, ...] = ()
@@ -128,7 +128,7 @@ class PrefixCacheDelta:
 
 @dataclass(frozen=True)
 class GrammarCacheStats:
-    """The compiled-grammar cache of engine/grammar_cache.py, as one step leaves it."""
+    """The compiled-grammar cache of engine/structured_output/grammar_cache.py, as one step leaves it."""
 
     num_bytes: int  # kept, charged to the budget: xgrammar's size of each
     budget_bytes: int  # --grammar-cache-bytes
@@ -157,9 +157,9 @@ class EngineCoreOutputs:
     error: str | None = None
     dead: str | None = None  # the core stopped for this reason: nothing more will come
     # With `dead`: the supervisor is starting a new core in its place, after a "crash", a "hang" or
-    # an "error" (engine/supervisor.py); None: no core will follow.
+    # an "error" (engine/client/supervisor.py); None: no core will follow.
     restart: str | None = None
-    prefix_cache: PrefixCacheDelta | None = None  # data parallel only (engine/prefix_cache_feed.py)
+    prefix_cache: PrefixCacheDelta | None = None  # data parallel only (engine/cache_events/prefix_cache_feed.py)
     grammar_cache: GrammarCacheStats | None = None  # None until the first constrained request
 
 
@@ -178,7 +178,7 @@ class AbortRequests:
 @dataclass(frozen=True)
 class FairShareUpdate:
     """Data parallel: each listed key's fair-share charges on the other engine cores, in all
-    (engine/global_fair_share.py); the core orders its waiting requests by its own plus these."""
+    (engine/client/global_fair_share.py); the core orders its waiting requests by its own plus these."""
 
     external: FairShareState
 

@@ -19,7 +19,7 @@ class ContextLengthError(ParamError):
     fields, so a protocol can word the refusal its own way (api/context_errors.py); `param` is
     "prompt" (a prompt that leaves no room) or "max_tokens". `at_least`: the prompt was refused
     from its length in characters, before it was tokenized, so `num_prompt_tokens` is a lower
-    bound (engine/prompt_bound.py)."""
+    bound (engine/front/prompt_bound.py)."""
 
     def __init__(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
                  at_least: bool = False) -> None:

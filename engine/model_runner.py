@@ -13,25 +13,25 @@ import torch
 from engine.attention.backend import AttentionBackend, kv_cache_shape
 from engine.attention.select import choose_backend, flashinfer_import_error, make_backend
 from engine.batch import ForwardBatch, build_forward_batch
-from engine.checkpoint_pool import CheckpointPool
+from engine.attention.checkpoint_pool import CheckpointPool
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
 from engine.core_types import SampledToken
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason
-from engine.dtype_policy import int8_dense_from_rows, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
-from engine.hybrid_backend import HybridBackend
-from engine.cpu_kernels import load_cpu_ops
-from engine.hybrid_runner import make_checkpoint_pool, make_hybrid_backend, make_state_pool
-from engine.loader import load_model, weight_bytes
+from engine.weights.dtype_policy import int8_dense_from_rows, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
+from engine.attention.hybrid_backend import HybridBackend
+from engine.host.cpu_kernels import load_cpu_ops
+from engine.attention.hybrid_runner import make_checkpoint_pool, make_hybrid_backend, make_state_pool
+from engine.weights.loader import load_model, weight_bytes
 from engine.models.decoder import DecoderForCausalLM, use_cpu_ops
-from engine.packed_linear import can_pack, pack_float_linears, packed_bytes
+from engine.weights.formats.packed_linear import can_pack, pack_float_linears, packed_bytes
 from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
-from engine.quantization import QuantizationMethod, detect_quantization
+from engine.weights.formats.nvfp4 import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
 from engine.spec_decode.config import DEFAULT_MAX_BATCH
 from engine.spec_decode.mtp import MtpDrafter
 from engine.spec_decode.rejection import verify
 from engine.spec_decode.rollback import StateSnapshot
-from engine.structured import StructuredOutputs
+from engine.structured_output.manager import StructuredOutputs
 from scheduler.output import SchedulerOutput, StateSave
 
 logger = logging.getLogger("fp4serve.runner")

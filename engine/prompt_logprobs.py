@@ -1,7 +1,7 @@
 """Prompt logprobs (`SamplingParams.prompt_logprobs`), computed in the same forward as the prefill:
 the hidden state at prompt position p scores the prompt token at p + 1. Requests asking for them
 take no prefix-cache hit (the scheduler skips the lookup), so every prompt position is computed.
-Token ids and floats only: the output processor (engine/output_processor.py) turns them into text."""
+Token ids and floats only: the output processor (engine/front/output_processor.py) turns them into text."""
 
 from __future__ import annotations
 

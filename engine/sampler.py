@@ -15,7 +15,7 @@ from engine.core_types import SampledToken
 from scheduler.request import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.structured import GrammarMask
+    from engine.structured_output.manager import GrammarMask
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / 1e-7 overflow float32.
 _SAMPLING_EPS = 1e-5
@@ -168,7 +168,7 @@ class Sampler:
     ) -> None:
         assert request_id not in self._states, f"request {request_id!r} is already in the sampler"
         assert all(0 <= t < self.vocab_size for t in eos_token_ids), f"EOS {eos_token_ids} outside vocab"
-        # User ids were checked by engine/input_processor.py: here they are invariants.
+        # User ids were checked by engine/front/input_processor.py: here they are invariants.
         assert all(0 <= t < self.vocab_size for t, _ in params.logit_bias), f"{request_id}: logit_bias outside vocab"
         assert all(0 <= t < self.vocab_size for t in params.stop_token_ids), f"{request_id}: stop ids outside vocab"
         eos = () if params.ignore_eos else tuple(eos_token_ids)
@@ -186,7 +186,7 @@ class Sampler:
     ) -> list[SampledToken]:
         """logits [num_rows, vocab_size] f32 or bf16, row i for request_ids[i]; one token each.
 
-        `grammar_mask` (engine/structured.py) goes first: its rows get -inf at every token their
+        `grammar_mask` (engine/structured_output/manager.py) goes first: its rows get -inf at every token their
         grammar forbids, and everything after (penalties, filters, the draw, logprobs) sees the
         masked rows, as in vLLM. A step without one pays nothing for it."""
         states = self._states_of(logits, request_ids)

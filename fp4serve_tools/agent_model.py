@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.cache_folder import build_once, cache_root
-from engine.demo_model import chat_template_text
-from engine.qwen_tokenizer import (
+from engine.host.cache_folder import build_once, cache_root
+from engine.weights.demo_model import chat_template_text
+from engine.weights.qwen_tokenizer import (
     QWEN3_VOCAB_SIZE,
     build_qwen_tokenizer,
     write_qwen_tokenizer_files,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.qwen_tokenizer import QWEN3_VOCAB_SIZE
+from engine.weights.qwen_tokenizer import QWEN3_VOCAB_SIZE
 
 CODE = 64  # length of a token code
 # RoPE pairs by use (rope_theta 1e15, head_dim 128: pair i turns theta_i = 10^(-0.234 i) a position).

@@ -2,7 +2,7 @@
 compressed-tensors layout (q/k/v/o and gate/up/down quantized, MoE experts one by one; one tensor
 set per HF linear; lm_head, embeddings, norms and MoE routers unchanged), with its config,
 tokenizer and generation files. A block-wise FP8 source (Qwen's FP8 releases) is dequantized
-tensor by tensor first (engine/fp8.py)."""
+tensor by tensor first (engine/weights/formats/fp8.py)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.config import ConfigError, ModelConfig
-from engine.fp8 import Fp8Dequantizer, Fp8Format, fp8_format
-from engine.checkpoint_files import checkpoint_files, tensor_names
-from engine.models.qwen3_5_weights import canonical_name
-from engine.moe_loader import split_fused_experts
-from engine.quantization import (
+from engine.weights.formats.fp8 import Fp8Dequantizer, Fp8Format, fp8_format
+from engine.weights.checkpoint_files import checkpoint_files, tensor_names
+from engine.weights.qwen3_5_names import canonical_name
+from engine.weights.moe_loader import split_fused_experts
+from engine.weights.formats.nvfp4 import (
     CHECKPOINT_FORMATS,
     HF_QUANT_CONFIG,
     MODELOPT,

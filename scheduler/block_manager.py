@@ -36,7 +36,7 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 class KVCacheEventSink(Protocol):
-    """Told of the prefix cache's own decisions, as they happen (engine/kv_events.py turns them into
+    """Told of the prefix cache's own decisions, as they happen (engine/cache_events/kv_events.py turns them into
     vLLM's KV-cache events). Absent (None) unless events are on: nothing is recorded then."""
 
     def blocks_stored(self, request: Request, block_indices: list[int]) -> None:

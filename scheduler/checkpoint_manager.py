@@ -1,6 +1,6 @@
 """State checkpoints of hybrid models (Qwen3.5/3.6) as bookkeeping: which checkpoint ids hold a
 sequence's Gated DeltaNet state after which prefix, in LRU order, tied to the KV pages they pair
-with. The tensors and copies live in engine/checkpoint_pool.py; this module imports no torch.
+with. The tensors and copies live in engine/attention/checkpoint_pool.py; this module imports no torch.
 
 A checkpoint holds the state (conv + recurrent, every DeltaNet layer) after a sequence's first
 `num_tokens` tokens and, when those end inside a page, a copy of that partial page's KV. It is keyed

@@ -26,7 +26,7 @@ The counters outlive an engine process: the scheduler reports them with its stat
 and an engine started in a crashed one's place begins from the last report (`restore`), so a
 restart hands no key fresh credit.
 
-Data parallel (several engine cores behind one server, engine/global_fair_share.py): V is global.
+Data parallel (several engine cores behind one server, engine/client/global_fair_share.py): V is global.
 Each core also counts what it charged each key (`charged`: tokens / weight, without the lifts
 above) and reports it; the front sums the other cores' counts into this core's `external`, and
 every comparison here (admission order, the lift of an arriving key) is on V + external. So a key
@@ -88,7 +88,7 @@ class FairQueue:
         return self.vtime.get(key, 0.0) + self.external.get(key, 0.0)
 
     def set_external(self, updates: FairShareState) -> None:
-        """What the other engine cores have charged these keys, in all (engine/global_fair_share.py)."""
+        """What the other engine cores have charged these keys, in all (engine/client/global_fair_share.py)."""
         self.external.update(updates)
 
     def snapshot(self) -> FairShareState:

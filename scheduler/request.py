@@ -56,7 +56,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # What the output must be (a JSON schema, forced tool calls, ...): engine/structured.py
+    # What the output must be (a JSON schema, forced tool calls, ...): engine/structured_output/manager.py
     # compiles it, and the request stops when it is complete.
     structured: StructuredOutput | None = None
     # False: never draft tokens for this request (the per-request opt-out of speculative decoding).

@@ -65,7 +65,7 @@ class SchedulerStats:
     num_used_state_checkpoints: int = 0
     fair_share: FairShareState = ()  # each key's virtual tokens (scheduler/fair_queue.py)
     fair_charged: FairShareState = ()  # what this core charged each key (data parallel: the front sums them)
-    # For the front's admission (engine/admission.py): every request ever added (cumulative, so the
+    # For the front's admission (engine/front/admission.py): every request ever added (cumulative, so the
     # front can tell which of the requests it sent are counted here), and the tokens still to
     # compute of the waiting requests beyond the free batch slots (those the next step cannot start).
     num_added: int = 0
@@ -378,7 +378,7 @@ class Scheduler:
         self.block_manager.reset_prefix_cache()
 
     def restore(self, last: SchedulerStats) -> None:
-        """Carry on from a lost engine's last stats (engine/supervisor.py), before any request: its
+        """Carry on from a lost engine's last stats (engine/client/supervisor.py), before any request: its
         cumulative counters, so they never go back, and its fair-share counters, so a restart
         hands no key fresh credit."""
         assert not self.requests, "restored before the first request"
@@ -388,7 +388,7 @@ class Scheduler:
         self.fair.restore(last.fair_share, last.fair_charged)
 
     def seed_fair_share(self, external: FairShareState) -> None:
-        """Data parallel: what the other engine cores charged these keys (engine/global_fair_share.py),
+        """Data parallel: what the other engine cores charged these keys (engine/client/global_fair_share.py),
         so that this core's admission order is fair over all of them."""
         self.fair.set_external(external)
 

@@ -1,6 +1,6 @@
 """Recurrent-state slots of hybrid models, owned like KV pages: a running sequence holds exactly one
 slot; finishing, aborting or preemption gives it back. The lowest free id goes out first, so slot
-ids are predictable in tests. Pure bookkeeping: the tensors live in engine/state_pool.py."""
+ids are predictable in tests. Pure bookkeeping: the tensors live in engine/attention/state_pool.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`StructuredOutput`: what a constrained request's output must be, as typed data. The api maps a
 request's response_format / tool_choice / text.format into it (and refuses bad ones with a 400
-first); engine/structured.py compiles it, and its grammar cache keys on it. Pure data: no
+first); engine/structured_output/manager.py compiles it, and its grammar cache keys on it. Pure data: no
 grammar engine here, so the scheduler and the api stay free of xgrammar and torch."""
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def _save_hybrid(dst: Path, moe: bool, layout: str, tie: bool, seed: int, init_s
     if chat_template is None:
         write_word_tokenizer(dst, text["vocab_size"])
     else:
-        from engine.qwen_tokenizer import write_qwen_tokenizer_files
+        from engine.weights.qwen_tokenizer import write_qwen_tokenizer_files
 
         write_qwen_tokenizer_files(dst, chat_template)
     return dst

@@ -121,7 +121,7 @@ def _gguf_name(hf_name: str) -> str:
 # Qwen3_5TextModel / Qwen3_5MoeTextModel add, in method-resolution order, the MTP renaming
 # (_Qwen35MtpMixin), the value-head reorder (_LinearAttentionVReorderBase) and Qwen3NextModel's
 # value transforms; TextModel maps names with the gguf package's TensorNameMap. Nothing here is
-# shared with engine/gguf_arch.py, which undoes all of it.
+# shared with engine/weights/formats/gguf_arch.py, which undoes all of it.
 
 LLAMACPP_ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen3_5ForCausalLM": "qwen35",
                  "Qwen3_5ForConditionalGeneration": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",

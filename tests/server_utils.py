@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from api.app import ServerConfig
     from api.server import Server
-    from engine.async_engine import AsyncEngine
+    from engine.front.async_engine import AsyncEngine
     from engine.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[1]

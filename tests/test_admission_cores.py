@@ -1,4 +1,4 @@
-"""Data parallel, the one admission rule over several engine cores (engine/admission.py): queued
+"""Data parallel, the one admission rule over several engine cores (engine/front/admission.py): queued
 is what no core can start at its next step. A core's waiting samples beyond its free slots are
 queued even while another core idles (they cannot move); requests not yet placed are queued only
 beyond the free slots of all the cores together; with one core the rule is the one it always was."""
@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from engine.admission import Admission, EngineOverloadedError, QueueLimits
+from engine.front.admission import Admission, EngineOverloadedError, QueueLimits
 from scheduler.scheduler import SchedulerStats
 
 MAX_NUM_SEQS = 2

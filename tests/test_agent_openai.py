@@ -18,9 +18,9 @@ import openai
 import pytest
 
 from api.app import ServerConfig
-from engine.async_engine import AsyncEngine
+from engine.front.async_engine import AsyncEngine
 from engine.core import EngineCore
-from engine.demo_model import DEMO_MODEL_NAME
+from engine.weights.demo_model import DEMO_MODEL_NAME
 from tests.server_utils import InProcessServer, in_process_server, metric
 from tests.test_tools_e2e import ENGINE, ScriptedCore, call_text
 

@@ -19,7 +19,7 @@ import pytest
 
 from api.app import ServerConfig
 from engine.config import EngineConfig
-from engine.demo_model import ensure_demo_model
+from engine.weights.demo_model import ensure_demo_model
 from tests.server_utils import InProcessServer, in_process_server
 
 NAME = "first-system-only"

@@ -13,20 +13,20 @@ from typing import Any
 
 import pytest
 
-from api.anthropic_request import MessagesRequestModel
-from api.anthropic_routes import usage
+from api.anthropic.request import MessagesRequestModel
+from api.anthropic.routes import usage
 from api.cli import build_parser, server_config
 from api.context_errors import CHAT, COMPLETIONS, MESSAGES, RESPONSES, context_length_error
 from api.errors import APIError, ErrorBody
-from api.request_log import rejection_reason
-from api.responses_tools import ResponsesTools
-from api.validation import check_depth, validate
-from engine.chat_messages import TemplateTraits, fold_system_messages
-from engine.demo_model import ensure_demo_model
+from api.access.request_log import rejection_reason
+from api.responses.tools import ResponsesTools
+from api.request.validation import check_depth, validate
+from engine.front.chat_messages import TemplateTraits, fold_system_messages
+from engine.weights.demo_model import ensure_demo_model
 from engine.errors import ConfigError, ContextLengthError
-from engine.generation_config import generation_defaults
-from engine.prompt_bound import chars_per_token_bound
-from engine.tokenizer import Tokenizer
+from engine.weights.generation_config import generation_defaults
+from engine.front.prompt_bound import chars_per_token_bound
+from engine.front.tokenizer import Tokenizer
 from scheduler.request import ParamError
 from tests.factories import write_word_tokenizer
 
@@ -110,7 +110,7 @@ def test_a_generation_config_value_no_request_could_send_fails_start_up(tmp_path
 
 
 def test_a_request_value_wins_over_a_default() -> None:
-    from api.models import ChatCompletionRequest
+    from api.request.models import ChatCompletionRequest
 
     defaults = (("temperature", 0.6), ("top_k", 20))
     chat = validate(ChatCompletionRequest, {"messages": [{"role": U, "content": "a"}], "temperature": 1.0})
@@ -231,7 +231,7 @@ def test_models_root_names_a_folder_by_its_last_part_only(tmp_path: Path, monkey
 
 
 def test_a_tool_schema_may_nest_64_levels_as_response_format_may_and_no_more() -> None:
-    from api.messages import function_tool
+    from api.request.messages import function_tool
 
     def nested(levels: int) -> dict[str, Any]:
         schema: dict[str, Any] = {"type": "string"}

@@ -1,4 +1,4 @@
-"""The chat response shapes (api/chat.py's ChatEncoder) through the pipeline's stream tail and body
+"""The chat response shapes (api/openai/chat.py's ChatEncoder) through the pipeline's stream tail and body
 (api/pipeline.py) on scripted engine outputs: chunk order and shape, the output parser hook
 (reasoning, tool calls, finish reasons), and the OpenAI SDK assembling our stream."""
 
@@ -13,13 +13,13 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from api.chat import ChatEncoder
-from api.models import ChatCompletionRequest
+from api.openai.chat import ChatEncoder
+from api.request.models import ChatCompletionRequest
 from api.parsers import ParserSettings
 from api.engine_stream import EngineStream
 from api.pipeline import Choices, ResponseHeader, Started, collect_body, stream_events as pipeline_events
-from api.validation import validate
-from engine.outputs import RequestOutput
+from api.request.validation import validate
+from engine.front.outputs import RequestOutput
 
 HEADER = ResponseHeader(id="chatcmpl-test", created=1_700_000_000, model="demo")
 PROMPT = [11, 12, 13]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from api.cli import build_parser, server_config
-from api.keys import API_KEY_ENV
+from api.access.keys import API_KEY_ENV
 from engine.config import ConfigError
 
 

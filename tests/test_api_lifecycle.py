@@ -16,14 +16,14 @@ import pytest
 from starlette.testclient import TestClient
 
 from api.app import ServerConfig, build_app
-from api.auth import bearer_token
+from api.access.auth import bearer_token
 from api.http import ClientDisconnected, unless_disconnected
 from api.engine_stream import EngineStream
 from api.pipeline import start_stream
-from api.sse import DONE, SSEResponse, encode_error_event, encode_event
+from api.transport.sse import DONE, SSEResponse, encode_error_event, encode_event
 from engine.config import ConfigError, EngineConfig
 from engine.core_types import Owner
-from engine.outputs import RequestOutput
+from engine.front.outputs import RequestOutput
 from scheduler.request import SamplingParams
 
 KEY = "sk-lifecycle"

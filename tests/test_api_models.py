@@ -10,10 +10,10 @@ from starlette.testclient import TestClient
 
 from api.app import ServerConfig, build_app
 from api.errors import APIError
-from api.limits import RequestLimits
-from api.models import ChatCompletionRequest
-from api.openapi import openapi_schema
-from api.validation import validate
+from api.access.limits import RequestLimits
+from api.request.models import ChatCompletionRequest
+from api.ops.openapi import openapi_schema
+from api.request.validation import validate
 from engine.config import EngineConfig
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -90,7 +90,7 @@ def test_server_limits_are_validators_naming_the_flag(body: dict[str, Any], para
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_max_output_tokens_caps_rather_than_refuses(field: str) -> None:
-    # The cap applies where max_tokens is resolved (engine/input_processor.py): a body asking for
+    # The cap applies where max_tokens is resolved (engine/front/input_processor.py): a body asking for
     # more is valid, and runs with the cap.
     limits = RequestLimits(max_output_tokens=8)
     chat = validate(ChatCompletionRequest, {field: 9, "messages": MESSAGES}, limits)

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from api.errors import APIError
-from api.messages import parse_messages
-from api.models import ChatCompletionRequest, CompletionRequestModel, parse_prompts
-from api.validation import validate
+from api.request.messages import parse_messages
+from api.request.models import ChatCompletionRequest, CompletionRequestModel, parse_prompts
+from api.request.validation import validate
 from scheduler.request import SamplingParams
 
 

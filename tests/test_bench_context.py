@@ -9,7 +9,7 @@ import pytest
 
 from bench.context_curve import format_curves, run_context_curve, write_tiny_model
 from engine.config import EngineConfig
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])

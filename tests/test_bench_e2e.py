@@ -13,7 +13,7 @@ import pytest
 from bench.__main__ import main
 from bench.datasets import DatasetSpec, LocalTokenizer, build_dataset
 from bench.report import Result, load_results
-from engine.demo_model import ensure_demo_model
+from engine.weights.demo_model import ensure_demo_model
 from tests.server_utils import RunningServer, running_server
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from bench.datasets import Conversation, DatasetSpec, Turn, build_dataset
 from bench.offline import (STAGES, EngineTokenCounter, format_offline, run_offline,
                            timings_snapshot, turn_prompt)
 from engine.config import EngineConfig
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import orjson
 from bench.__main__ import main
 from bench.profile import format_profile, profile_decode
 from engine.config import EngineConfig
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 
 
 def test_profile_times_each_kind_and_leaves_the_engine_clean(llama_ckpt: Path) -> None:

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from engine.batch import ForwardBatch, build_forward_batch
-from engine.checkpoint_pool import CheckpointPool
+from engine.attention.checkpoint_pool import CheckpointPool
 from engine.hybrid_config import HybridConfig
-from engine.linear_attention import TorchLinearAttentionBackend
-from engine.linear_attention_fla import FlaLinearAttentionBackend, Round
-from engine.models.gated_delta import (causal_conv1d, chunk_gated_delta_rule, conv_states_at,
+from engine.attention.linear_attention import TorchLinearAttentionBackend
+from engine.attention.linear_attention_fla import FlaLinearAttentionBackend, Round
+from engine.attention.gated_delta import (causal_conv1d, chunk_gated_delta_rule, conv_states_at,
                                        sequential_gated_delta_rule)
-from engine.state_pool import StatePool
+from engine.attention.state_pool import StatePool
 from scheduler.output import CheckpointSave, ScheduledRequest, SchedulerOutput
 
 CPU = torch.device("cpu")

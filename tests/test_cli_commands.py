@@ -11,7 +11,7 @@ import pytest
 
 from api.cli import main
 from engine.config import EngineConfig
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
 
 

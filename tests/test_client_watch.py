@@ -1,4 +1,4 @@
-"""api/client_watch.py: every reader of a request shares one read of the server's messages, a
+"""api/transport/client_watch.py: every reader of a request shares one read of the server's messages, a
 receiver that gives up loses nothing, a client's disconnect is seen by all and later sends are
 dropped; and under hypercorn over HTTP/2, an app that answers without reading a body the client
 keeps sending still finishes (its last send used to wait on the full queue of unread body)."""
@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from api.client_watch import DISCONNECT, ClientWatch
-from api.hypercorn_h2 import mend_hypercorn_h2
-from api.inflight import InFlight, InFlightMiddleware
-from api.metrics import ServerMetrics
+from api.transport.client_watch import DISCONNECT, ClientWatch
+from api.transport.hypercorn_h2 import mend_hypercorn_h2
+from api.transport.inflight import InFlight, InFlightMiddleware
+from api.transport.metrics import ServerMetrics
 from tests.h2_client import H2
 from tests.server_utils import free_port
 

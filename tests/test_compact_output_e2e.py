@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from engine.demo_model import DEMO_MODEL_NAME
+from engine.weights.demo_model import DEMO_MODEL_NAME
 from tests.server_utils import RunningServer, running_server
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from engine.attention.select import choose_backend
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch
 from engine.config import ConfigError
-from engine.cpu_kernels import load_cpu_ops
+from engine.host.cpu_kernels import load_cpu_ops
 from kernels.cpu_attention import paged_attention, paged_attention_ref, reshape_and_cache, reshape_and_cache_ref
 
 CPU = torch.device("cpu")

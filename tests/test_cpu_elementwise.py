@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu_kernels import load_cpu_ops
-from engine.offline import OfflineEngine
+from engine.host.cpu_kernels import load_cpu_ops
+from engine.front.offline import OfflineEngine
 from kernels.cpu_elementwise import (
     add_rms_norm,
     add_rms_norm_ref,

@@ -1,4 +1,4 @@
-"""The compiled CPU ops' one-time build (engine/cpu_kernels.py): a complete build in the cache is
+"""The compiled CPU ops' one-time build (engine/host/cpu_kernels.py): a complete build in the cache is
 loaded without compiling again, and a machine whose compiler cannot run serves through the torch
 paths and says why."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.cpu_kernels as cpu_kernels
+import engine.host.cpu_kernels as cpu_kernels
 from engine.attention.select import choose_backend
-from engine.cache_folder import build_once, cache_root
+from engine.host.cache_folder import build_once, cache_root
 from kernels.cpu_ops import LIBRARY_NAME, build_key, compile_library
 
 CPU = torch.device("cpu")

@@ -1,13 +1,13 @@
 """One rule for reading a request's credential (issue 32, defect 9): headers that could name two
 different keys (two Authorization headers, two x-api-key headers, or one of each that differ) give
-no key at all, and api/keys.py's middleware refuses such a request with 400, so no reader (the key
+no key at all, and api/access/keys.py's middleware refuses such a request with 400, so no reader (the key
 check, the owner of a stored Response) can take another key than the rest."""
 
 from __future__ import annotations
 
 import pytest
 
-from api.keys import credentials_conflict, token_from_headers
+from api.access.keys import credentials_conflict, token_from_headers
 
 A, B = b"Bearer sk-a", b"Bearer sk-b"
 

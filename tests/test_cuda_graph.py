@@ -16,7 +16,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.cuda_graph import PADDING_REQUEST_ID, CudaGraphRunner, DecodeBuckets, graphs_disabled_reason, \
     pad_decode_batch
-from engine.loader import load_model
+from engine.weights.loader import load_model
 from tests.factories import forward_batch
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

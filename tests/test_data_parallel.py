@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from api.stats import StatsFeed
-from engine.async_engine import AsyncEngine
+from api.ops.stats import StatsFeed
+from engine.front.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core_types import EngineCoreOutputs, GrammarCacheStats, Owner
-from engine.metrics import EngineMetrics
-from engine.outputs import RequestOutput
+from engine.front.metrics import EngineMetrics
+from engine.front.outputs import RequestOutput
 from scheduler.request import SamplingParams
 from tests.test_engine_correctness import hf_greedy
 from tests.test_engine_e2e import CFG, alone, collect, prompt_for

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from api.cli import build_parser, main, server_config
-from engine import core_client
+from engine.client import core_client
 from engine.config import ConfigError, EngineConfig, KVEventsConfig
-from engine.core_client import CoreDevice
+from engine.client.core_client import CoreDevice
 
 EVENTS = dict(enable_kv_cache_events=True, publisher="zmq")
 

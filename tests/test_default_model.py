@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError
-from engine.demo_model import DEMO_MODEL_NAME
-from engine.model_source import (
+from engine.weights.demo_model import DEMO_MODEL_NAME
+from engine.weights.model_source import (
     DEFAULT_MODEL_ENV,
     DEFAULT_MODEL_NAME,
     DEMO_MODEL_KEYWORD,

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-import engine.demo_model as demo
-import engine.qwen_tokenizer as qwen_tokenizer
-from engine.demo_model import DEMO_DIRNAME, DEMO_MODEL_NAME, MARKER_FILE, DemoArchitecture, demo_weights, ensure_demo_model
-from engine.qwen_tokenizer import (
+import engine.weights.demo_model as demo
+import engine.weights.qwen_tokenizer as qwen_tokenizer
+from engine.weights.demo_model import DEMO_DIRNAME, DEMO_MODEL_NAME, MARKER_FILE, DemoArchitecture, demo_weights, ensure_demo_model
+from engine.weights.qwen_tokenizer import (
     QWEN3_ADDED_TOKENS,
     QWEN_PRETOKENIZE_REGEX,
     build_qwen_tokenizer,
@@ -369,7 +369,7 @@ def test_weights_are_identical_whatever_the_cpu_capability() -> None:
     here = hashlib.sha256(b"".join(t.view(torch.int16).numpy().tobytes() for t in demo_weights(arch).values()))
     script = (
         "import hashlib, torch\n"
-        "from engine.demo_model import DemoArchitecture, demo_weights\n"
+        "from engine.weights.demo_model import DemoArchitecture, demo_weights\n"
         "arch = DemoArchitecture(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=1)\n"
         "w = demo_weights(arch)\n"
         "print(hashlib.sha256(b''.join(t.view(torch.int16).numpy().tobytes() for t in w.values())).hexdigest())\n"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from engine.detokenizer import Detokenizer
-from engine.tokenizer import _byte_decoder
+from engine.front.detokenizer import Detokenizer
+from engine.front.tokenizer import _byte_decoder
 
 
 @pytest.fixture(scope="module")

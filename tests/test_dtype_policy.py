@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.dtype_policy as policy
+import engine.weights.dtype_policy as policy
 from engine.config import ConfigError, EngineConfig
-from engine.dtype_policy import resolve_dtype, resolve_quantization
-from engine.model_source import DEFAULT_MODEL_ENV, DEFAULT_MODEL_NAME, DEMO_MODEL_KEYWORD
-from engine.offline import OfflineEngine
+from engine.weights.dtype_policy import resolve_dtype, resolve_quantization
+from engine.weights.model_source import DEFAULT_MODEL_ENV, DEFAULT_MODEL_NAME, DEMO_MODEL_KEYWORD
+from engine.front.offline import OfflineEngine
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
 from tests.factories import make_checkpoint
 

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from engine.async_engine import AsyncEngine
+from engine.front.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.input_processor import InputProcessor
-from engine.offline import OfflineEngine
+from engine.front.input_processor import InputProcessor
+from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
 
 CFG: dict[str, Any] = dict(dtype="float32", kv_cache_memory="16MiB", block_size=16)

@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.front.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
 from tests.server_utils import DONE, running_server, sse_event
 

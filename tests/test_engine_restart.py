@@ -22,10 +22,10 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineStats
+from engine.front.async_engine import AsyncEngine, EngineStats
 from engine.config import EngineConfig
 from engine.core_types import Owner
-from engine.supervisor import EngineSupervisor
+from engine.client.supervisor import EngineSupervisor
 from scheduler.request import SamplingParams
 from tests.server_utils import RunningServer, metric, start_server
 

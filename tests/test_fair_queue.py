@@ -154,7 +154,7 @@ def test_ties_keep_queue_order() -> None:
 
 
 def test_counters_carried_to_a_new_scheduler_keep_a_heavy_key_behind() -> None:
-    """What an engine restart does (engine/supervisor.py): the stats carry each key's V, and the
+    """What an engine restart does (engine/client/supervisor.py): the stats carry each key's V, and the
     new engine's scheduler starts from them."""
     old = scheduler("fair", max_num_seqs=1)
     for i in range(20):

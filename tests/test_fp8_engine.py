@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import ConfigError, ModelConfig
-from engine.fp8 import Fp8Dequantizer, Fp8Format, fp8_format
-from engine.loader import load_model
+from engine.weights.formats.fp8 import Fp8Dequantizer, Fp8Format, fp8_format
+from engine.weights.loader import load_model
 from kernels.fp8_block import dequantize_block_fp8, quantize_block_fp8
 from scheduler.request import SamplingParams
 from tests.factories import make_checkpoint, make_hybrid_checkpoint, make_hybrid_moe_checkpoint, make_moe_checkpoint
@@ -228,7 +228,7 @@ def test_the_kept_fp8_path_builds_the_checkpoints_weights(kind: str, tmp_path: P
     the kept model (the W8A8 torch reference on CPU)."""
     import torch.nn.functional as F
 
-    import engine.loader
+    import engine.weights.loader
     from engine.models.layers import Linear
     from kernels.fp8_block import quantize_activation_groups
     from kernels.fp8_dispatch import Fp8Experts, Fp8Linear
@@ -236,7 +236,7 @@ def test_the_kept_fp8_path_builds_the_checkpoints_weights(kind: str, tmp_path: P
     fp8 = to_fp8_checkpoint(MAKERS[kind](tmp_path / "f"), tmp_path / "fp8", fused_experts=kind.endswith("fused"))
     cfg = ModelConfig.from_checkpoint(fp8)
     dense = load_model(fp8, cfg, torch.float32, torch.device("cpu"), 64)
-    monkeypatch.setattr(engine.loader, "keeps_fp8", lambda *args, **kwargs: True)
+    monkeypatch.setattr(engine.weights.loader, "keeps_fp8", lambda *args, **kwargs: True)
     kept = load_model(fp8, cfg, torch.float32, torch.device("cpu"), 64)
     floats = dict(dense.named_modules())
     num_fp8 = 0

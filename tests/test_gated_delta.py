@@ -1,4 +1,4 @@
-"""The Gated DeltaNet torch kernels (engine/models/gated_delta.py) against transformers' reference
+"""The Gated DeltaNet torch kernels (engine/attention/gated_delta.py) against transformers' reference
 functions, and the batching they rely on: padded segments leave states exact, a state carried
 across calls equals one long call, the conv carries its last inputs."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from engine.models.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from engine.attention.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
 def inputs(batch: int, length: int, hk: int, hv: int, dk: int = 8, dv: int = 4, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -13,11 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import cache_folder, gguf as gguf_module
-from engine.cache_folder import MARKER_FILE, build_once, is_complete
+from engine.host import cache_folder
+from engine.weights.formats import gguf as gguf_module
+from engine.host.cache_folder import MARKER_FILE, build_once, is_complete
 from engine.config import ConfigError, EngineConfig
-from engine.gguf import ensure_gguf_checkpoint, gguf_cache_folder, unpermute_qk
-from engine.offline import OfflineEngine
+from engine.weights.formats.gguf import ensure_gguf_checkpoint, gguf_cache_folder, unpermute_qk
+from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
 from tests.factories import make_checkpoint
 from tests.gguf_factory import CHATML, permute_qk, write_gguf
@@ -55,7 +56,7 @@ def test_a_gguf_converts_back_to_the_exact_checkpoint_it_was_written_from(
 
 
 def test_tokenizer_and_chat_template_come_from_the_gguf_metadata(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    from engine.tokenizer import Tokenizer
+    from engine.front.tokenizer import Tokenizer
 
     folder = ensure_gguf_checkpoint(write_gguf(ckpts["qwen3"], tmp_path / "m.gguf"), tmp_path / "cache")
     tokenizer = Tokenizer(folder)

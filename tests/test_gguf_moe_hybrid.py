@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.config import ConfigError
-from engine.gguf import ensure_gguf_checkpoint
+from engine.weights.formats.gguf import ensure_gguf_checkpoint
 from scheduler.request import SamplingParams
 from tests.factories import make_hybrid_checkpoint, make_hybrid_moe_checkpoint, make_moe_checkpoint
 from tests.gguf_factory import write_llamacpp_gguf

@@ -1,4 +1,4 @@
-"""Data parallel, fair share over the engine cores (engine/global_fair_share.py + the schedulers'
+"""Data parallel, fair share over the engine cores (engine/client/global_fair_share.py + the schedulers'
 `external` counters, scheduler/fair_queue.py), driven through real Schedulers with fake sampled
 tokens (pure Python, no model): a heavy key flooding two cores and a light key whose requests all
 sit on one of them (its prefix is cached there) split the tokens as they do on one core with the
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.global_fair_share import GlobalFairShare
+from engine.client.global_fair_share import GlobalFairShare
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 

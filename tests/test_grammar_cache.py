@@ -1,4 +1,4 @@
-"""The compiled-grammar cache (engine/grammar_cache.py, issue 32): bounded by xgrammar's own size of
+"""The compiled-grammar cache (engine/structured_output/grammar_cache.py, issue 32): bounded by xgrammar's own size of
 each compiled grammar, least recently used out, with the bytes it reports never above the budget
 and grammars evicted while requests hold them counted apart until they let go;
 compiles on a small pool where each key compiles one grammar at a time and keys take turns, so a
@@ -20,9 +20,9 @@ from prometheus_client import generate_latest
 
 from engine.config import EngineConfig
 from engine.core_types import Owner
-from engine.grammar_cache import GrammarCache
-from engine.offline import OfflineEngine
-from engine.structured import StructuredOutputs
+from engine.structured_output.grammar_cache import GrammarCache
+from engine.front.offline import OfflineEngine
+from engine.structured_output.manager import StructuredOutputs
 from scheduler.request import SamplingParams
 from scheduler.structured_output import StructuredOutput
 from tests.server_utils import metric

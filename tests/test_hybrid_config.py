@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.hybrid_runner import choose_linear_backend
+from engine.attention.hybrid_runner import choose_linear_backend
 
 TEXT: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,

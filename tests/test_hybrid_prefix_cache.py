@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
 from tests.factories import make_hybrid_checkpoint
 from tests.mtp_factory import DenseMtpReference, add_mtp_tensors

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import CONTEXT_LENGTH_EXCEEDED, ContextLengthError
-from engine.input_processor import InputProcessor, MaxTokens, MaxTokensPolicy, child_request_id, resolve_max_tokens
+from engine.front.input_processor import InputProcessor, MaxTokens, MaxTokensPolicy, child_request_id, resolve_max_tokens
 from scheduler.request import ParamError, SamplingParams
 from scheduler.structured_output import StructuredOutput
 
@@ -91,8 +91,8 @@ def test_openai_ranges_are_enforced(field: str, value: float) -> None:
 
 def test_chat_messages_become_ids_through_the_checkpoints_template_and_its_tail_tells_the_think_block() -> None:
     from api.pipeline import prompt_closes_reasoning
-    from engine.tokenizer import Tokenizer
-    from engine.demo_model import ensure_demo_model
+    from engine.front.tokenizer import Tokenizer
+    from engine.weights.demo_model import ensure_demo_model
 
     tokenizer = Tokenizer(ensure_demo_model())
     inputs = InputProcessor(151_936, 4096, (), tokenizer)
@@ -117,8 +117,8 @@ def test_more_top_logprobs_than_the_vocabulary_has_are_refused(field: str) -> No
 
 
 def test_echo_shows_a_text_prompt_as_sent_and_decodes_one_sent_as_ids() -> None:
-    from engine.tokenizer import Tokenizer
-    from engine.demo_model import ensure_demo_model
+    from engine.front.tokenizer import Tokenizer
+    from engine.weights.demo_model import ensure_demo_model
 
     tokenizer = Tokenizer(ensure_demo_model())
     inputs = InputProcessor(151_936, 4096, (), tokenizer)

@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file
 
 from api.cli import build_parser, server_config
 from engine.config import ConfigError, EngineConfig
-from engine.int4_linear import GROUP_SIZE, Int4Linear, Int4LinearBuilder, check_int4_device, dequantize_int4, \
+from engine.weights.formats.int4_linear import GROUP_SIZE, Int4Linear, Int4LinearBuilder, check_int4_device, dequantize_int4, \
     quantize_int4, quantize_padded
-from engine.int8_linear import Int8Linear
-from engine.offline import OfflineEngine
-from engine.quantization import INT4, detect_quantization, is_quantizable
+from engine.weights.formats.int8_linear import Int8Linear
+from engine.front.offline import OfflineEngine
+from engine.weights.formats.nvfp4 import INT4, detect_quantization, is_quantizable
 from scheduler.request import SamplingParams
 from tests.factories import make_checkpoint
 from tests.test_engine_correctness import capture_logits

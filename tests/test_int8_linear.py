@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from api.cli import build_parser, server_config
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.packed_linear import can_pack
-from engine.int8_linear import Int8Linear, Int8LinearBuilder, check_int8_device, dequantize_int8, quantize_int8
-from engine.loader import load_model
-from engine.offline import OfflineEngine
-from engine.quantization import INT8, detect_quantization, is_quantizable
+from engine.weights.formats.packed_linear import can_pack
+from engine.weights.formats.int8_linear import Int8Linear, Int8LinearBuilder, check_int8_device, dequantize_int8, quantize_int8
+from engine.weights.loader import load_model
+from engine.front.offline import OfflineEngine
+from engine.weights.formats.nvfp4 import INT8, detect_quantization, is_quantizable
 from scheduler.request import SamplingParams
 from tests.factories import make_checkpoint
 from tests.test_engine_correctness import capture_logits, hf_greedy
@@ -244,7 +244,7 @@ def test_dense_copy_serves_large_inputs_with_the_same_weights(dtype: torch.dtype
     large = torch.randn(2, 8, 100, generator=g).to(dtype)  # 16 rows: the dense path
     y = dense(large)
     assert y.shape == (2, 8, 40) and y.dtype == dtype
-    # The same GEMM over codes * scales (bf16: oneDNN-packed, engine/packed_linear.py).
+    # The same GEMM over codes * scales (bf16: oneDNN-packed, engine/weights/formats/packed_linear.py).
     assert dense.dense.packed == (dtype == torch.bfloat16 and can_pack(dtype, torch.device("cpu")))
     assert torch.equal(y, F.linear(large, dequantize_int8(dense.weight_codes, dense.scales, dtype), dense.bias))
     tol = 1e-5 if dtype == torch.float32 else 2 ** -6
@@ -253,7 +253,7 @@ def test_dense_copy_serves_large_inputs_with_the_same_weights(dtype: torch.dtype
 
 
 def test_quantization_auto_keeps_dense_copies_and_an_explicit_int8_does_not(on_grid: Path) -> None:
-    from engine.dtype_policy import AUTO_INT8_DENSE_FROM_ROWS, int8_dense_from_rows
+    from engine.weights.dtype_policy import AUTO_INT8_DENSE_FROM_ROWS, int8_dense_from_rows
     assert int8_dense_from_rows("auto", INT8) == AUTO_INT8_DENSE_FROM_ROWS
     assert int8_dense_from_rows(INT8, INT8) == 0 and int8_dense_from_rows("auto", None) == 0
     cfg = ModelConfig.from_checkpoint(on_grid)

@@ -1,4 +1,4 @@
-"""Keys files (api/keys.py) and the rate limiter's windows (api/rate_limit.py), without a server."""
+"""Keys files (api/access/keys.py) and the rate limiter's windows (api/access/rate_limit.py), without a server."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from api.keys import KeyRecord, KeyRing, parse_keys_file
-from api.rate_limit import RateLimiter, format_reset
+from api.access.keys import KeyRecord, KeyRing, parse_keys_file
+from api.access.rate_limit import RateLimiter, format_reset
 from engine.config import ConfigError
 
 
@@ -98,7 +98,7 @@ def test_format_reset() -> None:
 
 
 def test_the_body_priority_joins_the_key_owner() -> None:
-    from api.keys import KEY_STATE, request_owner
+    from api.access.keys import KEY_STATE, request_owner
     from engine.core_types import Owner
 
     scope = {"state": {KEY_STATE: KeyRecord("a", weight=2.0, priority=1)}}

@@ -1,4 +1,4 @@
-"""KV-cache events (engine/kv_events.py) without a model: the block manager's cache decisions
+"""KV-cache events (engine/cache_events/kv_events.py) without a model: the block manager's cache decisions
 become vLLM's BlockStored / BlockRemoved / AllBlocksCleared with vLLM's chained block hashes, and
 the ZMQ publisher sends them byte for byte as vLLM does, with its replay socket."""
 
@@ -11,9 +11,9 @@ import pytest
 import zmq
 
 from engine.config import ConfigError, EngineConfig, KVEventsConfig
-from engine.kv_event_hashes import ExternalBlockHashes
-from engine.kv_events import KVEventRecorder, ZmqEventPublisher
-from engine.kv_events import AllBlocksCleared as OurCleared
+from engine.cache_events.kv_event_hashes import ExternalBlockHashes
+from engine.cache_events.kv_events import KVEventRecorder, ZmqEventPublisher
+from engine.cache_events.kv_events import AllBlocksCleared as OurCleared
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, SamplingParams
 from tests import vllm_kv_events as vllm

@@ -177,7 +177,7 @@ def test_the_import_graph_resolves_names_to_their_modules() -> None:
     graph = import_graph(["api", "engine"])
     assert "engine.core_types" in graph["engine.core"]  # from engine.core_types import (...)
     assert "api.parsers" in graph["api.pipeline"]  # a package: its __init__
-    assert "engine.demo_model" in graph["engine.model_path"]  # lazy, inside a function
+    assert "engine.weights.demo_model" in graph["engine.weights.model_path"]  # lazy, inside a function
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -252,10 +252,10 @@ def test_bench_is_an_http_client_except_its_offline_and_kernel_benchmarks() -> N
 
 # The engine's front: what runs in the HTTP process around the core (text, validation, admission,
 # metrics, the per-request streams). Every other engine module is the core's, or below it.
-FRONT = {"engine.async_engine", "engine.admission", "engine.input_processor", "engine.output_processor",
-         "engine.outputs", "engine.tokenizer", "engine.detokenizer", "engine.metrics", "engine.offline",
-         "engine.core_client", "engine.supervisor", "engine.vllm_metrics", "engine.placement", "engine.core_router",
-         "engine.global_fair_share"}
+FRONT = {"engine.front.async_engine", "engine.front.admission", "engine.front.input_processor", "engine.front.output_processor",
+         "engine.front.outputs", "engine.front.tokenizer", "engine.front.detokenizer", "engine.front.metrics", "engine.front.offline",
+         "engine.client.core_client", "engine.client.supervisor", "engine.front.vllm_metrics", "engine.client.placement", "engine.client.core_router",
+         "engine.client.global_fair_share"}
 # The modules of the core's step (its own process): token ids only, no tokenizer.
 CORE_STEP = ("core.py", "core_proc.py", "core_types.py", "model_runner.py", "sampler.py", "batch.py", "cuda_graph.py",
              "prompt_logprobs.py")

@@ -7,8 +7,8 @@ import torch
 
 from engine.batch import build_forward_batch
 from engine.hybrid_config import HybridConfig
-from engine.linear_attention import LinearAttentionPlan, TorchLinearAttentionBackend
-from engine.state_pool import StatePool
+from engine.attention.linear_attention import LinearAttentionPlan, TorchLinearAttentionBackend
+from engine.attention.state_pool import StatePool
 from scheduler.output import ScheduledRequest, SchedulerOutput
 
 CPU = torch.device("cpu")

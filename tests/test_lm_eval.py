@@ -21,7 +21,7 @@ import pytest
 
 from bench.lm_eval_questions import QUESTIONS_PATH
 from bench.lm_eval_run import EndpointError, encode_pair, find_lm_eval, model_folder, reference_loglikelihoods
-from engine.demo_model import DEMO_MODEL_NAME
+from engine.weights.demo_model import DEMO_MODEL_NAME
 from tests.server_utils import REPO, running_server
 
 pytestmark = pytest.mark.slow

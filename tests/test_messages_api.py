@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from api.app import ServerConfig
-from engine.async_engine import AsyncEngine
+from engine.front.async_engine import AsyncEngine
 from engine.core import EngineCore
-from engine.demo_model import DEMO_MODEL_NAME
+from engine.weights.demo_model import DEMO_MODEL_NAME
 from tests.server_utils import InProcessServer, in_process_server
 from tests.test_tools_e2e import ARGUMENTS, ENGINE, THINK, ScriptedCore, call_text
 

@@ -21,9 +21,9 @@ from starlette.requests import Request
 from api.app import ServerConfig
 from api.errors import APIError, handle_api_error, handle_engine_dead, handle_engine_overloaded, handle_param_error, \
     handle_unexpected
-from engine.admission import EngineOverloadedError
-from engine.async_engine import EngineDeadError
-from engine.demo_model import DEMO_MODEL_NAME
+from engine.front.admission import EngineOverloadedError
+from engine.front.async_engine import EngineDeadError
+from engine.weights.demo_model import DEMO_MODEL_NAME
 from scheduler.request import ParamError
 from tests.server_utils import InProcessServer, in_process_server
 from tests.test_tools_e2e import ENGINE

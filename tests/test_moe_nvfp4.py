@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from engine.config import ConfigError, EngineConfig
 from engine.models.layers import Linear
 from engine.models.moe import NVFP4Experts, SparseMoeBlock
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 from fp4serve_tools.quantize import quantize_checkpoint
 from kernels.fused_moe import NVFP4ExpertWeights
 from kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
@@ -72,7 +72,7 @@ def test_quantize_at_load_gives_each_expert_its_own_global_scales(ckpts: Any,
         assert experts.w13.global_scale.shape == (E, 2) and experts.w2.global_scale.shape == (E, 1)
         for e in (0, 7):
             prefix = f"model.layers.{layer}.mlp.experts.{e}"
-            # Quantized at load with the searched block scales, as every linear (engine/quantization.py).
+            # Quantized at load with the searched block scales, as every linear (engine/weights/formats/nvfp4.py).
             gate = quantize_nvfp4_searched(tensors[f"{prefix}.gate_proj.weight"])
             up = quantize_nvfp4_searched(tensors[f"{prefix}.up_proj.weight"])
             want = torch.cat([dequantize_nvfp4(gate, torch.float32), dequantize_nvfp4(up, torch.float32)])

@@ -20,7 +20,7 @@ from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.core import EngineCore
 from engine.model_runner import ModelRunner
 from engine.models.layers import Linear
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 from fp4serve_tools.quantize import main as quantize_main
 from fp4serve_tools.quantize import quantize_checkpoint
 from kernels.nvfp4 import NVFP4Weight, dequantize_nvfp4, quantize_nvfp4, to_modelopt

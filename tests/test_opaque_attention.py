@@ -12,7 +12,7 @@ from bench.compile_probe import compiled_decode_forward, fill_decode_batch
 from engine.attention.opaque import OpaqueAttention
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.config import EngineConfig
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 from tests.test_fast_decode_paths import _decode_batch
 
 

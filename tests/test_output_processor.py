@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, PromptLogprobsChunk
-from engine.input_processor import InputProcessor
-from engine.metrics import EngineMetrics
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.tokenizer import Tokenizer
+from engine.front.input_processor import InputProcessor
+from engine.front.metrics import EngineMetrics
+from engine.front.output_processor import OutputProcessor
+from engine.front.outputs import RequestOutput
+from engine.front.tokenizer import Tokenizer
 from scheduler.request import SamplingParams
 from tests.factories import EOS_ID, TINY, write_word_tokenizer
 

@@ -1,4 +1,4 @@
-"""oneDNN-packed bf16 linears (engine/packed_linear.py): the packed GEMM gives what F.linear gives,
+"""oneDNN-packed bf16 linears (engine/weights/formats/packed_linear.py): the packed GEMM gives what F.linear gives,
 the runner packs a bf16 model's linears (not MoE routers; a tied lm_head as a copy), and the dense
 copy of quantized linears falls back to float32 where bf16 is not native."""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.packed_linear as packed_linear
+import engine.weights.formats.packed_linear as packed_linear
 from engine.config import EngineConfig
 from engine.models.layers import Linear
-from engine.offline import OfflineEngine
-from engine.packed_linear import DenseWeight, PackedLinear, can_pack
+from engine.front.offline import OfflineEngine
+from engine.weights.formats.packed_linear import DenseWeight, PackedLinear, can_pack
 from scheduler.request import SamplingParams
 
 CPU = torch.device("cpu")

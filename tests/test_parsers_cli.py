@@ -46,7 +46,7 @@ def parse_output(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[byt
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(TOOLS))
     cmd = [
-        sys.executable, "-m", "api.parse_output",
+        sys.executable, "-m", "api.parsers.parse_output",
         "--tool-parser", "qwen3_coder", "--reasoning-parser", "qwen3", "--thinking-in-prompt",
         "--tools", str(tools), *extra,
     ]  # fmt: skip
@@ -82,7 +82,7 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path: Path, args: list[str], me
 
 def test_the_issue_16_unclosed_call_is_content_not_a_call() -> None:
     text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
-    cmd = [sys.executable, "-m", "api.parse_output", "--tool-parser", "qwen3", "--finish-reason", "length"]
+    cmd = [sys.executable, "-m", "api.parsers.parse_output", "--tool-parser", "qwen3", "--finish-reason", "length"]
     done = subprocess.run(cmd, input=text.encode(), capture_output=True, cwd=REPO, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {

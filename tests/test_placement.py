@@ -1,5 +1,5 @@
-"""Data parallel, the front's placement (engine/placement.py) and the cores' prefix-cache feed
-(engine/prefix_cache_feed.py), pure Python: the front's page hashes are the scheduler's own; the
+"""Data parallel, the front's placement (engine/client/placement.py) and the cores' prefix-cache feed
+(engine/cache_events/prefix_cache_feed.py), pure Python: the front's page hashes are the scheduler's own; the
 copy of each core's cache that the feed keeps equals the block manager's, through evictions and
 resets; the rule (best cached prefix among the cores within the load slack, then least load, then
 the lower rank; a request's pages count on its core while it is in transit; a restarting core
@@ -12,8 +12,8 @@ import random
 import pytest
 
 from engine.core_types import PrefixCacheDelta
-from engine.placement import MIN_SLACK, Placement, prompt_page_hashes
-from engine.prefix_cache_feed import PrefixCacheFeed
+from engine.client.placement import MIN_SLACK, Placement, prompt_page_hashes
+from engine.cache_events.prefix_cache_feed import PrefixCacheFeed
 from scheduler.block_manager import BlockManager
 from tests.factories import make_request
 

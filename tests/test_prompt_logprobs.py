@@ -11,8 +11,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core_types import EngineCoreRequest
-from engine.offline import OfflineEngine
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.front.offline import OfflineEngine
+from engine.front.outputs import RequestOutput, TokenLogprob
 from scheduler.request import ParamError, SamplingParams
 
 NUM_TOP = 3

@@ -1,4 +1,4 @@
-"""The tokens-per-minute window of api/rate_limit.py on an injected clock: a refused key's
+"""The tokens-per-minute window of api/access/rate_limit.py on an injected clock: a refused key's
 Retry-After is the true time until it reopens (to the second it is rounded up to), also when the
 key has been busy for longer than one window, and x-ratelimit-reset-tokens is the time until the
 window is empty."""
@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from api.keys import KeyRecord
-from api.rate_limit import RateLimiter
+from api.access.keys import KeyRecord
+from api.access.rate_limit import RateLimiter
 
 
 class Clock:

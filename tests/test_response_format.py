@@ -1,4 +1,4 @@
-"""`response_format` (api/response_format.py): the grammars checked by xgrammar's own matcher
+"""`response_format` (api/grammars/response_format.py): the grammars checked by xgrammar's own matcher
 (one JSON object and nothing else; a think block first only when reasoning; string lengths), the
 request refusals with their `param`, and end to end on a real server (in this process, under
 hypercorn on 127.0.0.1) read with the official `openai` SDK: the unscripted random demo model,
@@ -23,15 +23,15 @@ from pydantic import BaseModel, Field
 
 from api.app import ServerConfig
 from api.errors import APIError
-from api.models import ChatCompletionRequest, CompletionRequestModel
-from api.response_format import (
+from api.request.models import ChatCompletionRequest, CompletionRequestModel
+from api.grammars.response_format import (
     ResponseFormat,
     parse_response_format,
     response_format_spec,
 )
-from api.validation import validate
+from api.request.validation import validate
 from engine.config import EngineConfig
-from engine.demo_model import DEMO_MODEL_NAME
+from engine.weights.demo_model import DEMO_MODEL_NAME
 from engine.grammars import ebnf
 from engine.grammars.schema import MAX_STRING_LENGTH_BOUND
 from scheduler.structured_output import Reasoning

@@ -13,10 +13,10 @@ import openai
 import pytest
 
 from api.app import ServerConfig
-from api.responses_store import ResponseStore, StoredResponse, owner_of
-from engine.async_engine import AsyncEngine
+from api.responses.store import ResponseStore, StoredResponse, owner_of
+from engine.front.async_engine import AsyncEngine
 from engine.core import EngineCore
-from engine.demo_model import DEMO_MODEL_NAME
+from engine.weights.demo_model import DEMO_MODEL_NAME
 from tests.server_utils import InProcessServer, in_process_server
 from tests.test_tools_e2e import ARGUMENTS, ENGINE, THINK, ScriptedCore, call_text
 
@@ -206,9 +206,9 @@ def test_text_format_json_schema_is_enforced_on_the_random_model(client: openai.
 
 
 def test_built_in_tools_are_left_out_and_function_tools_nested_for_chat() -> None:
-    from api.response_format import ResponseFormat
-    from api.responses_request import ResponsesRequestModel
-    from api.validation import validate
+    from api.grammars.response_format import ResponseFormat
+    from api.responses.request import ResponsesRequestModel
+    from api.request.validation import validate
 
     request = validate(ResponsesRequestModel, {
         "input": "hi", "tools": [{"type": "web_search"}, WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},

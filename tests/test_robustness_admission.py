@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 
-from api.deadline import Deadline, server_stopping_error
+from api.transport.deadline import Deadline, server_stopping_error
 from api.errors import APIError
-from api.inflight import InFlight
-from api.metrics import ServerMetrics
+from api.transport.inflight import InFlight
+from api.transport.metrics import ServerMetrics
 from api.engine_stream import EngineStream
-from engine.admission import Admission, EngineOverloadedError, QueueLimits
-from engine.async_engine import AsyncEngine
+from engine.front.admission import Admission, EngineOverloadedError, QueueLimits
+from engine.front.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.outputs import RequestOutput
+from engine.front.outputs import RequestOutput
 from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerStats
 

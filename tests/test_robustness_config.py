@@ -10,9 +10,9 @@ import pytest
 
 from api.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig
 from api.cli import build_parser, main, server_config
-from api.limits import RequestLimits
+from api.access.limits import RequestLimits
 from api.server import log_settings
-from engine.admission import QueueLimits
+from engine.front.admission import QueueLimits
 from engine.config import EngineConfig
 
 

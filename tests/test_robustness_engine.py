@@ -17,7 +17,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from api.app import ServerConfig, build_app
-from engine.async_engine import MAX_CONSECUTIVE_FAILURES, AsyncEngine
+from engine.front.async_engine import MAX_CONSECUTIVE_FAILURES, AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.model_runner import StepResult

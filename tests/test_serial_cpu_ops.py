@@ -9,7 +9,7 @@ import torch
 
 import engine.attention.torch_ref as torch_ref
 from engine.attention.torch_ref import TorchAttentionBackend
-from engine.cpu_threads import serial_cpu_ops
+from engine.host.cpu_threads import serial_cpu_ops
 from tests.test_fast_decode_paths import _decode_batch
 
 

@@ -1,5 +1,5 @@
-"""The short-row path of the Gated DeltaNet (engine/models/gated_delta.py sequential_gated_delta_rule,
-routed by engine/linear_attention.py for rows of 2..SHORT_ROW_MAX tokens): the token-by-token
+"""The short-row path of the Gated DeltaNet (engine/attention/gated_delta.py sequential_gated_delta_rule,
+routed by engine/attention/linear_attention.py for rows of 2..SHORT_ROW_MAX tokens): the token-by-token
 recurrence equals the chunked form and transformers' recurrent reference, with initial states,
 padded rows and lengths around the threshold, and the backend gives the same outputs and states
 whichever group a row lands in."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from engine.linear_attention import SHORT_ROW_MAX, LinearAttentionPlan, TorchLinearAttentionBackend
-from engine.models.gated_delta import chunk_gated_delta_rule, sequential_gated_delta_rule
-from engine.state_pool import StatePool
+from engine.attention.linear_attention import SHORT_ROW_MAX, LinearAttentionPlan, TorchLinearAttentionBackend
+from engine.attention.gated_delta import chunk_gated_delta_rule, sequential_gated_delta_rule
+from engine.attention.state_pool import StatePool
 from tests.test_gated_delta import inputs
 from tests.test_linear_attention import CPU, HYBRID, batch, run
 

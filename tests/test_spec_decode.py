@@ -14,7 +14,7 @@ import torch
 from bench.spec_decode import record_steps
 from engine.config import ConfigError, EngineConfig
 from engine.core_types import EngineCoreOutputs
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 from engine.sampler import Sampler
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.rejection import verify

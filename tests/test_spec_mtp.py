@@ -14,7 +14,7 @@ import torch
 
 from bench.spec_decode import record_steps
 from engine.config import ConfigError
-from engine.offline import OfflineEngine
+from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
 from tests.factories import make_hybrid_checkpoint, make_hybrid_moe_checkpoint
 from tests.mtp_factory import DenseMtpReference, add_mtp_tensors, make_predictable

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.offline import OfflineEngine, OfflineResult
-from engine.structured import GrammarMask, StructuredOutputs, bitmask_words
+from engine.front.offline import OfflineEngine, OfflineResult
+from engine.structured_output.manager import GrammarMask, StructuredOutputs, bitmask_words
 from scheduler.request import ParamError, SamplingParams
 from scheduler.structured_output import StructuredOutput
 

@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
-from engine.allocator import memory_releaser
-from engine.async_engine import AsyncEngine, EngineRestartingError
+from engine.host.allocator import memory_releaser
+from engine.front.async_engine import AsyncEngine, EngineRestartingError
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.core_proc import EngineCoreLoop, Message
 from engine.core_types import AddRequests, EngineCoreOutputs, EngineCoreRequest, Shutdown
-from engine.heartbeat import BatchShape, Heartbeat, HeartbeatReading
-from engine.supervisor import FIRST_STEP_FACTOR, MAX_BACKOFF_S, RestartPolicy
+from engine.host.heartbeat import BatchShape, Heartbeat, HeartbeatReading
+from engine.client.supervisor import FIRST_STEP_FACTOR, MAX_BACKOFF_S, RestartPolicy
 from scheduler.output import ScheduledRequest
 from scheduler.request import SamplingParams
 
@@ -155,7 +155,7 @@ def test_a_lost_engine_ends_streaming_and_waiting_requests_and_the_next_one_is_s
             waiting = engine.generate([8, 9], long, "waiting")
             waiting_first = asyncio.ensure_future(anext(waiting))
             await asyncio.sleep(0)  # let it reach the engine
-            # What engine/supervisor.py sends when the engine process dies.
+            # What engine/client/supervisor.py sends when the engine process dies.
             engine._from_core(EngineCoreOutputs(dead="the engine process exited (exit code -9)", restart="crash"))
             rest = [out async for out in streaming]
             try:

@@ -14,8 +14,8 @@ import pytest
 
 from api.app import ServerConfig
 from engine.config import EngineConfig
-from engine.demo_model import DEMO_MODEL_NAME, ensure_demo_model
-from engine.tokenizer import Tokenizer
+from engine.weights.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+from engine.front.tokenizer import Tokenizer
 from tests.server_utils import InProcessServer, in_process_server
 
 ENGINE = EngineConfig(kv_cache_memory="16MiB", max_model_len=1024)

@@ -1,4 +1,4 @@
-"""Whether the checkpoint's chat template shows the model a request's tools (engine/tokenizer.py):
+"""Whether the checkpoint's chat template shows the model a request's tools (engine/front/tokenizer.py):
 found at load by rendering a probe tool, with a start-up warning when it does not (SmolLM2's
 default template), so a tool request is never silently a plain chat."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import gguf
 import pytest
 
-from engine.model_source import smollm2_gguf_path
-from engine.tokenizer import Tokenizer
-from engine.demo_model import chat_template_text
-from engine.qwen_tokenizer import write_qwen_tokenizer_files
+from engine.weights.model_source import smollm2_gguf_path
+from engine.front.tokenizer import Tokenizer
+from engine.weights.demo_model import chat_template_text
+from engine.weights.qwen_tokenizer import write_qwen_tokenizer_files
 
 WARNING = "does not render tools"
 

@@ -1,4 +1,4 @@
-"""The tool_choice grammars (api/tool_grammar.py's spec, engine/grammars/) checked by xgrammar's own
+"""The tool_choice grammars (api/grammars/tool_grammar.py's spec, engine/grammars/) checked by xgrammar's own
 matcher: they accept the tool-call texts Qwen3 / Qwen3-Coder write (the chat template's own
 rendering included) and the parsers read those back to the same calls; they refuse wrong names,
 missing or undeclared arguments, wrong types, stray text, and a second call when only one is
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from api.parsers import parse_text
-from api.tool_grammar import tool_call_spec
+from api.grammars.tool_grammar import tool_call_spec
 from engine.grammars import ebnf
 from engine.grammars.schema import Rules, SchemaGrammar
 from scheduler.structured_output import Reasoning
@@ -126,7 +126,7 @@ def test_qwen3_json_calls_are_accepted_and_parse_back(accepts: Accepts, name: st
 def test_the_chat_templates_own_rendering_of_a_call_is_accepted(accepts: Accepts) -> None:
     from transformers import AutoTokenizer
 
-    from engine.demo_model import ensure_demo_model
+    from engine.weights.demo_model import ensure_demo_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_demo_model()))
     call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "hours": [9]}}}

@@ -20,11 +20,11 @@ import openai
 import pytest
 
 from api.app import ServerConfig
-from engine.async_engine import AsyncEngine
+from engine.front.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.tokenizer import Tokenizer
-from engine.demo_model import DEMO_MODEL_NAME, EOS_TOKEN_ID
+from engine.front.tokenizer import Tokenizer
+from engine.weights.demo_model import DEMO_MODEL_NAME, EOS_TOKEN_ID
 from engine.model_runner import StepResult
 from engine.core_types import SampledToken
 from scheduler.output import SchedulerOutput

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from api.app import ServerConfig
-from engine.async_engine import AsyncEngine
+from engine.front.async_engine import AsyncEngine
 from engine.core import EngineCore
 from scheduler.output import SchedulerOutput
 from tests.browser import by_testid, chromium, console_errors, screenshot, wait_for

@@ -1,5 +1,5 @@
 """The web page's HTTP side without a browser: `GET /` and /ui/* with their security headers,
-`--no-ui`, what the page's files may not contain, and /stats (api/stats.py): histogram
+`--no-ui`, what the page's files may not contain, and /stats (api/ops/stats.py): histogram
 percentiles, rates and windows on the engine's real metrics, and the route on a real server."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from starlette.testclient import TestClient
 
 from api.app import ServerConfig, build_app
 from api.cli import build_parser, server_config
-from api.metrics import ServerMetrics
-from api.stats import LATENCY_WINDOW_S, REUSE_S, Histogram, StatsFeed, StatsWindow, read_snapshot, summarize
-from api.ui import CONTENT_SECURITY_POLICY
+from api.transport.metrics import ServerMetrics
+from api.ops.stats import LATENCY_WINDOW_S, REUSE_S, Histogram, StatsFeed, StatsWindow, read_snapshot, summarize
+from api.ops.ui import CONTENT_SECURITY_POLICY
 from engine.config import EngineConfig
-from engine.metrics import EngineMetrics
+from engine.front.metrics import EngineMetrics
 from scheduler.scheduler import SchedulerStats
 from tests.server_utils import InProcessServer, in_process_server
 

@@ -26,7 +26,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.demo_model import ensure_demo_model
+from engine.weights.demo_model import ensure_demo_model
 from tests.server_utils import RunningServer, free_port, start_server
 
 pytestmark = pytest.mark.slow

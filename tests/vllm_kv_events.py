@@ -56,7 +56,7 @@ DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 def vllm_block_hashes(token_ids: list[int], block_size: int, seed: str) -> list[int]:
     """What vLLM sends for these full pages with `--prefix-caching-hash-algo sha256_cbor` and
     PYTHONHASHSEED=seed, written from its definition (hash_block_tokens, init_none_hash,
-    maybe_convert_block_hash), independently of engine/kv_event_hashes.py."""
+    maybe_convert_block_hash), independently of engine/cache_events/kv_event_hashes.py."""
     def sha256_cbor(value: object) -> bytes:
         return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
 

@@ -1,7 +1,7 @@
 """The CPU attention backend: decode rows and short chunks attend over the paged KV cache in place
 through the C++ ops of kernels/cpu_attention.py (no per-layer gather of K and V); longer prefill
 chunks keep the torch reference's SDPA over their gathered keys (a compute-bound case where
-torch's flash kernel is the faster one). engine/cpu_kernels.py compiles the ops once per machine."""
+torch's flash kernel is the faster one). engine/host/cpu_kernels.py compiles the ops once per machine."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class CpuAttentionBackend:
     name = "cpu"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
-        assert ops_loaded(), "engine.cpu_kernels.load_cpu_ops() first"
+        assert ops_loaded(), "engine.host.cpu_kernels.load_cpu_ops() first"
         self.num_heads = num_heads
         self.scale = head_dim**-0.5
         self.ref = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, device)  # longer prefill chunks

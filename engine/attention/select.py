@@ -92,7 +92,7 @@ def choose_backend(
 def _cpu_ops_error(dtype: torch.dtype | None, kv_dtype: torch.dtype | None) -> str | None:
     """Why the CPU paged-attention ops cannot serve these dtypes, or None once they are loaded."""
     from engine.attention.cpu_paged import SUPPORTED_DTYPES
-    from engine.cpu_kernels import load_cpu_ops
+    from engine.host.cpu_kernels import load_cpu_ops
 
     if dtype is not None and (dtype, kv_dtype or dtype) not in SUPPORTED_DTYPES:
         names = (str(t).removeprefix("torch.") for t in (dtype, kv_dtype or dtype))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.batch import ForwardBatch
-from engine.cpu_threads import serial_cpu_ops
+from engine.host.cpu_threads import serial_cpu_ops
 
 
 # NOTE: the cache [P, 2, bs, H, D] is addressed through its flat view [P * 2 * bs, H, D]:
@@ -24,7 +24,7 @@ from engine.cpu_threads import serial_cpu_ops
 
 _SMALL_DECODE_BATCH = 4  # decode batches up to this size skip SDPA (see _small_decode_attention)
 # Small decode batches run the KV write and attention on the calling thread alone (see
-# engine/cpu_threads.py); a module setting, so that a benchmark can A/B it in one process.
+# engine/host/cpu_threads.py); a module setting, so that a benchmark can A/B it in one process.
 SERIAL_SMALL_DECODE = True
 
 

@@ -1,5 +1,5 @@
 """Our own EBNF rules for the structured outputs whose guarantees xgrammar's converters do not give
-(engine/structured.py says which and why): JSON values of a schema (schema.py) and forced tool
+(engine/structured_output/manager.py says which and why): JSON values of a schema (schema.py) and forced tool
 calls (tools.py). `ebnf` is the one entry: a spec in, grammar text out."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """JSON values that fit a JSON schema, as EBNF in xgrammar's dialect: `SchemaGrammar` turns one
 schema into rules of a `Rules` set (shared JSON rules, unique names, reuse of equal bodies), and
 `Rules.with_reasoning` puts a think block before them. Plain text: engine/grammars/tools.py builds
-tool-call grammars from it, engine/structured.py compiles the result (why these rules and not
+tool-call grammars from it, engine/structured_output/manager.py compiles the result (why these rules and not
 xgrammar's own converter: its docstring)."""
 
 from __future__ import annotations

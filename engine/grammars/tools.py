@@ -1,7 +1,7 @@
 """EBNF grammars (xgrammar's dialect) for forced tool calls: the output is one or more tool calls in
 the server's tool format, each naming an offered function with arguments that fit its JSON schema,
 optionally after a think block. Built from a `StructuredOutput` of kind tool_calls (the api turned
-tool_choice "required" or a named function into it); engine/structured.py compiles the text."""
+tool_choice "required" or a named function into it); engine/structured_output/manager.py compiles the text."""
 
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_threads
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig
-from engine.cpu_threads import serial_cpu_ops
+from engine.host import cpu_threads
+from engine.host.cpu_threads import serial_cpu_ops
 from engine.models.layers import Linear, PositionedRotary, RMSNorm, RotaryEmbedding
 from engine.models.moe import SparseMoeBlock
 from kernels import cpu_elementwise
@@ -80,7 +80,7 @@ class MLP(nn.Module):
 
 def use_cpu_ops(model: nn.Module) -> int:
     """Run the dense decoder's norms, residual-add-and-norm, SwiGLU activation and RoPE through the
-    fused C++ ops of kernels/cpu_elementwise.py (loaded by engine/cpu_kernels.py): one op each
+    fused C++ ops of kernels/cpu_elementwise.py (loaded by engine/host/cpu_kernels.py): one op each
     where eager torch runs 2-7. How many modules switched."""
     switched = 0
     for module in model.modules():

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.hybrid_backend import HybridBackend
+from engine.attention.linear_attention import LinearAttentionBackend
 from engine.config import ModelConfig
-from engine.hybrid_backend import HybridBackend
 from engine.hybrid_config import LINEAR_ATTENTION
-from engine.linear_attention import LinearAttentionBackend
 from engine.models.decoder import MLP, DecoderForCausalLM
 from engine.models.layers import Linear, RotaryEmbedding
 

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine.attention.hybrid_backend import HybridBackend
 from engine.config import ModelConfig
-from engine.hybrid_backend import HybridBackend
 from engine.models.layers import Linear, RotaryEmbedding
 from engine.models.qwen3_5 import GatedAttention, HybridDecoderLayer, MLPFactory, ZeroCenteredRMSNorm
 

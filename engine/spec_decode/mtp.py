@@ -32,7 +32,7 @@ import torch
 
 from engine.attention.backend import kv_cache_shape
 from engine.batch import ForwardBatch, build_forward_batch
-from engine.hybrid_backend import HybridBackend
+from engine.attention.hybrid_backend import HybridBackend
 from engine.models.qwen3_5 import HybridForCausalLM
 from engine.models.qwen3_5_mtp import Qwen3_5MTP
 from scheduler.output import ScheduledRequest, SchedulerOutput

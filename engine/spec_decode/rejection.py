@@ -27,7 +27,7 @@ import torch
 
 from engine.core_types import SampledToken
 from engine.sampler import Sampler
-from engine.structured import StructuredOutputs
+from engine.structured_output.manager import StructuredOutputs
 
 
 def verify(

@@ -8,7 +8,7 @@ that copy back, and the scheduler leaves its computed-token count where it was (
 chunk (their K/V is rewritten with the same values) and the state lands exactly on the last
 accepted token. A request that accepted every draft keeps the advanced state. The cost of a
 rejection is one extra chunk of 2 + accepted tokens in the next step's batch, a short row that the
-torch backend runs through the recurrence (engine/linear_attention.py). Per-position states for the
+torch backend runs through the recurrence (engine/attention/linear_attention.py). Per-position states for the
 draft window (no recompute) are not kept: they cost K + 1 states per DeltaNet layer per verifying
 request (~2 MiB each at Qwen3.5 sizes), and the fla kernels used on GPU do not emit them, so the
 runner would need a second rollback path beside this one."""
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.state_pool import StatePool
+from engine.attention.state_pool import StatePool
 
 
 class StateSnapshot:

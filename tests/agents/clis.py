@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cache_folder import build_once
+from engine.host.cache_folder import build_once
 
 # Pinned to the versions issue 26 was found with: a new CLI version changes what it sends.
 # NOTE: newer Claude Code (2.1.3xx) and qwen-code (0.2x) need Node 22; these run on Node 20.

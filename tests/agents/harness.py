@@ -24,7 +24,7 @@ MAX_MODEL_LEN = 65_536  # the agents' prompts (6-19k tokens) plus the 32,000 max
 # KV for MAX_MODEL_LEN tokens of the agent model (3 layers x 3 heads x 192 x K,V x bf16: 6.75 KiB a
 # token), and some room: the default KV size on a CPU would lower the context to ~39k.
 KV_CACHE_MEMORY = "512MiB"
-# One request log line (engine/output_processor.py).
+# One request log line (engine/front/output_processor.py).
 _REQUEST_LINE = re.compile(
     r"(?P<id>\S+) key=\S+ prompt=(?P<prompt>\d+) completion=(?P<completion>\d+) cached=(?P<cached>\d+) "
     r"ttft=(?P<ttft>[\d.]+)s")

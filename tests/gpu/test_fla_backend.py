@@ -1,4 +1,4 @@
-"""fla-core's Gated DeltaNet kernels (engine/linear_attention_fla.py) against the torch reference
+"""fla-core's Gated DeltaNet kernels (engine/attention/linear_attention_fla.py) against the torch reference
 backend on a CUDA device: a mixed batch of prefill chunks and decodes over state slots, then pure
 decode steps, comparing outputs and the slots' states. Skipped without CUDA or fla-core.
 
@@ -11,15 +11,15 @@ import torch
 
 from engine.batch import build_forward_batch
 from engine.hybrid_config import HybridConfig
-from engine.linear_attention import TorchLinearAttentionBackend
-from engine.state_pool import StatePool
+from engine.attention.linear_attention import TorchLinearAttentionBackend
+from engine.attention.state_pool import StatePool
 from scheduler.output import ScheduledRequest, SchedulerOutput
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 if torch.cuda.is_available():
     pytest.importorskip("fla")
-    from engine.linear_attention_fla import FlaLinearAttentionBackend
+    from engine.attention.linear_attention_fla import FlaLinearAttentionBackend
 
 CUDA = torch.device("cuda")
 HYBRID = HybridConfig(layer_types=("linear_attention",), num_k_heads=2, num_v_heads=6, head_k_dim=64, head_v_dim=64,
@@ -58,7 +58,7 @@ def test_fla_delta_rule_equals_the_torch_reference_over_slots(dtype: torch.dtype
 def test_fla_rounds_keep_the_states_the_torch_backend_keeps() -> None:
     """Hybrid prefix caching: states kept part way through a step (the fla call split into rounds)
     equal the torch backend's (computed inside its chunked form), and so do outputs and slots."""
-    from engine.checkpoint_pool import CheckpointPool
+    from engine.attention.checkpoint_pool import CheckpointPool
     from scheduler.output import CheckpointSave
 
     pools = [(StatePool(HYBRID, 8, CUDA), CheckpointPool(HYBRID, 4, (2, 16, 1, 64), 1, torch.float32, CUDA))

@@ -17,7 +17,7 @@ from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch, build_forward_batch
 from engine.config import ModelConfig
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets
-from engine.loader import load_model
+from engine.weights.loader import load_model
 from engine.models.decoder import DecoderForCausalLM
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from tests.factories import make_checkpoint

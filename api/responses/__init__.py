@@ -1,0 +1,2 @@
+"""OpenAI's Responses API: its request model and mapping, its output events, its routes, the
+response store and its tools."""

@@ -1,0 +1,203 @@
+"""Weight-only int4 linears for CPUs (`--quantization int4`, W4A16): float checkpoint weights
+quantized at load to 4-bit codes with a scale and a zero point per group of 32 input columns
+(asymmetric, GGUF Q4_1's grid), run by torch's own CPU kernel `torch._weight_int4pack_mm_for_cpu`
+with bf16 activations; and the builder the loader streams shards into.
+
+Q4_1 stores each block of 32 weights as d * q + m with q in 0..15, d = (max - min) / 15, m = min;
+quantizing such weights again with the same rule finds the same d, m and q. So the built-in
+SmolLM2 (a Q4_1 GGUF dequantized at load) runs on its own 4-bit grid, up to the bf16 rounding of
+d and m (the kernel takes its scales in the activation dtype)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.config import ConfigError
+from engine.weights.formats.packed_linear import DenseWeight, can_pack
+from engine.weights.formats.shard_checks import check_shape, copy_bias_shard
+
+GROUP_SIZE = 32  # Q4_1's block; the kernel takes 32, 64, 128 or 256
+_LEVELS = 15  # codes 0..15
+_MIDPOINT = 8  # the kernel computes (code - 8) * scale + zero
+_N_MULTIPLE = 16  # the kernel's packing takes whole tiles of 16 output rows
+# The activation dtype the int4 path runs (its scales must be the same dtype): the kernel's
+# fast path, and the one measured (docs/PERF.md).
+INT4_ACTIVATION_DTYPE = torch.bfloat16
+
+
+def quantize_int4(weight: Tensor, dtype: torch.dtype = INT4_ACTIVATION_DTYPE,
+                  group_size: int = GROUP_SIZE) -> tuple[Tensor, Tensor]:
+    """[N, K] float weight (K a multiple of `group_size`) -> (codes [N, K] uint8 in 0..15,
+    scales_and_zeros [K / group_size, N, 2] in `dtype`): w ~ (code - 8) * scale + zero per group.
+
+    NOTE: scale and zero are rounded to `dtype` first and the codes chosen against the stored
+    values, so codes times the stored scale are the nearest grid point the kernel will multiply.
+    A constant group gets scale 1 and reproduces its value exactly."""
+    n, k = weight.shape
+    assert k % group_size == 0, f"K = {k} is not a multiple of the group size {group_size}"
+    w = weight.detach().float().reshape(n, k // group_size, group_size)  # [N, G, g]
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
+    scale = torch.where(hi > lo, (hi - lo) / _LEVELS, torch.ones_like(hi)).to(dtype)  # [N, G]
+    zero = (lo + _MIDPOINT * scale.float()).to(dtype)  # [N, G]: the value of code 8
+    base = zero.float() - _MIDPOINT * scale.float()  # [N, G]: the value of code 0, as stored
+    codes = torch.round((w - base[..., None]) / scale.float()[..., None]).clamp_(0, _LEVELS).to(torch.uint8)
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]
+    return codes.reshape(n, k), scales_and_zeros
+
+
+def quantize_padded(weight: Tensor, dtype: torch.dtype = INT4_ACTIVATION_DTYPE) -> tuple[Tensor, Tensor]:
+    """`quantize_int4` of [N, K] with K padded by zero columns up to a whole group (an input is
+    padded with zeros to match, so the products are unchanged)."""
+    pad = -weight.shape[1] % GROUP_SIZE
+    return quantize_int4(F.pad(weight.detach().float(), (0, pad)), dtype)
+
+
+def dequantize_int4(codes: Tensor, scales_and_zeros: Tensor, group_size: int = GROUP_SIZE,
+                    dtype: torch.dtype = torch.float32) -> Tensor:
+    """The float weight [N, K] an int4 linear multiplies by: (code - 8) * scale + zero, per group."""
+    n, k = codes.shape
+    scale = scales_and_zeros[..., 0].t().float()  # [N, G]
+    zero = scales_and_zeros[..., 1].t().float()  # [N, G]
+    q = codes.float().reshape(n, k // group_size, group_size)
+    return ((q - _MIDPOINT) * scale[..., None] + zero[..., None]).reshape(n, k).to(dtype)
+
+
+class Int4Linear(nn.Module):
+    """y = x dequantize(codes)^T (+ b), the codes packed two to a byte in the kernel's layout.
+
+    Inputs of at least `dense_from_rows` rows multiply a dense copy of the same dequantized weight
+    instead (a GEMM: torch's int4 kernel is a matrix-vector kernel whose time grows with the rows,
+    docs/PERF.md)."""
+
+    def __init__(self, codes: Tensor, scales_and_zeros: Tensor, bias: Tensor | None, in_features: int | None = None,
+                 dense_from_rows: int = 0, group_size: int = GROUP_SIZE, source: Tensor | None = None) -> None:
+        """`codes` [N, K] and `scales_and_zeros` as `quantize_int4` gives them; `in_features`: the
+        layer's real K when `codes` carry zero padding columns up to a whole group; `dense_from_rows`
+        > 0 keeps a dense bf16 copy for inputs of that many rows or more: of `source` ([N, K] float,
+        the checkpoint's weights the codes were quantized from) when given, else of the codes.
+
+        NOTE: from the checkpoint's weights, large inputs (prefills) see what `--dtype bfloat16`
+        would: on SmolLM2 the defaults' perplexity went from +0.34% to +0.22% against float32
+        (docs/PERF.md), and its greedy answer to a short question is bf16's again."""
+        super().__init__()
+        assert codes.dtype == torch.uint8 and codes.dim() == 2, f"uint8 [N, K] codes expected, got {codes.dtype}"
+        n, k = codes.shape
+        assert k % group_size == 0, f"K = {k} is not a multiple of the group size {group_size}"
+        assert scales_and_zeros.shape == (k // group_size, n, 2), "one scale and zero per row and group"
+        self.out_features, self.in_features = n, k if in_features is None else in_features
+        assert k - GROUP_SIZE < self.in_features <= k, f"in_features {in_features} for {k} columns of codes"
+        self.group_size = group_size
+        # NOTE: the kernel takes N in multiples of 16: extra rows of code 0 and scale/zero 0 give
+        # zero outputs, cut off after the call (real models' widths never pad).
+        row_pad = -n % _N_MULTIPLE
+        self.k_pad = k - self.in_features  # zero columns the input gets (K up to a whole group)
+        padded_codes = F.pad(codes, (0, 0, 0, row_pad)).to(torch.int32)  # [N + pad, K]
+        # [N + pad, K / 2] uint8 in the kernel's layout (packed with innerKTiles=1, its CPU layout).
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded_codes, 1))
+        # [K / group, N + pad, 2] activation dtype
+        self.register_buffer("scales_and_zeros", F.pad(scales_and_zeros, (0, 0, 0, row_pad)))
+        self.register_buffer("bias", bias)  # [N] activation dtype, or None
+        # Optional: the dequantized weight (engine/weights/formats/packed_linear.py's DenseWeight), for inputs of at
+        # least `dense_from_rows` rows.
+        self.dense: DenseWeight | None = None
+        self.dense_from_rows = dense_from_rows
+        if dense_from_rows:
+            weight = source if source is not None else dequantize_int4(codes, scales_and_zeros, group_size)
+            self.dense = DenseWeight(weight[:, :self.in_features], scales_and_zeros.dtype)  # [N, K]
+
+    @staticmethod
+    def from_float(weight: Tensor, bias: Tensor | None, dtype: torch.dtype = INT4_ACTIVATION_DTYPE,
+                   dense_from_rows: int = 0) -> Int4Linear:
+        codes, sz = quantize_padded(weight, dtype)
+        return Int4Linear(codes, sz, None if bias is None else bias.detach().to(dtype), weight.shape[1], dense_from_rows,
+                          source=weight if dense_from_rows else None)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """The packed codes, scales and zeros (not a dense copy: `dense_nbytes`)."""
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+    @property
+    def dense_nbytes(self) -> int:
+        return 0 if self.dense is None else self.dense.nbytes
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes outside the state_dict: the dense copy (engine/weights/formats/packed_linear.py's packed_bytes)."""
+        return self.dense_nbytes
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [T, K]
+        if self.dense is not None and x2.shape[0] >= self.dense_from_rows:
+            return self.dense(x2, self.bias).view(*lead, self.out_features)
+        if self.k_pad:
+            x2 = F.pad(x2, (0, self.k_pad))  # [T, K + pad], a new contiguous tensor
+        elif not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        if y.shape[1] != self.out_features:
+            y = y[:, :self.out_features].contiguous()  # [T, N]: the padding rows' zeros cut off
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        dense = f", dense copy from {self.dense_from_rows} rows" if self.dense is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int4 groups of {self.group_size}{dense}")
+
+
+def check_int4_device(device: torch.device, dtype: torch.dtype) -> None:
+    """int4 runs on CPU with bf16 activations only (the kernel's fast path, the one measured)."""
+    if device.type != "cpu":
+        raise ConfigError(f"--quantization int4: CPU only (the device is {device.type}); on a GPU use "
+                          "--quantization nvfp4 or a float dtype")
+    if dtype != INT4_ACTIVATION_DTYPE:
+        raise ConfigError(f"--quantization int4 runs bfloat16 activations; --dtype "
+                          f"{str(dtype).removeprefix('torch.')} is not supported with it (use --dtype auto)")
+
+
+class Int4LinearBuilder:
+    """One int4 linear (its shards fused: q/k/v, gate/up) from float checkpoint tensors that stream
+    in any order; `build` once all have arrived. Groups run along each row, so fusing is exact."""
+
+    def __init__(self, hf_modules: list[str], shard_sizes: list[int], in_features: int, bias: Tensor | None,
+                 dtype: torch.dtype, device: torch.device, dense_from_rows: int = 0) -> None:
+        assert len(hf_modules) == len(shard_sizes), "one checkpoint linear per shard"
+        self.hf_modules = hf_modules  # per shard, e.g. model.layers.0.self_attn.q_proj
+        self.shard_sizes = shard_sizes
+        self.in_features = in_features
+        self.bias = bias  # [N] model dtype on `device`, filled shard by shard; None: no bias
+        self.dtype = dtype
+        self.device = device
+        self.dense_from_rows = dense_from_rows
+        self.shards: list[tuple[Tensor, Tensor] | None] = [None] * len(shard_sizes)  # (codes, scales and zeros)
+        # With a dense copy: each shard's checkpoint weight ([rows, K]), the copy's source.
+        self.sources: list[Tensor | None] = [None] * len(shard_sizes)
+
+    def add(self, shard: int, suffix: str, tensor: Tensor) -> None:
+        hf_module, rows = self.hf_modules[shard], self.shard_sizes[shard]
+        if suffix == "bias":
+            copy_bias_shard(self.bias, hf_module, self.shard_sizes, shard, tensor)
+            return
+        if suffix != "weight":
+            raise ConfigError(f"tensor '{hf_module}.{suffix}' is a quantization tensor; --quantization int4 "
+                              "quantizes float checkpoints only")
+        check_shape(f"{hf_module}.weight", tensor.shape, (rows, self.in_features))
+        # The stored values are quantized (not a copy cast to the model dtype first).
+        self.shards[shard] = quantize_padded(tensor.to(self.device), self.dtype)
+        if self.dense_from_rows:  # the dtype the dense copy will hold (DenseWeight: bf16 where packed)
+            self.sources[shard] = tensor.to(self.device, torch.bfloat16 if can_pack(self.dtype, self.device)
+                                            else torch.float32)
+
+    def build(self) -> Int4Linear:
+        for hf_module, got in zip(self.hf_modules, self.shards):
+            if got is None:
+                raise ConfigError(f"missing tensor for '{hf_module}.weight'")
+        codes = torch.cat([c for c, _ in self.shards if c is not None])  # [N, K (+ pad)] uint8
+        sz = torch.cat([z for _, z in self.shards if z is not None], dim=1)  # [K / group, N, 2]
+        source = torch.cat([w for w in self.sources if w is not None]) if self.dense_from_rows else None  # [N, K]
+        return Int4Linear(codes, sz, self.bias, self.in_features, self.dense_from_rows, source=source)
