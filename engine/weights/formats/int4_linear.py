@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from engine.config import ConfigError
-from engine.weights.formats.packed_linear import DenseWeight, can_pack
+from engine.weights.formats.packed_linear import DenseWeight, QuantizedLinear, can_pack
 from engine.weights.formats.shard_checks import check_shape, copy_bias_shard
 
 GROUP_SIZE = 32  # Q4_1's block; the kernel takes 32, 64, 128 or 256
@@ -64,7 +64,7 @@ def dequantize_int4(codes: Tensor, scales_and_zeros: Tensor, group_size: int = G
     return ((q - _MIDPOINT) * scale[..., None] + zero[..., None]).reshape(n, k).to(dtype)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """y = x dequantize(codes)^T (+ b), the codes packed two to a byte in the kernel's layout.
 
     Inputs of at least `dense_from_rows` rows multiply a dense copy of the same dequantized weight
@@ -119,20 +119,7 @@ class Int4Linear(nn.Module):
         """The packed codes, scales and zeros (not a dense copy: `dense_nbytes`)."""
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
-    @property
-    def dense_nbytes(self) -> int:
-        return 0 if self.dense is None else self.dense.nbytes
-
-    @property
-    def packed_nbytes(self) -> int:
-        """Bytes outside the state_dict: the dense copy (engine/weights/formats/packed_linear.py's packed_bytes)."""
-        return self.dense_nbytes
-
-    def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)  # [T, K]
-        if self.dense is not None and x2.shape[0] >= self.dense_from_rows:
-            return self.dense(x2, self.bias).view(*lead, self.out_features)
+    def quantized_mm(self, x2: Tensor) -> Tensor:
         if self.k_pad:
             x2 = F.pad(x2, (0, self.k_pad))  # [T, K + pad], a new contiguous tensor
         elif not x2.is_contiguous():
@@ -140,14 +127,10 @@ class Int4Linear(nn.Module):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         if y.shape[1] != self.out_features:
             y = y[:, :self.out_features].contiguous()  # [T, N]: the padding rows' zeros cut off
-        if self.bias is not None:
-            y = y.add_(self.bias)
-        return y.view(*lead, self.out_features)
+        return y
 
-    def extra_repr(self) -> str:
-        dense = f", dense copy from {self.dense_from_rows} rows" if self.dense is not None else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int4 groups of {self.group_size}{dense}")
+    def format_repr(self) -> str:
+        return f"int4 groups of {self.group_size}"
 
 
 def check_int4_device(device: torch.device, dtype: torch.dtype) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from engine.config import ConfigError
-from engine.weights.formats.packed_linear import DenseWeight
+from engine.weights.formats.packed_linear import DenseWeight, QuantizedLinear
 from engine.weights.formats.shard_checks import check_shape, copy_bias_shard
 
 _QMAX = 127  # symmetric: -127..127, so negating a weight never overflows
@@ -39,7 +39,7 @@ def dequantize_int8(codes: Tensor, scales: Tensor, dtype: torch.dtype = torch.fl
     return (codes.float() * scales.float()[:, None]).to(dtype)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(QuantizedLinear):
     """y = x (codes * scales)^T (+ b), with the codes never widened in memory.
 
     `_weight_int8pack_mm` wants a 2D activation contiguous in its last dimension, a contiguous
@@ -77,15 +77,6 @@ class Int8Linear(nn.Module):
         """The int8 codes and scales (not a dense copy: `dense_nbytes`)."""
         return self.codes.nbytes + self.scales.nbytes
 
-    @property
-    def dense_nbytes(self) -> int:
-        return 0 if self.dense is None else self.dense.nbytes
-
-    @property
-    def packed_nbytes(self) -> int:
-        """Bytes outside the state_dict: the dense copy (engine/weights/formats/packed_linear.py's packed_bytes)."""
-        return self.dense_nbytes
-
     def keep_dense_copy(self, from_rows: int) -> None:
         """Inputs of `from_rows` rows or more multiply a dense copy of the dequantized weight (the
         same values, codes times scales, in the activation dtype) with the float GEMM instead.
@@ -97,23 +88,15 @@ class Int8Linear(nn.Module):
         self.dense = DenseWeight(dequantize_int8(self.weight_codes, self.scales), self.scales.dtype)
         self.dense_from_rows = from_rows
 
-    def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)  # [T, K]
-        if self.dense is not None and x2.shape[0] >= self.dense_from_rows:
-            return self.dense(x2, self.bias).view(*lead, self.out_features)
+    def quantized_mm(self, x2: Tensor) -> Tensor:
         if self.pad:
             x2 = F.pad(x2, (0, self.pad))  # [T, K + pad], a new contiguous tensor
         elif x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = torch._weight_int8pack_mm(x2, self.codes, self.scales)  # [T, N], x's dtype
-        if self.bias is not None:
-            y = y.add_(self.bias)
-        return y.view(*lead, self.out_features)
+        return torch._weight_int8pack_mm(x2, self.codes, self.scales)  # [T, N], x's dtype
 
-    def extra_repr(self) -> str:
-        dense = f", dense copy from {self.dense_from_rows} rows" if self.dense is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel{dense}"
+    def format_repr(self) -> str:
+        return "int8 per-channel"
 
 
 def check_int8_device(device: torch.device) -> None:

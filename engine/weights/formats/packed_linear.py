@@ -1,7 +1,8 @@
 """oneDNN's pre-packed bf16 weights for CPU linears: a weight reordered once, at load, into the
 blocked layout oneDNN's GEMM reads (`torch.ops.mkldnn._reorder_linear_weight`), so no call pays
 the reorder; `PackedLinear`, the float linear that holds one; and `DenseWeight`, the dense copy
-the int8/int4 linears keep for large inputs (packed bf16, or float32 where bf16 is not native)."""
+the int8/int4 linears keep for large inputs (packed bf16, or float32 where bf16 is not native),
+and `QuantizedLinear`, what those two linears share around their kernels."""
 
 from __future__ import annotations
 
@@ -68,6 +69,49 @@ class DenseWeight:
         dtype = self.compute_dtype
         y = F.linear(x2.to(dtype), self.weight, None if bias is None else bias.to(dtype))
         return y.to(self.activation_dtype)
+
+
+class QuantizedLinear(nn.Module):
+    """What the weight-only int8 and int4 linears share: y = x W^T (+ b) on `[..., K]` inputs
+    flattened to rows, through the subclass's kernel (`quantized_mm`), or through a `DenseWeight`
+    copy for inputs of at least `dense_from_rows` rows (the kernels are matrix-vector: their time
+    grows with the rows). Subclasses set in_features, out_features, bias, dense, dense_from_rows."""
+
+    in_features: int
+    out_features: int
+    bias: Tensor | None
+    dense: DenseWeight | None
+    dense_from_rows: int
+
+    def quantized_mm(self, x2: Tensor) -> Tensor:
+        """x2 [T, K] in the activation dtype -> [T, N], without the bias."""
+        raise NotImplementedError
+
+    def format_repr(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def dense_nbytes(self) -> int:
+        return 0 if self.dense is None else self.dense.nbytes
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes outside the state_dict (`packed_bytes` sums them): the dense copy."""
+        return self.dense_nbytes
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [T, K]
+        if self.dense is not None and x2.shape[0] >= self.dense_from_rows:
+            return self.dense(x2, self.bias).view(*lead, self.out_features)
+        y = self.quantized_mm(x2)  # [T, N], x's dtype
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        dense = f", dense copy from {self.dense_from_rows} rows" if self.dense is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.format_repr()}{dense}"
 
 
 class PackedLinear(nn.Module):
