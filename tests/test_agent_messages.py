@@ -15,12 +15,10 @@ from typing import Any
 import anthropic
 import pytest
 
-from api.app import ServerConfig
-from engine.front.async_engine import AsyncEngine
 from engine.core import EngineCore
 from engine.weights.demo_model import DEMO_MODEL_NAME
-from tests.server_utils import InProcessServer, in_process_server
-from tests.test_tools_e2e import ENGINE, ScriptedCore
+from tests.server_utils import InProcessServer
+from tests.test_tools_e2e import ENGINE, ScriptedCore, scripted_server
 
 # Claude Code 2.1.197's patterns (from its binary): its max_tokens retry, its compaction trigger.
 OVERFLOW = re.compile(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)")
@@ -46,8 +44,7 @@ def scripted() -> ScriptedCore:
 
 @pytest.fixture(scope="module")
 def server(scripted: ScriptedCore) -> Iterator[InProcessServer]:
-    config = ServerConfig(engine=ENGINE, tool_parser="auto", reasoning_parser="auto")
-    with in_process_server(config, loader=lambda _: AsyncEngine(scripted)) as running:  # type: ignore[arg-type]
+    with scripted_server(scripted, "auto", "auto") as running:
         yield running
 
 

@@ -17,12 +17,10 @@ import httpx
 import openai
 import pytest
 
-from api.app import ServerConfig
-from engine.front.async_engine import AsyncEngine
 from engine.core import EngineCore
 from engine.weights.demo_model import DEMO_MODEL_NAME
-from tests.server_utils import InProcessServer, in_process_server, metric
-from tests.test_tools_e2e import ENGINE, ScriptedCore, call_text
+from tests.server_utils import InProcessServer, metric
+from tests.test_tools_e2e import ENGINE, ScriptedCore, scripted_server, call_text
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 MODE_PARAMETERS = {"type": "object", "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]},
@@ -49,8 +47,7 @@ def scripted() -> ScriptedCore:
 
 @pytest.fixture(scope="module")
 def server(scripted: ScriptedCore) -> Iterator[InProcessServer]:
-    config = ServerConfig(engine=ENGINE, tool_parser="auto", reasoning_parser="auto")
-    with in_process_server(config, loader=lambda _: AsyncEngine(scripted)) as running:  # type: ignore[arg-type]
+    with scripted_server(scripted, "auto", "auto") as running:
         yield running
 
 

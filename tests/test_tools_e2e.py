@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import openai
@@ -108,6 +109,15 @@ class ScriptedCore:
         return StepResult(sampled, result.timings)
 
 
+@contextmanager
+def scripted_server(scripted: ScriptedCore, tool_parser: str, reasoning_parser: str) -> Iterator[InProcessServer]:
+    """An in-process server on the scripted core. NOTE: each server wraps the shared core in a fresh
+    AsyncEngine; the model loads once."""
+    config = ServerConfig(engine=ENGINE, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+    with in_process_server(config, loader=lambda _: AsyncEngine(scripted)) as running:  # type: ignore[arg-type]
+        yield running
+
+
 @pytest.fixture(scope="module")
 def scripted() -> ScriptedCore:
     return ScriptedCore(EngineCore(ENGINE))
@@ -115,9 +125,7 @@ def scripted() -> ScriptedCore:
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_coder"])
 def server(request: pytest.FixtureRequest, scripted: ScriptedCore) -> Iterator[tuple[str, InProcessServer]]:
-    # NOTE: each server wraps the shared core in a fresh AsyncEngine; the model loads once.
-    config = ServerConfig(engine=ENGINE, tool_parser=request.param, reasoning_parser="qwen3")
-    with in_process_server(config, loader=lambda _: AsyncEngine(scripted)) as running:  # type: ignore[arg-type]
+    with scripted_server(scripted, request.param, "qwen3") as running:
         yield request.param, running
 
 
