@@ -25,33 +25,14 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.gpu_steps import BLOCK_SIZE, WARMUP_STEPS, StepRow, bench_decode_steps, sync
 from bench.random_checkpoint import SHAPES, write_random_checkpoint
-from bench.step_floor import StepFloor
-
-BLOCK_SIZE = 16
-WARMUP_STEPS = 3  # untimed decode steps per point: allocator, kernel selection, Triton compiles
-
-
-@dataclass(frozen=True)
-class StepRow:
-    format: str
-    batch_size: int
-    context: int
-    eager_ms: float
-    graph_ms: float | None  # None: no decode CUDA graph for this model or device
-    floor_ms: float
-    bytes_per_step: int
-    weight_bytes: int  # the parts of bytes_per_step (bench/step_floor.py StepBytes)
-    expert_bytes: int
-    kv_bytes: int
-    state_bytes: int
-    fraction_of_floor: float  # floor / the step as the engine runs it (graph if captured): 1.0 is the roofline
 
 
 @dataclass(frozen=True)
@@ -78,11 +59,6 @@ class Progress:
 
 
 # ---- the device-only calls ------------------------------------------------------------------------
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def release(device: torch.device) -> None:
     """Give back what a finished phase held (an engine's KV pages, CUDA graph pools)."""
     gc.collect()
@@ -129,77 +105,6 @@ def engine_config(folder: Path, fmt: str, args: argparse.Namespace) -> Any:
                         enforce_eager=True)  # the eager steps are timed first; bench_decode_steps captures
 
 
-def decode_step(batch_size: int, context: int, vocab: int, new: bool) -> Any:
-    """A SchedulerOutput of B requests each decoding the token after `context` tokens, on disjoint
-    pages and state slots; `new`: with the data that registers them with the runner's sampler."""
-    from scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
-    from scheduler.request import SamplingParams
-
-    pages = math.ceil((context + 1) / BLOCK_SIZE)
-    g = torch.Generator().manual_seed(batch_size)
-    tokens = torch.randint(0, vocab, (batch_size,), generator=g).tolist()
-    data = NewRequestData(SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True), (0,), ())
-    return SchedulerOutput(tuple(
-        ScheduledRequest(f"decode-{batch_size}-{i}", (tokens[i],), context, tuple(range(i * pages, (i + 1) * pages)),
-                         True, new_request=data if new else None, state_slot=i) for i in range(batch_size)), ())
-
-
-def time_decode(runner: Any, batch_size: int, context: int, reps: int) -> float:
-    """Median ms of `runner.execute` for one pure-decode step of `batch_size` (the same step
-    repeated: each rewrites the same KV slot and advances the same states)."""
-    vocab = runner.model_config.vocab_size
-    runner.execute(decode_step(batch_size, context, vocab, new=True))
-    step = decode_step(batch_size, context, vocab, new=False)
-    times = []
-    for i in range(reps + WARMUP_STEPS):
-        sync(runner.device)
-        start = time.perf_counter()
-        runner.execute(step)  # ends in the read-back of the sampled tokens
-        if i >= WARMUP_STEPS:
-            times.append((time.perf_counter() - start) * 1e3)
-    runner.execute(replace(step, requests=(), finished_request_ids=tuple(r.request_id for r in step.requests)))
-    return statistics.median(times)
-
-
-def bench_decode_steps(runner: Any, fmt: str, batch_sizes: list[int], context: int, gbps: float, reps: int,
-                       progress: Progress) -> tuple[list[StepRow], str]:
-    """Eager first, then (where the engine would) the engine's decode graphs captured and replayed.
-    Returns the rows and a line saying whether graphs ran and why not."""
-    from engine.cuda_graph import graphs_disabled_reason
-
-    pages_needed = max(batch_sizes) * math.ceil((context + 1) / BLOCK_SIZE)
-    assert runner.num_kv_pages >= pages_needed, f"{runner.num_kv_pages} KV pages, the decode batches need {pages_needed}"
-    eager: dict[int, float] = {}
-    for b in batch_sizes:
-        progress(f"{fmt}: eager decode steps at batch {b}")
-        eager[b] = time_decode(runner, b, context, reps)
-    graph: dict[int, float] = {}
-    graphs = runner.graphs
-    why_not = graphs_disabled_reason(False, runner.device, runner.backend)
-    if why_not is None:
-        progress(f"{fmt}: capturing decode CUDA graphs (batch sizes {','.join(map(str, graphs.buckets.sizes))})")
-        try:
-            graphs.capture()
-        except RuntimeError as e:  # the graphs captured before the failure still replay
-            why_not = f"capture failed: {e}"
-            progress(f"{fmt}: {why_not}")
-        for b in batch_sizes:
-            if graphs.buckets.bucket_for(b) in graphs.captured_sizes:
-                progress(f"{fmt}: graph decode steps at batch {b}")
-                graph[b] = time_decode(runner, b, context, reps)
-    graphs_note = "on" if why_not is None else f"off ({why_not})"
-    floor = StepFloor.from_runner(runner)
-    rows = []
-    for b in batch_sizes:
-        parts = floor.step_bytes(b, context)
-        floor_ms = parts.total / (gbps * 1e9) * 1e3
-        g = graph.get(b)
-        rows.append(StepRow(fmt, b, context, round(eager[b], 3), None if g is None else round(g, 3), round(floor_ms, 3),
-                            parts.total, parts.weights, parts.experts, parts.kv, parts.state,
-                            round(floor_ms / (eager[b] if g is None else g), 3)))
-    return rows, graphs_note
-
-
 def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (num, length), generator=g).tolist()
@@ -207,12 +112,15 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
 
 def bench_engine(engine: Any, fmt: str, num_requests: int, input_len: int, output_len: int,
                  graphs_note: str) -> ThroughputRow:
-    """OfflineEngine.generate of every request at once, after a short warm-up generate."""
+    """OfflineEngine.generate of every request at once. First, untimed, a quarter of them (other
+    prompts) for 4 tokens: the prefill steps reach the timed run's token counts, so kernels that
+    compile or tune per shape (Triton, fla-core) do it outside the timing."""
     from engine.front.offline import PhaseTimings
     from scheduler.request import SamplingParams
 
     vocab = engine.info.vocab_size
-    engine.generate(random_prompts(2, 32, vocab, seed=1), SamplingParams(max_tokens=8, temperature=0.0))
+    engine.generate(random_prompts(max(1, num_requests // 4), input_len, vocab, seed=1),
+                    SamplingParams(max_tokens=4, temperature=0.0))
     params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0.0)
     prompts = random_prompts(num_requests, input_len, vocab, seed=0)
     engine.timings = PhaseTimings()  # the warm-up's phases out
@@ -223,9 +131,9 @@ def bench_engine(engine: Any, fmt: str, num_requests: int, input_len: int, outpu
     duration = time.perf_counter() - start
     produced = sum(len(r.token_ids[0]) for r in results)
     phases = {k: round(v, 3) for k, v in engine.timings.as_dict().items()}
+    note = f"attention {engine.info.attention_backend}; graphs {graphs_note}"
     return ThroughputRow("fp4serve", fmt, num_requests, input_len, output_len, round(duration, 2),
-                         round(produced / duration, 1), f"attention {engine.info.attention_backend}; graphs {graphs_note}",
-                         phases)
+                         round(produced / duration, 1), note, phases)
 
 
 # ---- the peer ---------------------------------------------------------------------------------------
@@ -238,14 +146,19 @@ def bench_transformers(folder: Path, device: torch.device, num_requests: int, in
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
-    note = "generate, one static batch"
-    if "Qwen3_5" in type(model).__name__:  # transformers takes fla-core's DeltaNet kernels where they import
-        note += "; DeltaNet via " + ("fla-core" if importlib.util.find_spec("fla") else "torch (no fla-core)")
+    cfg = model.config
+    note = f"generate, one static batch; attention {cfg._attn_implementation}"
+    if getattr(cfg, "num_experts", None):
+        note += f"; experts {getattr(cfg, '_experts_implementation', None)}"
+    if "Qwen3_5" in type(model).__name__:  # transformers takes these packages' kernels where they import
+        found = {name: importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d")}
+        note += (f"; DeltaNet {'fla-core' if found['fla'] else 'torch (no fla-core)'}, "
+                 f"conv {'causal-conv1d' if found['causal_conv1d'] else 'torch'}")
     vocab = model.config.vocab_size
     prompts = torch.tensor(random_prompts(num_requests, input_len, vocab, seed=0), device=device)  # [R, in] int64
-    kwargs = dict(do_sample=False, pad_token_id=0)
-    warm = prompts[:2, :32]
-    model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, **kwargs)
+    kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0}
+    warm = torch.tensor(random_prompts(max(1, num_requests // 4), input_len, vocab, seed=1), device=device)
+    model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, **kwargs)  # as bench_engine's
     sync(device)
     start = time.perf_counter()
     out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=output_len,
@@ -261,8 +174,8 @@ def bench_transformers(folder: Path, device: torch.device, num_requests: int, in
 def print_report(title: str, gbps: float, steps: list[StepRow], throughput: list[ThroughputRow]) -> None:
     mib = 1 << 20
     print(f"{title}; copy bandwidth {gbps:.0f} GB/s (read + write)")
-    print(f"{'format':7} {'batch':>5} {'ctx':>5} | {'eager ms':>9} {'graph ms':>9} | {'floor ms':>9} {'floor/step':>10} | "
-          f"{'weights':>8} {'experts':>8} {'KV':>8} {'state':>8} MiB")
+    print(f"{'format':7} {'batch':>5} {'ctx':>5} | {'eager ms':>9} {'graph ms':>9} | {'floor ms':>9} "
+          f"{'floor/step':>10} | {'weights':>8} {'experts':>8} {'KV':>8} {'state':>8} MiB")
     for r in steps:
         graph = "-" if r.graph_ms is None else f"{r.graph_ms:9.2f}"
         print(f"{r.format:7} {r.batch_size:5d} {r.context:5d} | {r.eager_ms:9.2f} {graph:>9} | {r.floor_ms:9.2f} "
@@ -304,42 +217,52 @@ def main(argv: list[str] | None = None) -> int:
 
     progress = Progress()
     device = torch.device(args.device)
-    progress(f"{args.shape}, {args.layers or 'all'} layers{' (tiny)' if args.tiny else ''}, on {device_name(device)}")
+    tiny = " (tiny)" if args.tiny else ""
+    progress(f"{args.shape}, {args.layers or 'all'} layers{tiny}, on {device_name(device)}; measuring copy bandwidth")
     gbps = copy_gbps(device)
     steps: list[StepRow] = []
     throughput: list[ThroughputRow] = []
-    load_s: dict[str, float] = {}
+    report: dict[str, Any] = {"device": device_name(device), "torch": torch.__version__, "shape": args.shape,
+                              "layers": args.layers, "tiny": args.tiny, "formats": args.formats,
+                              "context": args.context, "copy_gbps": round(gbps, 1), "load_s": {}}
+
+    def save(complete: bool) -> None:
+        """After every phase: a run cut short by its time limit keeps what it measured."""
+        if args.out:
+            rows = {"steps": [asdict(r) for r in steps], "throughput": [asdict(t) for t in throughput]}
+            Path(args.out).write_text(json.dumps({**report, **rows, "complete": complete}, indent=1))
+
     with tempfile.TemporaryDirectory(prefix="fp4serve-bench-gpu-") as tmp:
         progress("writing the random checkpoint")
         folder = write_random_checkpoint(args.shape, Path(tmp), layers=args.layers, tiny=args.tiny, device=device)
-        layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+        report["layers"] = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
         for fmt in args.formats:
             progress(f"{fmt}: loading the engine")
             start = time.perf_counter()
             engine = OfflineEngine.from_config(engine_config(folder, fmt, args))
-            load_s[fmt] = round(time.perf_counter() - start, 1)
+            report["load_s"][fmt] = round(time.perf_counter() - start, 1)
             rows, graphs_note = bench_decode_steps(engine.core.runner, fmt, args.batch_sizes, args.context, gbps,
                                                    args.reps, progress)
             steps += rows
+            save(False)
             if not args.skip_engine:
                 progress(f"{fmt}: engine, {args.num_requests} x {args.input_len} in / {args.output_len} out")
                 throughput.append(bench_engine(engine, fmt, args.num_requests, args.input_len, args.output_len,
                                                graphs_note))
+                progress(f"{fmt}: engine: {throughput[-1].output_tokens_per_s} output tok/s")
+                save(False)
+            engine.core.close()
             del engine
             release(device)
         if not args.skip_transformers:
             progress(f"transformers: {args.num_requests} x {args.input_len} in / {args.output_len} out")
             throughput.append(bench_transformers(folder, device, args.num_requests, args.input_len, args.output_len))
+            progress(f"transformers: {throughput[-1].output_tokens_per_s} output tok/s")
             release(device)
     progress("done")
-    title = f"{args.shape}, {layers} layers{' (tiny)' if args.tiny else ''}, {device_name(device)}, torch {torch.__version__}"
-    print_report(title, gbps, steps, throughput)
-    if args.out:
-        Path(args.out).write_text(json.dumps({
-            "device": device_name(device), "torch": torch.__version__, "shape": args.shape, "layers": layers,
-            "tiny": args.tiny, "formats": args.formats, "context": args.context, "copy_gbps": round(gbps, 1),
-            "load_s": load_s, "steps": [asdict(r) for r in steps], "throughput": [asdict(t) for t in throughput]},
-            indent=1))
+    save(True)
+    print_report(f"{args.shape}, {report['layers']} layers{tiny}, {report['device']}, torch {torch.__version__}",
+                 gbps, steps, throughput)
     return 0
 
 
