@@ -95,8 +95,8 @@ def bench_decode_steps(runner: Any, fmt: str, batch_sizes: list[int], context: i
         try:
             graphs.capture()
             progress(f"{fmt}: captured")
-        except RuntimeError as e:  # the graphs captured before the failure still replay
-            why_not = f"capture failed: {e}"
+        except RuntimeError as e:  # CUDA and capture errors: reported; the graphs captured before it still replay
+            why_not = f"capture failed: {type(e).__name__}: {e}"
             progress(f"{fmt}: {why_not}")
         for b in batch_sizes:
             if graphs.buckets.bucket_for(b) in graphs.captured_sizes:

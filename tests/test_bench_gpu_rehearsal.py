@@ -6,7 +6,6 @@ and its JSON holds every row with the floor's parts counted from the model."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
