@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # The GPU check: one prepared run on a lent H100/H200 that has no network (docs/gpu.md).
 #
-#   bash scripts/gpu_check.sh check   # install offline, tests/gpu, the served smoke test, the kernel sweep
-#   bash scripts/gpu_check.sh bench   # install offline, bench.gpu: Qwen3-8B, then the hybrid and MoE shapes
-#   bash scripts/gpu_check.sh all     # both, in that order
-#   REHEARSE=1 bash scripts/gpu_check.sh all   # the same steps on this CPU machine, tiny shapes, no installs
+#   bash scripts/gpu_check.sh [STEP ...]        # default: all steps, in order of value
+#   DEADLINE_S=540 bash scripts/gpu_check.sh    # skip or shorten steps so that the run ends by then
+#   REHEARSE=1 bash scripts/gpu_check.sh        # the same steps on this CPU machine: tiny shapes, no installs
+#
+# Steps: tests (tests/gpu), smoke (bench.gpu_smoke: the served smoke test), bench-8b (bench.gpu on
+# Qwen3-8B's shapes), kernels (bench.kernels --sweep), bench-hybrid and bench-moe (bench.gpu on
+# Qwen3.6-27B's and Qwen3-Coder-30B-A3B's shapes, 4 layers, NVFP4).
 #
 # Needs, in the repo root: .gpu/ (`fp4serve bundle --out .gpu --arch sm_90a --model ...`) and .whl/
-# (the cp312 wheels the GPU image lacks). Each step runs under its own time budget, in order of
-# value, and a failed step does not stop the next. What comes back lies in $OUT: summary.txt (one
-# line per step, then each step's tail), logs.tgz (every log and JSON) and the JSON reports.
+# (the cp312 wheels the GPU image lacks). Each step runs under its own time budget, and a failed
+# step does not stop the next. What comes back lies in $OUT: summary.txt (one line per step),
+# logs.tgz (every log) and the JSON reports.
 set -u
-MODE="${1:-all}"
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(tests smoke bench-8b kernels bench-hybrid bench-moe)
+DEADLINE_S="${DEADLINE_S:-100000}"
 OUT="${OUT:-/tmp/gpu-check}"
 REHEARSE="${REHEARSE:-0}"
 PY="${PYTHON:-python3}"
@@ -28,6 +33,12 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 step() {
     local name="$1" budget="$2"; shift 2
     local start=$(date +%s)
+    local left=$(( DEADLINE_S - (start - T0) - 15 ))
+    if [ "$left" -lt 45 ]; then
+        note "$(printf '%-22s %-9s (%ss left before the deadline)' "$name" "SKIPPED" "$left")"
+        return 0
+    fi
+    [ "$budget" -gt "$left" ] && budget=$left
     echo "== $name (budget ${budget}s, at +$((start - T0))s)" >&2
     timeout -k 15 "$budget" "$@" >"$WORK/$name.log" 2>&1
     local rc=$?
@@ -40,7 +51,7 @@ step() {
 }
 
 setup() {
-    note "gpu_check $MODE, $(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?'), rehearse=$REHEARSE"
+    note "gpu_check ${STEPS[*]}, $(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?'), rehearse=$REHEARSE"
     if [ "$REHEARSE" = 1 ]; then
         return 0
     fi
@@ -59,24 +70,34 @@ for n in names:
     except md.PackageNotFoundError:
         vers.append(f"{n} MISSING")
 print("versions: " + ", ".join(vers) + f"; cuda {torch.version.cuda}; device {torch.cuda.get_device_name(0)}; "
-      f"capability {torch.cuda.get_device_capability(0)}; SMs {torch.cuda.get_device_properties(0).multi_processor_count}")
+      f"capability {torch.cuda.get_device_capability(0)}; SMs {torch.cuda.get_device_properties(0).multi_processor_count}; "
+      f"torch has the DLPack C exchange API: {hasattr(torch.Tensor, '__dlpack_c_exchange_api__')}")
 EOF
 }
 
-check() {
-    # 1. tests/gpu. --noconftest: tests/conftest.py refuses to run without the whole `test` extra
-    #    (selenium, vllm-router...), which these tests do not use. No JIT: a kernel the bundle
-    #    lacks fails here rather than compiling for minutes.
+run_tests() {
+    # --noconftest: tests/conftest.py refuses to run without the whole `test` extra (selenium,
+    # vllm-router...), which these tests do not use. No JIT: a kernel the bundle lacks fails here
+    # rather than compiling for minutes.
     step tests-gpu 240 env FLASHINFER_DISABLE_JIT=1 "$PY" -m pytest tests/gpu --noconftest -p no:cacheprovider \
         -o addopts="" -q -ra --timeout 240 --junitxml="$WORK/tests-gpu.xml"
-    # 2. The served smoke test: Qwen3-8B's shapes, NVFP4 at load, 64 streams, greedy against torch.
+    note "  $(grep -E '[0-9]+ (passed|failed|skipped|error)' "$WORK/tests-gpu.log" | tail -n 1)"
+}
+
+run_smoke() {
+    # Qwen3-8B's shapes, NVFP4 at load, 64 streams through the OpenAI SDK, greedy against torch.
     if [ "$REHEARSE" = 1 ]; then
         step smoke 600 "$PY" -m bench.gpu_smoke --device cpu --tiny --layers 2 --streams 8 --max-tokens 16 \
             --greedy-tokens 8 --logs "$WORK" --out "$OUT/smoke.json"
     else
-        step smoke 300 "$PY" -m bench.gpu_smoke --logs "$WORK" --out "$OUT/smoke.json"
+        step smoke 240 "$PY" -m bench.gpu_smoke --layers 8 --logs "$WORK" --out "$OUT/smoke.json"
     fi
-    # 3. The NVFP4 matmul against the copy bandwidth at M = 1..16, best of the tile sweep.
+    note "  $(grep -E '^(PASS|FAIL)' "$WORK/smoke.log" | tail -n 1)"
+    pkill -f "api.cli serve" 2>/dev/null || true  # a timed-out run must not leave a server holding GPU memory
+}
+
+run_kernels() {
+    # The NVFP4 matmul against the copy bandwidth at M = 1..16, best of the tile sweep.
     if [ "$REHEARSE" = 1 ]; then
         note "kernels                skipped (CUDA only; tests/test_nvfp4_matmul.py checks it under TRITON_INTERPRET)"
     else
@@ -84,34 +105,35 @@ check() {
     fi
 }
 
-bench() {
+# bench.gpu NAME BUDGET ARGS...: on CPU the same code on the tiny shapes, small sizes.
+run_bench() {
+    local name="$1" budget="$2"; shift 2
     if [ "$REHEARSE" = 1 ]; then
-        local dev=(--device cpu --tiny --layers 2 --batch-sizes 1 4 --context 64 --num-requests 4 --input-len 32
-                   --output-len 8 --reps 3)
-        step bench-qwen3-8b 600 "$PY" -m bench.gpu "${dev[@]}" --out "$OUT/bench-qwen3-8b.json"
-        step bench-hybrid 600 "$PY" -m bench.gpu --shape qwen3.6-27b --formats nvfp4 "${dev[@]}" \
-            --out "$OUT/bench-hybrid.json"
-        step bench-moe 600 "$PY" -m bench.gpu --shape qwen3-coder-30b-a3b --formats nvfp4 "${dev[@]}" \
-            --out "$OUT/bench-moe.json"
-        return 0
+        # The device flags first, then the rehearsal's small sizes over them (argparse keeps the last).
+        step "$name" 600 "$PY" -m bench.gpu "$@" --device cpu --tiny --layers 4 --batch-sizes 1 4 --context 64 \
+            --num-requests 4 --input-len 32 --output-len 8 --reps 3 --skip-transformers --out "$OUT/$name.json"
+    else
+        step "$name" "$budget" "$PY" -m bench.gpu "$@" --out "$OUT/$name.json"
     fi
-    # 4. Qwen3-8B (36 layers): decode step time at batch 1/16/64/256 with 1k context against the HBM
-    #    floor, bf16 and NVFP4; 64 x 1000-in/1000-out; transformers' generate on the same workload.
-    step bench-qwen3-8b 260 "$PY" -m bench.gpu --out "$OUT/bench-qwen3-8b.json"
-    # 5. The hybrid (Qwen3.6-27B) and MoE (Qwen3-Coder-30B-A3B) shapes, 4 layers each, NVFP4.
-    step bench-hybrid 110 "$PY" -m bench.gpu --shape qwen3.6-27b --layers 4 --formats nvfp4 \
-        --batch-sizes 1 16 64 --output-len 200 --skip-transformers --out "$OUT/bench-hybrid.json"
-    step bench-moe 110 "$PY" -m bench.gpu --shape qwen3-coder-30b-a3b --layers 4 --formats nvfp4 \
-        --batch-sizes 1 16 64 --output-len 200 --skip-transformers --out "$OUT/bench-moe.json"
 }
 
 setup
-case "$MODE" in
-    check) check ;;
-    bench) bench ;;
-    all) check; bench ;;
-    *) echo "usage: gpu_check.sh check|bench|all" >&2; exit 2 ;;
-esac
+for s in "${STEPS[@]}"; do
+    case "$s" in
+        tests) run_tests ;;
+        smoke) run_smoke ;;
+        kernels) run_kernels ;;
+        # Qwen3-8B (36 layers): decode step time at batch 1/16/64/256 with 1k context against the HBM
+        # floor, bf16 and NVFP4; 64 x 1000-in/500-out through the engine and through transformers.
+        bench-8b) run_bench bench-8b 270 --output-len 500 ;;
+        # The hybrid (Qwen3.6-27B) and MoE (Qwen3-Coder-30B-A3B) shapes, 4 layers each, NVFP4.
+        bench-hybrid) run_bench bench-hybrid 150 --shape qwen3.6-27b --layers 4 --formats nvfp4 \
+            --batch-sizes 1 16 64 --output-len 256 --skip-transformers ;;
+        bench-moe) run_bench bench-moe 150 --shape qwen3-coder-30b-a3b --layers 4 --formats nvfp4 \
+            --batch-sizes 1 16 64 --output-len 256 --skip-transformers ;;
+        *) note "unknown step '$s' (tests smoke bench-8b kernels bench-hybrid bench-moe)" ;;
+    esac
+done
 note "total $(( $(date +%s) - T0 ))s"
 # At most 8 files come back from the device: the summary, the JSON reports and one archive of the rest.
 tar -czf "$OUT/logs.tgz" -C "$WORK" . 2>/dev/null
