@@ -91,7 +91,10 @@ def write_random_checkpoint(shape: str, dst: Path, *, layers: int | None = None,
     import transformers
     from safetensors.torch import save_file
 
-    from engine.weights.qwen_tokenizer import default_cache_dir, write_qwen_tokenizer_files
+    from engine.weights.qwen_tokenizer import (
+        default_cache_dir,
+        write_qwen_tokenizer_files,
+    )
 
     raw = config_dict(shape, layers, tiny)
     arch = raw["architectures"][0]

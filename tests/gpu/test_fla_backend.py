@@ -2,17 +2,17 @@
 backend on a CUDA device: a mixed batch of prefill chunks and decodes over state slots, then pure
 decode steps, comparing outputs and the slots' states. Skipped without CUDA or fla-core.
 
-NOTE: never run in this project's CI or by its authors so far (no GPU was available)."""
+First run on a GPU on 2026-11-26 (H100, fla-core 0.6.0, triton 3.6); docs/PERF.md has the results."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.batch import build_forward_batch
-from engine.hybrid_config import HybridConfig
 from engine.attention.linear_attention import TorchLinearAttentionBackend
 from engine.attention.state_pool import StatePool
+from engine.batch import build_forward_batch
+from engine.hybrid_config import HybridConfig
 from scheduler.output import ScheduledRequest, SchedulerOutput
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -22,6 +22,10 @@ if torch.cuda.is_available():
     from engine.attention.linear_attention_fla import FlaLinearAttentionBackend
 
 CUDA = torch.device("cuda")
+# float32 inputs: fla-core's chunk kernels multiply float32 through Triton's default dot precision,
+# TF32 on Hopper (10-bit mantissa, ~5e-4 relative per product), so float32 agreement is TF32's, not
+# float32's. The first GPU run measured up to 2.1e-4 absolute on O(1) outputs.
+F32_TOL = dict(atol=1e-3, rtol=1e-3)
 HYBRID = HybridConfig(layer_types=("linear_attention",), num_k_heads=2, num_v_heads=6, head_k_dim=64, head_v_dim=64,
                       conv_kernel=4, partial_rotary_factor=0.25, has_vision=False)
 
@@ -39,7 +43,7 @@ def test_fla_delta_rule_equals_the_torch_reference_over_slots(dtype: torch.dtype
     ref, fla = TorchLinearAttentionBackend(ref_pool, CUDA), FlaLinearAttentionBackend(fla_pool, CUDA)
     g = torch.Generator(device=CUDA).manual_seed(0)
     steps = [[(0, 100, 3), (0, 1, 5), (0, 37, 0)], [(100, 20, 3), (1, 1, 5), (37, 1, 0)], [(120, 1, 3), (2, 1, 5)]]
-    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else F32_TOL
     for step in steps:
         b = batch(step)
         t = b.num_tokens
@@ -78,7 +82,7 @@ def test_fla_rounds_keep_the_states_the_torch_backend_keeps() -> None:
     beta = torch.rand(t, 6, device=CUDA, generator=g)
     ref.plan(b)
     fla.plan(b)
-    tol = dict(atol=1e-4, rtol=1e-4)
+    tol = F32_TOL
     torch.testing.assert_close(fla.delta_rule(0, q, k, v, decay, beta), ref.delta_rule(0, q, k, v, decay, beta), **tol)
     torch.testing.assert_close(pools[1][0].recurrent, pools[0][0].recurrent, **tol)
     torch.testing.assert_close(pools[1][1].recurrent[:, :3], pools[0][1].recurrent[:, :3], **tol)

@@ -1,10 +1,18 @@
 """The FlashInfer backend on a CUDA device against the torch reference backend, on the tiny real
 architectures of tests/factories.py (head_dim 64, which FlashInfer's kernels cover): logits of mixed
 prefill/decode batches with chunked prefill and same-step prefix hits, CUDA-graph decode against
-eager, and 32 greedy tokens."""
+eager, and 32 greedy tokens.
+
+First run on a GPU on 2026-11-26 (H100, FlashInfer 0.7.2.post1, the bundle's prebuilt sm_90a
+kernels): the logits then differed from the bf16 torch backend's by up to 0.072 at 6 of 1,536
+entries of the mixed step, and greedy runs parted after 6 and 28 tokens. Both are bf16 rounding
+(FlashInfer rounds the attention probabilities to bf16 before multiplying V, as FlashAttention
+does; the torch backend does not), so each backend is now measured against the same model in
+float32, and a greedy parting must fall on a near-tie. docs/PERF.md has the run."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,8 +25,8 @@ from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch, build_forward_batch
 from engine.config import ModelConfig
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets
-from engine.weights.loader import load_model
 from engine.models.decoder import DecoderForCausalLM
+from engine.weights.loader import load_model
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from tests.factories import make_checkpoint
 
@@ -31,21 +39,41 @@ if torch.cuda.is_available():
 CUDA = torch.device("cuda")
 NUM_PAGES = 128  # the scheduler's pages; page NUM_PAGES is the scratch page
 SHAPE = dict(head_dim=64, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
-# bf16 activations and KV in both backends; they differ in summation order only.
-LOGIT_TOL = dict(rtol=2e-2, atol=5e-2)
+# FlashInfer's relative error against float32 (norm of the difference over the norm of the float32
+# logits) may be at most this many times the torch backend's, at every step. bf16 activations alone
+# put these tiny models 1.5-2.4% from float32 (measured on CPU, where the compiled CPU backend came
+# within 1.13x of the torch one); a wrong page, mask or position moves the logits by tens of percent.
+MAX_ERROR_RATIO = 2.0
+# Greedy runs of the two backends may part only where the reference's two candidates are this
+# many bf16 steps (units in the last place of the larger logit) apart or fewer.
+TIE_ULPS = 2
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
-def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DecoderForCausalLM:
-    path: Path = make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, **SHAPE)
-    cfg = ModelConfig.from_checkpoint(path)
-    return load_model(path, cfg, torch.bfloat16, CUDA, 512)
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param, **SHAPE)
 
 
-def caches_for(model: DecoderForCausalLM, block_size: int) -> list[torch.Tensor]:
+@pytest.fixture(scope="module")
+def model(checkpoint: Path) -> DecoderForCausalLM:
+    return load_model(checkpoint, ModelConfig.from_checkpoint(checkpoint), torch.bfloat16, CUDA, 512)
+
+
+@pytest.fixture(scope="module")
+def model32(checkpoint: Path) -> DecoderForCausalLM:
+    """The bf16 model's own weights in float32: the reference both bf16 backends are measured
+    against, so that what differs is the arithmetic, not the rounding of the weights."""
+    return load_model(checkpoint, ModelConfig.from_checkpoint(checkpoint), torch.bfloat16, CUDA, 512).float()
+
+
+def caches_for(model: DecoderForCausalLM, block_size: int, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
     cfg = model.config
     shape = kv_cache_shape(NUM_PAGES + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [torch.zeros(shape, dtype=torch.bfloat16, device=CUDA) for _ in range(cfg.num_layers)]
+    return [torch.zeros(shape, dtype=dtype, device=CUDA) for _ in range(cfg.num_layers)]
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 def flashinfer_backend(model: DecoderForCausalLM, block_size: int) -> FlashInferAttentionBackend:
@@ -89,23 +117,32 @@ def mixed_steps(bs: int) -> list[ForwardBatch]:
     return batches
 
 
+def run_mixed_steps(model: DecoderForCausalLM, backend: Any, block_size: int,
+                    dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    caches = caches_for(model, block_size, dtype)
+    logits = []
+    for batch in mixed_steps(block_size):
+        backend.plan(batch)
+        hidden = model(batch.input_ids, batch.positions, caches, backend)
+        logits.append(model.compute_logits(hidden[batch.logits_indices]))
+    return logits, caches
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("block_size", [16, 4])
-def test_flashinfer_logits_equal_torch_for_mixed_prefill_and_decode(model: DecoderForCausalLM, block_size: int) -> None:
-    runs = []
-    for make in (torch_backend, flashinfer_backend):
-        backend, caches = make(model, block_size), caches_for(model, block_size)
-        logits = []
-        for batch in mixed_steps(block_size):
-            backend.plan(batch)
-            hidden = model(batch.input_ids, batch.positions, caches, backend)
-            logits.append(model.compute_logits(hidden[batch.logits_indices]))
-        runs.append((logits, caches))
-    (want, want_caches), (got, got_caches) = runs
-    for i, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, **LOGIT_TOL, msg=lambda m: f"step {i}: {m}")
-    for g, w in zip(got_caches, want_caches):
-        torch.testing.assert_close(g, w, **LOGIT_TOL)
+def test_flashinfer_logits_match_float32_for_mixed_prefill_and_decode(model: DecoderForCausalLM,
+                                                                      model32: DecoderForCausalLM,
+                                                                      block_size: int) -> None:
+    want, want_caches = run_mixed_steps(model32, torch_backend(model32, block_size), block_size, torch.float32)
+    errors: dict[str, tuple[list[float], list[float]]] = {}
+    for name, make in (("torch bf16", torch_backend), ("flashinfer", flashinfer_backend)):
+        got, caches = run_mixed_steps(model, make(model, block_size), block_size, torch.bfloat16)
+        errors[name] = ([relative_error(g, w) for g, w in zip(got, want)],
+                        [relative_error(g, w) for g, w in zip(caches, want_caches)])
+    report = {name: ([f"{e:.1e}" for e in lo], f"{max(ca):.1e}") for name, (lo, ca) in errors.items()}
+    (fi_logits, fi_caches), (ref_logits, ref_caches) = errors["flashinfer"], errors["torch bf16"]
+    assert all(f <= MAX_ERROR_RATIO * r for f, r in zip(fi_logits, ref_logits)), f"logits per step, caches: {report}"
+    assert max(fi_caches) <= MAX_ERROR_RATIO * max(ref_caches), f"logits per step, caches: {report}"
 
 
 @torch.inference_mode()
@@ -135,23 +172,44 @@ def test_graph_decode_equals_eager_decode(model: DecoderForCausalLM) -> None:
 
 
 def greedy(model: DecoderForCausalLM, make: Callable[..., Any], prompt_lens: list[int],
-           num_tokens: int) -> list[list[int]]:
+           num_tokens: int) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    """Each request's greedy tokens, and the logits each was picked from."""
     bs = 16
     backend, caches = make(model, bs), caches_for(model, bs)
     tables = {f"r{i}": pages(8 * i, 8) for i in range(len(prompt_lens))}
     lens = dict(zip(tables, prompt_lens))
     out: dict[str, list[int]] = {r: [] for r in tables}
+    seen: dict[str, list[torch.Tensor]] = {r: [] for r in tables}
     batch = step(bs, *[(r, 0, n, tables[r]) for r, n in lens.items()])
     for i in range(num_tokens):
         backend.plan(batch)
         hidden = model(batch.input_ids, batch.positions, caches, backend)
-        for r, t in zip(batch.sample_request_ids, model.compute_logits(hidden[batch.logits_indices]).argmax(-1).tolist()):
+        logits = model.compute_logits(hidden[batch.logits_indices]).float()
+        for r, row, t in zip(batch.sample_request_ids, logits, logits.argmax(-1).tolist()):
             out[r].append(t)
+            seen[r].append(row)
         batch = step(bs, *[(r, lens[r] + i, 1, tables[r]) for r in tables], tokens={r: out[r][-1] for r in tables})
-    return [out[r] for r in tables]
+    return [out[r] for r in tables], [seen[r] for r in tables]
+
+
+def bf16_ulp(x: float) -> float:
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
 
 
 @torch.inference_mode()
-def test_greedy_tokens_equal_across_backends_for_32_tokens(model: DecoderForCausalLM) -> None:
+def test_greedy_tokens_agree_across_backends_up_to_near_ties(model: DecoderForCausalLM) -> None:
+    """32 greedy tokens for five prompts: the same with both backends, except that a run may part
+    where the torch backend's own top two logits were within TIE_ULPS bf16 steps (a random tiny
+    model has such near-ties; after one, the two continuations are different texts)."""
     prompt_lens = [1, 16, 17, 40, 63]
-    assert greedy(model, flashinfer_backend, prompt_lens, 32) == greedy(model, torch_backend, prompt_lens, 32)
+    got, _ = greedy(model, flashinfer_backend, prompt_lens, 32)
+    want, want_logits = greedy(model, torch_backend, prompt_lens, 32)
+    for r, (g, w) in enumerate(zip(got, want)):
+        split = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if split is None:
+            continue
+        row = want_logits[r][split]
+        gap = (row[w[split]] - row[g[split]]).item()
+        assert gap <= TIE_ULPS * bf16_ulp(row[w[split]].item()), (
+            f"prompt {r} parted at token {split}: flashinfer chose {g[split]}, torch {w[split]}, "
+            f"{gap:.4f} apart in torch's logits")

@@ -66,7 +66,7 @@ def test_kept_fp8_checkpoint_agrees_with_its_dequantized_self(tmp_path: Path) ->
     prompt = [list(range(3, 40))]
     got = capture_logits(gpu)
     gpu.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    cpu = make_engine(fp8)
+    cpu = make_engine(fp8, device="cpu")  # "auto" would pick the GPU here
     want = capture_logits(cpu)
     cpu.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     [a], [b] = list(got.values()), list(want.values())
