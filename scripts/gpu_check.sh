@@ -51,7 +51,7 @@ step() {
 }
 
 setup() {
-    note "gpu_check ${STEPS[*]}, $(date -u +%Y-%m-%dT%H:%MZ), git $(git rev-parse --short HEAD 2>/dev/null || echo '?'), rehearse=$REHEARSE"
+    note "gpu_check ${STEPS[*]}, $(date -u +%Y-%m-%dT%H:%MZ), rehearse=$REHEARSE"
     if [ "$REHEARSE" = 1 ]; then
         return 0
     fi
