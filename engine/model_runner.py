@@ -25,6 +25,7 @@ from engine.weights.loader import load_model, weight_bytes
 from engine.models.decoder import DecoderForCausalLM, use_cpu_ops
 from engine.weights.formats.packed_linear import can_pack, pack_float_linears, packed_bytes
 from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
+from engine.weights.formats.int8_linear import use_cpu_gemv
 from engine.weights.formats.nvfp4 import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
 from engine.spec_decode.config import DEFAULT_MAX_BATCH
@@ -112,6 +113,8 @@ class ModelRunner:
             if why_not is None:
                 use_cpu_ops(self.model)
                 logger.info("norms, residual adds, SwiGLU and RoPE run as fused CPU ops")
+                if use_cpu_gemv(self.model):
+                    logger.info("the int8 lm_head runs the compiled int8 op for small batches (kernels/cpu_gemv.cpp)")
             else:
                 logger.info("fused CPU ops off (norms, SwiGLU, RoPE run as torch ops): %s", why_not)
         if can_pack(self.dtype, self.device):
