@@ -46,6 +46,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         q_size, kv_size, _ = self.qkv_sizes
         if self.q_norm is None and isinstance(rotary, PositionedRotary):
+            # The CPU backend's one op for RoPE, the cache write and the attention (decode steps).
+            attend_qkv = getattr(backend, "attend_qkv", None) if rotary.cpu_ops else None
+            out = attend_qkv(qkv, rotary.cos_rows, rotary.signed_sin_rows, kv_cache, self.num_heads) \
+                if attend_qkv is not None else None
+            if out is not None:
+                return self.o_proj(out)
             # q and k are adjacent columns: one rotation of both heads' sets together.
             qk = rotary.rotate(qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim))
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]

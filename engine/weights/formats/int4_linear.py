@@ -124,7 +124,7 @@ class Int4Linear(QuantizedLinear):
             x2 = F.pad(x2, (0, self.k_pad))  # [T, K + pad], a new contiguous tensor
         elif not x2.is_contiguous():
             x2 = x2.contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         if y.shape[1] != self.out_features:
             y = y[:, :self.out_features].contiguous()  # [T, N]: the padding rows' zeros cut off
         return y
