@@ -71,10 +71,16 @@ class CpuAttentionBackend:
         the attention's output [T, Hq * D] in one op (RoPE by cos/signed_sin [T, D], the cache
         write, the attention: kernels/cpu_fused_attention.cpp). None when the step has prefill
         chunks (the caller then rotates and calls `forward`)."""
+        meta = self.decode_meta()
+        return None if meta is None else rope_cache_attention(qkv, cos, signed_sin, kv_cache, *meta, num_heads, self.scale)
+
+    def decode_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(slot_mapping, qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of a step without prefill
+        chunks, as kernels/cpu_fused_attention.cpp takes them; None for a step with some."""
         if self._has_prefills:
             return None
-        assert self._slots is not None and self._meta is not None, "plan() must run before attend_qkv()"
-        return rope_cache_attention(qkv, cos, signed_sin, kv_cache, self._slots, *self._meta, num_heads, self.scale)
+        assert self._slots is not None and self._meta is not None, "plan() must run first"
+        return (self._slots, *self._meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         assert self._slots is not None, "plan() must run before forward()"

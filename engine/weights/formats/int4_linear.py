@@ -129,6 +129,14 @@ class Int4Linear(QuantizedLinear):
             y = y[:, :self.out_features].contiguous()  # [T, N]: the padding rows' zeros cut off
         return y
 
+    def kernel_weights(self) -> tuple[Tensor, Tensor, int] | None:
+        """(packed codes, scales and zeros, rows from which the dense copy serves) for a caller that
+        runs the kernel itself (kernels/cpu_decode_layer.cpp); None where `quantized_mm` does more
+        than call it (padding columns or rows, a bias)."""
+        if self.k_pad or self.bias is not None or self.scales_and_zeros.shape[1] != self.out_features:
+            return None
+        return self.packed, self.scales_and_zeros, self.dense_from_rows if self.dense is not None else 0
+
     def format_repr(self) -> str:
         return f"int4 groups of {self.group_size}"
 
