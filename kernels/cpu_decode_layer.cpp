@@ -3,10 +3,10 @@
 // fp4serve_cpu::rope_cache_attention, add_rms_norm, silu_and_mul, the residual add), called from
 // C++ through torch's dispatcher, so the results are the Python layer's bit for bit.
 //
-// Why: at one row the layer's work is ~250 us of kernels, and Python spent another ~60 us a layer
-// calling them (module calls, argument checks, ~15 ops each paying Python's dispatch; docs/PERF.md
+// Why: at one row a layer's kernels take ~0.3 ms, and Python spent tens of microseconds a layer
+// around them (~10 module calls and ~25 ops, each paying Python's call and dispatch; docs/PERF.md
 // "The 1-stream step"). engine/models/decoder.py takes this path only where it applies
-// (DecoderLayer.fused_args) and checks it token for token in tests/test_cpu_decode_layer.py.
+// (use_fused_layers, DecoderLayer.forward); tests/test_cpu_decode_layer.py checks it bit for bit.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
