@@ -89,6 +89,8 @@ def _hooked(engine: OfflineEngine, timer: _SelfTimer) -> Iterator[None]:
         patched.append((obj, name))
 
     patch(runner.backend, "forward", "attention")
+    if hasattr(runner.backend, "attend_qkv"):  # the CPU backend's RoPE + cache write + attention op
+        patch(runner.backend, "attend_qkv", "attention")
     patch(runner.backend, "plan", "attention plan")
     patch(runner.model, "compute_logits", "lm_head")
     patch(runner.sampler, "sample", "sampling")

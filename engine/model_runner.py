@@ -22,9 +22,10 @@ from engine.attention.hybrid_backend import HybridBackend
 from engine.host.cpu_kernels import load_cpu_ops
 from engine.attention.hybrid_runner import make_checkpoint_pool, make_hybrid_backend, make_state_pool
 from engine.weights.loader import load_model, weight_bytes
-from engine.models.decoder import DecoderForCausalLM, use_cpu_ops
+from engine.models.decoder import DecoderForCausalLM, use_cpu_ops, use_fused_layers
 from engine.weights.formats.packed_linear import can_pack, pack_float_linears, packed_bytes
 from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
+from engine.weights.formats.int8_linear import use_cpu_gemv
 from engine.weights.formats.nvfp4 import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
 from engine.spec_decode.config import DEFAULT_MAX_BATCH
@@ -112,6 +113,10 @@ class ModelRunner:
             if why_not is None:
                 use_cpu_ops(self.model)
                 logger.info("norms, residual adds, SwiGLU and RoPE run as fused CPU ops")
+                if fused := use_fused_layers(self.model):
+                    logger.info("%d int4 layers run as one C++ op each below their dense copies' rows", fused)
+                if use_cpu_gemv(self.model):
+                    logger.info("the int8 lm_head runs the compiled int8 op for small batches (kernels/cpu_gemv.cpp)")
             else:
                 logger.info("fused CPU ops off (norms, SwiGLU, RoPE run as torch ops): %s", why_not)
         if can_pack(self.dtype, self.device):

@@ -1,12 +1,15 @@
 """Paged attention on CPU without a gather: the C++ ops of `cpu_attention.cpp`
-(`torch.ops.fp4serve_cpu.paged_attention`, `.reshape_and_cache`; compiled and loaded by
-kernels/cpu_ops.py) and the pure-torch references the tests hold them to."""
+(`torch.ops.fp4serve_cpu.paged_attention`, `.reshape_and_cache`) and of `cpu_fused_attention.cpp`
+(`.rope_cache_attention`: RoPE, the cache write and the attention as one op), compiled and loaded
+by kernels/cpu_ops.py, and the pure-torch references the tests hold them to."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kernels.cpu_elementwise import rotary_ref
 
 
 def paged_attention(q: Tensor, kv_cache: Tensor, qo_indptr: Tensor, kv_indptr: Tensor, kv_indices: Tensor,
@@ -19,6 +22,16 @@ def paged_attention(q: Tensor, kv_cache: Tensor, qo_indptr: Tensor, kv_indptr: T
 def reshape_and_cache(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     """k/v [T, Hkv, D] into kv_cache [P, 2, bs, Hkv, D] at slot_mapping [T] int64 (the C++ op)."""
     torch.ops.fp4serve_cpu.reshape_and_cache.default(k, v, kv_cache, slot_mapping)
+
+
+def rope_cache_attention(qkv: Tensor, cos: Tensor, signed_sin: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                         qo_indptr: Tensor, kv_indptr: Tensor, kv_indices: Tensor, kv_last_page_len: Tensor,
+                         num_heads: int, scale: float) -> Tensor:
+    """A decode layer's attention from its fused projection: qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq * D];
+    q and k rotated (cos/signed_sin [T, D], as kernels/cpu_elementwise.rotary), k and v written to
+    the cache at slot_mapping, then `paged_attention` (the C++ op of cpu_fused_attention.cpp)."""
+    return torch.ops.fp4serve_cpu.rope_cache_attention.default(qkv, cos, signed_sin, kv_cache, slot_mapping, qo_indptr,
+                                                               kv_indptr, kv_indices, kv_last_page_len, num_heads, scale)
 
 
 def paged_attention_ref(q: Tensor, kv_cache: Tensor, qo_indptr: Tensor, kv_indptr: Tensor, kv_indices: Tensor,
@@ -49,3 +62,16 @@ def reshape_and_cache_ref(k: Tensor, v: Tensor, kv_cache: Tensor, slot_mapping: 
     rows = torch.div(slot_mapping, bs, rounding_mode="floor") * (2 * bs) + slot_mapping % bs
     flat.index_copy_(0, rows, k.to(kv_cache.dtype))
     flat.index_copy_(0, rows + bs, v.to(kv_cache.dtype))
+
+
+def rope_cache_attention_ref(qkv: Tensor, cos: Tensor, signed_sin: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                             qo_indptr: Tensor, kv_indptr: Tensor, kv_indices: Tensor, kv_last_page_len: Tensor,
+                             num_heads: int, scale: float) -> Tensor:
+    """The reference: the fused op's steps through the references above."""
+    rows, kv_heads, d = qkv.shape[0], kv_cache.shape[3], kv_cache.shape[4]
+    qk = rotary_ref(qkv[:, :(num_heads + kv_heads) * d].reshape(rows, -1, d), cos, signed_sin)
+    v = qkv[:, (num_heads + kv_heads) * d:].reshape(rows, kv_heads, d)
+    reshape_and_cache_ref(qk[:, num_heads:], v, kv_cache, slot_mapping)
+    out = paged_attention_ref(qk[:, :num_heads].contiguous(), kv_cache, qo_indptr, kv_indptr, kv_indices,
+                              kv_last_page_len, scale)
+    return out.reshape(rows, num_heads * d)

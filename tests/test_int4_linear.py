@@ -161,6 +161,7 @@ def test_int4_tracks_the_bf16_float_run_on_q4_1_grid_weights(on_grid: Path, capl
         e = engine(on_grid, quantization="int4")
     model = e.core.runner.model
     assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear) and isinstance(model.lm_head, Int8Linear)
+    assert model.lm_head.cpu_gemv  # the compiled int8 op (kernels/cpu_gemv.cpp), its input Q8_0 with VNNI
     assert any("int4: 9 linears quantized at load" in r.getMessage() and "lm_head int8" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert all(m.dense is None for m in model.modules() if isinstance(m, Int4Linear))  # explicit: no copies

@@ -9,7 +9,7 @@ import torch
 
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch
-from kernels.cpu_attention import paged_attention, reshape_and_cache
+from kernels.cpu_attention import paged_attention, reshape_and_cache, rope_cache_attention
 from kernels.cpu_ops import ops_loaded
 
 # Requests with at most this many query rows (decodes, speculative verify rows, short prompt
@@ -64,6 +64,23 @@ class CpuAttentionBackend:
 
         self._rows = torch.tensor(rows, dtype=torch.int64, device=dev)
         self._meta = (i32(sub_qo), i32(sub_kv_ptr), i32(sub_kv_idx), i32([last[i] for i in short]))
+
+    def attend_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
+                   num_heads: int) -> torch.Tensor | None:
+        """A step without prefill chunks: qkv [T, (Hq + 2 Hkv) * D], the fused projection's rows, to
+        the attention's output [T, Hq * D] in one op (RoPE by cos/signed_sin [T, D], the cache
+        write, the attention: kernels/cpu_fused_attention.cpp). None when the step has prefill
+        chunks (the caller then rotates and calls `forward`)."""
+        meta = self.decode_meta()
+        return None if meta is None else rope_cache_attention(qkv, cos, signed_sin, kv_cache, *meta, num_heads, self.scale)
+
+    def decode_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(slot_mapping, qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of a step without prefill
+        chunks, as kernels/cpu_fused_attention.cpp takes them; None for a step with some."""
+        if self._has_prefills:
+            return None
+        assert self._slots is not None and self._meta is not None, "plan() must run first"
+        return (self._slots, *self._meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         assert self._slots is not None, "plan() must run before forward()"

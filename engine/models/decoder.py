@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.cpu_paged import CpuAttentionBackend
 from engine.config import ModelConfig
 from engine.host import cpu_threads
 from engine.host.cpu_threads import serial_cpu_ops
 from engine.models.layers import Linear, PositionedRotary, RMSNorm, RotaryEmbedding
 from engine.models.moe import SparseMoeBlock
-from kernels import cpu_elementwise
+from kernels import cpu_decode_layer, cpu_elementwise
 
 
 class Attention(nn.Module):
@@ -46,6 +47,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
         q_size, kv_size, _ = self.qkv_sizes
         if self.q_norm is None and isinstance(rotary, PositionedRotary):
+            # The CPU backend's one op for RoPE, the cache write and the attention (decode steps).
+            attend_qkv = getattr(backend, "attend_qkv", None) if rotary.cpu_ops else None
+            out = attend_qkv(qkv, rotary.cos_rows, rotary.signed_sin_rows, kv_cache, self.num_heads) \
+                if attend_qkv is not None else None
+            if out is not None:
+                return self.o_proj(out)
             # q and k are adjacent columns: one rotation of both heads' sets together.
             qk = rotary.rotate(qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim))
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -90,6 +97,27 @@ def use_cpu_ops(model: nn.Module) -> int:
     return switched
 
 
+def use_fused_layers(model: nn.Module) -> int:
+    """Run each dense layer whose four linears are plain int4 kernels (no bias, no padding) and
+    whose attention has no q/k norm as one C++ op (kernels/cpu_decode_layer.cpp) for inputs below
+    the rows where the linears switch to their dense copies; after `use_cpu_ops`. How many layers."""
+    switched = 0
+    for layer in model.modules():
+        if not isinstance(layer, DecoderLayer) or not layer.cpu_ops or layer.self_attn.q_norm is not None:
+            continue
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
+                   getattr(layer.mlp, "down_proj", None))
+        kernels = [getattr(m, "kernel_weights", lambda: None)() for m in linears]
+        if any(k is None for k in kernels) or len({m.group_size for m in linears}) != 1:
+            continue
+        below = [k[2] for k in kernels if k is not None and k[2]]
+        layer.fused_weights = tuple(t for k in kernels if k is not None for t in k[:2])
+        layer.fused_group_size = layer.self_attn.qkv_proj.group_size
+        layer.fused_below_rows = min(below) if below else 1 << 30
+        switched += 1
+    return switched
+
+
 def make_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
     """The MLP slot of layer `layer_idx`: a sparse MoE block where the config says so, else dense."""
     if cfg.moe is not None and cfg.moe.is_moe_layer(layer_idx):
@@ -105,6 +133,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_mlp(cfg, layer_idx)
         self.cpu_ops = False  # the residual add and the post-attention norm as one C++ op (use_cpu_ops)
+        # The int4 weights (packed codes, scales and zeros of qkv, o, gate_up, down) for the one-op
+        # layer of kernels/cpu_decode_layer.cpp, for inputs of fewer than `fused_below_rows` rows
+        # (use_fused_layers); None: the modules run one by one.
+        self.fused_weights: tuple[torch.Tensor, ...] | None = None
+        self.fused_group_size = 0
+        self.fused_below_rows = 0
 
     def forward(
         self,
@@ -114,6 +148,13 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        if self.fused_weights is not None and x.shape[0] < self.fused_below_rows and isinstance(rotary, PositionedRotary):
+            meta = backend.decode_meta() if isinstance(backend, CpuAttentionBackend) else None
+            if meta is not None:
+                return cpu_decode_layer.decode_layer_int4(
+                    x, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
+                    self.fused_weights, self.fused_group_size, rotary.cos_rows, rotary.signed_sin_rows, kv_cache, meta,
+                    self.self_attn.num_heads, backend.scale)
         attn = self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, backend)
         if self.cpu_ops:
             norm = self.post_attention_layernorm

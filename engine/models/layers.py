@@ -122,13 +122,15 @@ class PositionedRotary:
         half = cos.shape[-1] // 2
         self.half = half
         self.cpu_ops = cpu_ops
-        self.cos = cos[:, None, :]  # [T, 1, D], the activation dtype
-        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]  # [T, 1, D]
+        self.cos_rows = cos  # [T, D], the activation dtype (the C++ op's layout)
+        self.signed_sin_rows = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [T, D]
+        self.cos = cos[:, None, :]  # [T, 1, D]
+        self.signed_sin = self.signed_sin_rows[:, None, :]  # [T, 1, D]
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] -> rotated [T, H, D] (a new tensor)."""
         if self.cpu_ops:
-            return cpu_elementwise.rotary(x, self.cos[:, 0], self.signed_sin[:, 0])
+            return cpu_elementwise.rotary(x, self.cos_rows, self.signed_sin_rows)
         return x * self.cos + x.roll(self.half, dims=-1) * self.signed_sin
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -124,10 +124,18 @@ class Int4Linear(QuantizedLinear):
             x2 = F.pad(x2, (0, self.k_pad))  # [T, K + pad], a new contiguous tensor
         elif not x2.is_contiguous():
             x2 = x2.contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         if y.shape[1] != self.out_features:
             y = y[:, :self.out_features].contiguous()  # [T, N]: the padding rows' zeros cut off
         return y
+
+    def kernel_weights(self) -> tuple[Tensor, Tensor, int] | None:
+        """(packed codes, scales and zeros, rows from which the dense copy serves) for a caller that
+        runs the kernel itself (kernels/cpu_decode_layer.cpp); None where `quantized_mm` does more
+        than call it (padding columns or rows, a bias)."""
+        if self.k_pad or self.bias is not None or self.scales_and_zeros.shape[1] != self.out_features:
+            return None
+        return self.packed, self.scales_and_zeros, self.dense_from_rows if self.dense is not None else 0
 
     def format_repr(self) -> str:
         return f"int4 groups of {self.group_size}"

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from engine.config import ConfigError
 from engine.weights.formats.packed_linear import DenseWeight, QuantizedLinear
 from engine.weights.formats.shard_checks import check_shape, copy_bias_shard
+from kernels import cpu_gemv
 
 _QMAX = 127  # symmetric: -127..127, so negating a weight never overflows
 # The activation dtypes `_weight_int8pack_mm` takes on CPU (its scales must be the same dtype).
@@ -61,6 +62,7 @@ class Int8Linear(QuantizedLinear):
         # least `dense_from_rows` rows (`keep_dense_copy`); None: every input runs the int8 kernel.
         self.dense: DenseWeight | None = None
         self.dense_from_rows = 0
+        self.cpu_gemv = False  # the compiled C++ op instead of torch's kernel (use_cpu_gemv)
 
     @staticmethod
     def from_float(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Int8Linear:
@@ -93,10 +95,26 @@ class Int8Linear(QuantizedLinear):
             x2 = F.pad(x2, (0, self.pad))  # [T, K + pad], a new contiguous tensor
         elif x2.stride(-1) != 1:
             x2 = x2.contiguous()
+        if self.cpu_gemv:
+            return cpu_gemv.int8_gemv(x2, self.codes, self.scales)  # [T, N], x's dtype
         return torch._weight_int8pack_mm(x2, self.codes, self.scales)  # [T, N], x's dtype
 
     def format_repr(self) -> str:
         return "int8 per-channel"
+
+
+def use_cpu_gemv(model: nn.Module) -> bool:
+    """Run `model`'s int8 lm_head (beside int4 or int8 layers) through the compiled op of
+    kernels/cpu_gemv.py (loaded by engine/host/cpu_kernels.py) instead of
+    `torch._weight_int8pack_mm`; whether it has one.
+
+    NOTE: the head only: it is where the op was measured faster (1.6-1.9x on SmolLM2's 27 MiB head
+    at one row, docs/PERF.md "The 1-stream step"); the layers' int8 shapes were not measured."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, Int8Linear):
+        return False
+    head.cpu_gemv = True
+    return True
 
 
 def check_int8_device(device: torch.device) -> None:
