@@ -196,7 +196,8 @@ def test_a_killed_core_fails_only_its_requests_and_comes_back(server: RunningSer
         ended = await asyncio.gather(*streams)
         during = await asyncio.to_thread(lambda: httpx.get(server.url("/health"), timeout=5).json())
         # Sent while core 1 restarts: core 0 serves them.
-        served = await asyncio.gather(*(client.completions.create(model=MODEL, prompt=[508, i], max_tokens=4)
+        served = await asyncio.gather(*(client.completions.create(model=MODEL, prompt=[508, i], max_tokens=4,
+                                                                  extra_body={"ignore_eos": True})
                                         for i in range(4)))
         return ended, during, served
 
