@@ -16,7 +16,7 @@ from torch import Tensor
 
 from engine.config import ConfigError
 from engine.weights.formats.packed_linear import DenseWeight, QuantizedLinear, can_pack
-from engine.weights.formats.shard_checks import check_shape, copy_bias_shard
+from engine.weights.formats.shard_checks import FloatQuantizingBuilder
 
 GROUP_SIZE = 32  # Q4_1's block; the kernel takes 32, 64, 128 or 256
 _LEVELS = 15  # codes 0..15
@@ -151,44 +151,27 @@ def check_int4_device(device: torch.device, dtype: torch.dtype) -> None:
                           f"{str(dtype).removeprefix('torch.')} is not supported with it (use --dtype auto)")
 
 
-class Int4LinearBuilder:
-    """One int4 linear (its shards fused: q/k/v, gate/up) from float checkpoint tensors that stream
-    in any order; `build` once all have arrived. Groups run along each row, so fusing is exact."""
+class Int4LinearBuilder(FloatQuantizingBuilder):
+    """One int4 linear from float checkpoint tensors; `build` once all have arrived. Groups run along
+    each row, so fusing is exact."""
+
+    scheme = "int4"
 
     def __init__(self, hf_modules: list[str], shard_sizes: list[int], in_features: int, bias: Tensor | None,
                  dtype: torch.dtype, device: torch.device, dense_from_rows: int = 0) -> None:
-        assert len(hf_modules) == len(shard_sizes), "one checkpoint linear per shard"
-        self.hf_modules = hf_modules  # per shard, e.g. model.layers.0.self_attn.q_proj
-        self.shard_sizes = shard_sizes
-        self.in_features = in_features
-        self.bias = bias  # [N] model dtype on `device`, filled shard by shard; None: no bias
-        self.dtype = dtype
-        self.device = device
+        super().__init__(hf_modules, shard_sizes, in_features, bias, dtype, device)
         self.dense_from_rows = dense_from_rows
-        self.shards: list[tuple[Tensor, Tensor] | None] = [None] * len(shard_sizes)  # (codes, scales and zeros)
         # With a dense copy: each shard's checkpoint weight ([rows, K]), the copy's source.
         self.sources: list[Tensor | None] = [None] * len(shard_sizes)
 
-    def add(self, shard: int, suffix: str, tensor: Tensor) -> None:
-        hf_module, rows = self.hf_modules[shard], self.shard_sizes[shard]
-        if suffix == "bias":
-            copy_bias_shard(self.bias, hf_module, self.shard_sizes, shard, tensor)
-            return
-        if suffix != "weight":
-            raise ConfigError(f"tensor '{hf_module}.{suffix}' is a quantization tensor; --quantization int4 "
-                              "quantizes float checkpoints only")
-        check_shape(f"{hf_module}.weight", tensor.shape, (rows, self.in_features))
-        # The stored values are quantized (not a copy cast to the model dtype first).
-        self.shards[shard] = quantize_padded(tensor.to(self.device), self.dtype)
+    def quantize(self, shard: int, weight: Tensor) -> tuple[Tensor, Tensor]:
         if self.dense_from_rows:  # the dtype the dense copy will hold (DenseWeight: bf16 where packed)
-            self.sources[shard] = tensor.to(self.device, torch.bfloat16 if can_pack(self.dtype, self.device)
-                                            else torch.float32)
+            self.sources[shard] = weight.to(torch.bfloat16 if can_pack(self.dtype, self.device) else torch.float32)
+        return quantize_padded(weight, self.dtype)  # (codes, scales and zeros)
 
     def build(self) -> Int4Linear:
-        for hf_module, got in zip(self.hf_modules, self.shards):
-            if got is None:
-                raise ConfigError(f"missing tensor for '{hf_module}.weight'")
-        codes = torch.cat([c for c, _ in self.shards if c is not None])  # [N, K (+ pad)] uint8
-        sz = torch.cat([z for _, z in self.shards if z is not None], dim=1)  # [K / group, N, 2]
+        shards = self.complete_shards()
+        codes = torch.cat([c for c, _ in shards])  # [N, K (+ pad)] uint8
+        sz = torch.cat([z for _, z in shards], dim=1)  # [K / group, N, 2]
         source = torch.cat([w for w in self.sources if w is not None]) if self.dense_from_rows else None  # [N, K]
         return Int4Linear(codes, sz, self.bias, self.in_features, self.dense_from_rows, source=source)

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from engine.config import ConfigError
 from engine.weights.formats.packed_linear import DenseWeight, QuantizedLinear
-from engine.weights.formats.shard_checks import check_shape, copy_bias_shard
+from engine.weights.formats.shard_checks import FloatQuantizingBuilder
 from kernels import cpu_gemv
 
 _QMAX = 127  # symmetric: -127..127, so negating a weight never overflows
@@ -124,37 +124,17 @@ def check_int8_device(device: torch.device) -> None:
                           "--quantization nvfp4 or a float dtype")
 
 
-class Int8LinearBuilder:
-    """One int8 linear (its shards fused: q/k/v, gate/up) from float checkpoint tensors that stream
-    in any order; `build` once all have arrived. Rows are scaled one by one, so fusing is exact."""
+class Int8LinearBuilder(FloatQuantizingBuilder):
+    """One int8 linear from float checkpoint tensors; `build` once all have arrived. Rows are scaled
+    one by one, so fusing is exact."""
 
-    def __init__(self, hf_modules: list[str], shard_sizes: list[int], in_features: int, bias: Tensor | None,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        assert len(hf_modules) == len(shard_sizes), "one checkpoint linear per shard"
-        self.hf_modules = hf_modules  # per shard, e.g. model.layers.0.self_attn.q_proj
-        self.shard_sizes = shard_sizes
-        self.in_features = in_features
-        self.bias = bias  # [N] model dtype on `device`, filled shard by shard; None: no bias
-        self.dtype = dtype
-        self.device = device
-        self.shards: list[tuple[Tensor, Tensor] | None] = [None] * len(shard_sizes)  # (codes, scales)
+    scheme = "int8"
 
-    def add(self, shard: int, suffix: str, tensor: Tensor) -> None:
-        hf_module, rows = self.hf_modules[shard], self.shard_sizes[shard]
-        if suffix == "bias":
-            copy_bias_shard(self.bias, hf_module, self.shard_sizes, shard, tensor)
-            return
-        if suffix != "weight":
-            raise ConfigError(f"tensor '{hf_module}.{suffix}' is a quantization tensor; --quantization int8 "
-                              "quantizes float checkpoints only")
-        check_shape(f"{hf_module}.weight", tensor.shape, (rows, self.in_features))
-        # The stored values are quantized (not a copy cast to the model dtype first).
-        self.shards[shard] = quantize_int8(tensor.to(self.device), self.dtype)
+    def quantize(self, shard: int, weight: Tensor) -> tuple[Tensor, Tensor]:
+        return quantize_int8(weight, self.dtype)  # (codes, scales)
 
     def build(self) -> Int8Linear:
-        for hf_module, got in zip(self.hf_modules, self.shards):
-            if got is None:
-                raise ConfigError(f"missing tensor for '{hf_module}.weight'")
-        codes = torch.cat([c for c, _ in self.shards if c is not None])  # [N, K] int8
-        scales = torch.cat([s for _, s in self.shards if s is not None])  # [N]
+        shards = self.complete_shards()
+        codes = torch.cat([c for c, _ in shards])  # [N, K] int8
+        scales = torch.cat([s for _, s in shards])  # [N]
         return Int8Linear(codes, scales, self.bias)
