@@ -25,6 +25,7 @@ from engine.weights.loader import load_model, weight_bytes
 from engine.models.decoder import DecoderForCausalLM, use_cpu_ops, use_fused_layers
 from engine.weights.formats.packed_linear import can_pack, pack_float_linears, packed_bytes
 from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
+from engine.weights.formats.int4_linear import Int4Linear
 from engine.weights.formats.int8_linear import use_cpu_gemv
 from engine.weights.formats.nvfp4 import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
@@ -103,22 +104,28 @@ class ModelRunner:
             logger.info("quantization: %s", self.quantization.describe())
         self.use_mtp = config.speculative_method == "mtp"
         mtp_path = Path(config.speculative_model).expanduser() if config.speculative_model else None
+        # On CPU the compiled ops load first: int4 linears built at load take our op's layout when it is there.
+        cpu_ops_error = load_cpu_ops() if self.device.type == "cpu" else None
         self.model = load_model(model_path, model_config, self.dtype, self.device, max_model_len, self.quantization,
                                 mtp=self.use_mtp, mtp_path=mtp_path)
         if self.device.type == "cuda":
             # Quantize-at-load temporaries sit in torch's cache, which mem_get_info counts as used.
             torch.cuda.empty_cache()
         if self.device.type == "cpu" and type(self.model) is DecoderForCausalLM:
-            why_not = load_cpu_ops()
-            if why_not is None:
+            if cpu_ops_error is None:
                 use_cpu_ops(self.model)
                 logger.info("norms, residual adds, SwiGLU and RoPE run as fused CPU ops")
                 if fused := use_fused_layers(self.model):
                     logger.info("%d int4 layers run as one C++ op each below their dense copies' rows", fused)
+                int4 = [m for m in self.model.modules() if isinstance(m, Int4Linear)]
+                if int4:
+                    own = sum(m.own_kernel for m in int4)
+                    logger.info("%d int4 linears run our AVX512-BF16 op (kernels/cpu_int4.cpp), %d torch's int4 kernel%s",
+                                own, len(int4) - own, "" if own else " (this CPU has no AVX512-BF16)")
                 if use_cpu_gemv(self.model):
                     logger.info("the int8 lm_head runs the compiled int8 op for small batches (kernels/cpu_gemv.cpp)")
             else:
-                logger.info("fused CPU ops off (norms, SwiGLU, RoPE run as torch ops): %s", why_not)
+                logger.info("fused CPU ops off (norms, SwiGLU, RoPE run as torch ops): %s", cpu_ops_error)
         if can_pack(self.dtype, self.device):
             num_packed = pack_float_linears(self.model)
             if num_packed:

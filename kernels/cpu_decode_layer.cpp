@@ -1,5 +1,6 @@
 // A dense decoder layer (Llama/SmolLM2: no q/k norms, no biases) with int4 linears, for a few rows,
-// as one op: the same ops the Python layer runs (fp4serve_cpu::rms_norm, torch's int4 kernel,
+// as one op: the same ops the Python layer runs (fp4serve_cpu::rms_norm, the int4 kernel: ours,
+// fp4serve_cpu::int4_gemv, or torch's as the linears hold their codes,
 // fp4serve_cpu::rope_cache_attention, add_rms_norm, silu_and_mul, the residual add), called from
 // C++ through torch's dispatcher, so the results are the Python layer's bit for bit.
 //
@@ -31,7 +32,8 @@ Tensor decode_layer_int4(const Tensor& x, const Tensor& input_norm, const Tensor
                          const Tensor& gate_up, const Tensor& gate_up_sz, const Tensor& down, const Tensor& down_sz,
                          int64_t group_size, const Tensor& cos, const Tensor& signed_sin, Tensor kv_cache,
                          const Tensor& slot_mapping, const Tensor& qo_indptr, const Tensor& kv_indptr,
-                         const Tensor& kv_indices, const Tensor& kv_last_page_len, int64_t num_heads, double scale) {
+                         const Tensor& kv_indices, const Tensor& kv_last_page_len, int64_t num_heads, double scale,
+                         bool own_kernel) {
   static const auto rms_norm = op_handle("fp4serve_cpu::rms_norm").typed<Tensor(const Tensor&, const Tensor&, double)>();
   static const auto add_rms_norm =
       op_handle("fp4serve_cpu::add_rms_norm").typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>();
@@ -41,8 +43,9 @@ Tensor decode_layer_int4(const Tensor& x, const Tensor& input_norm, const Tensor
           .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor, const Tensor&, const Tensor&, const Tensor&,
                         const Tensor&, const Tensor&, int64_t, double)>();
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layer_int4: x [T, hidden], contiguous");
-  auto linear = [group_size](const Tensor& in, const Tensor& packed, const Tensor& sz) {
-    return at::_weight_int4pack_mm_for_cpu(in, packed, group_size, sz);
+  static const auto int4_gemv = op_handle("fp4serve_cpu::int4_gemv").typed<Tensor(const Tensor&, const Tensor&, const Tensor&)>();
+  auto linear = [group_size, own_kernel](const Tensor& in, const Tensor& packed, const Tensor& sz) {
+    return own_kernel ? int4_gemv.call(in, packed, sz) : at::_weight_int4pack_mm_for_cpu(in, packed, group_size, sz);
   };
   const Tensor h = rms_norm.call(x, input_norm, eps);
   const Tensor attn = attend.call(linear(h, qkv, qkv_sz), cos, signed_sin, kv_cache, slot_mapping, qo_indptr, kv_indptr,
@@ -58,7 +61,8 @@ TORCH_LIBRARY_FRAGMENT(fp4serve_cpu, m) {
   m.def("decode_layer_int4(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv, Tensor qkv_sz, "
         "Tensor o, Tensor o_sz, Tensor gate_up, Tensor gate_up_sz, Tensor down, Tensor down_sz, int group_size, "
         "Tensor cos, Tensor signed_sin, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor qo_indptr, "
-        "Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, int num_heads, float scale) -> Tensor");
+        "Tensor kv_indptr, Tensor kv_indices, Tensor kv_last_page_len, int num_heads, float scale, "
+        "bool own_kernel) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fp4serve_cpu, CPU, m) {

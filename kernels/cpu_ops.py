@@ -1,7 +1,8 @@
 """The compiled CPU ops (`torch.ops.fp4serve_cpu.*`: paged attention, kernels/cpu_attention.cpp;
 norms, activation, RoPE, kernels/cpu_elementwise.cpp; the int8 linear for a few rows,
 kernels/cpu_gemv.cpp; RoPE, cache write and attention as one op, kernels/cpu_fused_attention.cpp;
-a whole int4 decoder layer, kernels/cpu_decode_layer.cpp): how the library is compiled for the machine at hand (g++ -O3
+a whole int4 decoder layer, kernels/cpu_decode_layer.cpp; the int4 linear for a few rows,
+kernels/cpu_int4.cpp): how the library is compiled for the machine at hand (g++ -O3
 -march=native against torch's headers), loaded into torch, and given fake (shape-only)
 implementations for torch.compile. Their wrappers and pure-torch references live in
 kernels/cpu_attention.py, kernels/cpu_elementwise.py and kernels/cpu_gemv.py."""
@@ -18,7 +19,7 @@ from torch import Tensor
 
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "cpu_attention.cpp", _HERE / "cpu_elementwise.cpp", _HERE / "cpu_gemv.cpp",
-           _HERE / "cpu_fused_attention.cpp", _HERE / "cpu_decode_layer.cpp")
+           _HERE / "cpu_fused_attention.cpp", _HERE / "cpu_decode_layer.cpp", _HERE / "cpu_int4.cpp")
 HEADERS = (_HERE / "cpu_vec.h",)
 LIBRARY_NAME = "libfp4serve_cpu.so"
 NAMESPACE = "fp4serve_cpu"
@@ -105,7 +106,11 @@ def _int8_gemv_fake(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
     return x.new_empty((x.shape[0], codes.shape[0]))
 
 
+def _int4_gemv_fake(x: Tensor, codes: Tensor, scales_zeros: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], codes.shape[0]))
+
+
 _FAKES = {"paged_attention": _like, "reshape_and_cache": _reshape_and_cache_fake, "rms_norm": _like,
           "add_rms_norm": _add_rms_norm_fake, "silu_and_mul": _silu_and_mul_fake, "rotary": _like,
           "int8_gemv": _int8_gemv_fake, "rope_cache_attention": _rope_cache_attention_fake,
-          "decode_layer_int4": _decode_layer_int4_fake}
+          "decode_layer_int4": _decode_layer_int4_fake, "int4_gemv": _int4_gemv_fake}

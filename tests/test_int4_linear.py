@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from api.cli import build_parser, server_config
 from engine.config import ConfigError, EngineConfig
+from engine.host.cpu_kernels import load_cpu_ops
+from kernels.cpu_int4 import int4_gemv_native
 from engine.weights.formats.int4_linear import GROUP_SIZE, Int4Linear, Int4LinearBuilder, check_int4_device, dequantize_int4, \
     quantize_int4, quantize_padded
 from engine.weights.formats.int8_linear import Int8Linear
@@ -63,12 +65,17 @@ def test_quantize_error_is_half_a_step_and_constant_groups_are_exact() -> None:
 
 @pytest.mark.parametrize("shape", [(1, 64, 96), (7, 576, 960), (3, 100, 40), (32, 48, 16)])  # K=100, 48: padded
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4_linear_equals_the_dequantized_float_reference(shape: tuple[int, int, int], bias: bool) -> None:
+@pytest.mark.parametrize("own_kernel", [False, True], ids=["torch-kernel", "our-op"])
+def test_int4_linear_equals_the_dequantized_float_reference(shape: tuple[int, int, int], bias: bool,
+                                                            own_kernel: bool) -> None:
+    if own_kernel:
+        assert load_cpu_ops() is None  # kernels/cpu_int4.cpp
     tokens, k, n = shape
     g = torch.Generator().manual_seed(tokens * k + n)
     w = torch.randn(n, k, generator=g) * 0.05
     b = torch.randn(n, generator=g) if bias else None
-    linear = Int4Linear.from_float(w, b)
+    linear = Int4Linear.from_float(w, b, own_kernel=own_kernel)
+    assert linear.own_kernel == own_kernel
     x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
     y = linear(x)
     assert y.dtype == torch.bfloat16 and y.shape == (tokens, n) and linear.in_features == k
@@ -165,6 +172,11 @@ def test_int4_tracks_the_bf16_float_run_on_q4_1_grid_weights(on_grid: Path, capl
     assert any("int4: 9 linears quantized at load" in r.getMessage() and "lm_head int8" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert all(m.dense is None for m in model.modules() if isinstance(m, Int4Linear))  # explicit: no copies
+    # the engine loads the CPU ops before the weights: the int4 linears take our op where it has its fast loop
+    native, int4 = int4_gemv_native(), [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert all(m.own_kernel == native for m in int4)
+    kernel_line = f"{len(int4) if native else 0} int4 linears run our AVX512-BF16 op"
+    assert any(kernel_line in r.getMessage() for r in caplog.records)
     ours, logits = greedy_with_logits(e, 8)
     theirs, ref_logits = greedy_with_logits(engine(on_grid, dtype="bfloat16", quantization="none"), 8)
     assert ours[:4] == theirs[:4]

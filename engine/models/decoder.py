@@ -108,11 +108,12 @@ def use_fused_layers(model: nn.Module) -> int:
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
                    getattr(layer.mlp, "down_proj", None))
         kernels = [getattr(m, "kernel_weights", lambda: None)() for m in linears]
-        if any(k is None for k in kernels) or len({m.group_size for m in linears}) != 1:
+        if any(k is None for k in kernels) or len({(m.group_size, m.own_kernel) for m in linears}) != 1:
             continue
         below = [k[2] for k in kernels if k is not None and k[2]]
         layer.fused_weights = tuple(t for k in kernels if k is not None for t in k[:2])
         layer.fused_group_size = layer.self_attn.qkv_proj.group_size
+        layer.fused_own_kernel = layer.self_attn.qkv_proj.own_kernel
         layer.fused_below_rows = min(below) if below else 1 << 30
         switched += 1
     return switched
@@ -138,6 +139,7 @@ class DecoderLayer(nn.Module):
         # (use_fused_layers); None: the modules run one by one.
         self.fused_weights: tuple[torch.Tensor, ...] | None = None
         self.fused_group_size = 0
+        self.fused_own_kernel = False  # the codes in our int4 op's layout (Int4Linear.own_kernel)
         self.fused_below_rows = 0
 
     def forward(
@@ -154,7 +156,7 @@ class DecoderLayer(nn.Module):
                 return cpu_decode_layer.decode_layer_int4(
                     x, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
                     self.fused_weights, self.fused_group_size, rotary.cos_rows, rotary.signed_sin_rows, kv_cache, meta,
-                    self.self_attn.num_heads, backend.scale)
+                    self.self_attn.num_heads, backend.scale, self.fused_own_kernel)
         attn = self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, backend)
         if self.cpu_ops:
             norm = self.post_attention_layernorm

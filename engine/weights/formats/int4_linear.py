@@ -1,7 +1,8 @@
 """Weight-only int4 linears for CPUs (`--quantization int4`, W4A16): float checkpoint weights
 quantized at load to 4-bit codes with a scale and a zero point per group of 32 input columns
-(asymmetric, GGUF Q4_1's grid), run by torch's own CPU kernel `torch._weight_int4pack_mm_for_cpu`
-with bf16 activations; and the builder the loader streams shards into.
+(asymmetric, GGUF Q4_1's grid), run with bf16 activations by our compiled op (kernels/cpu_int4.cpp)
+where this CPU has AVX512-BF16 and the CPU ops are loaded, else by torch's own CPU kernel
+`torch._weight_int4pack_mm_for_cpu`; and the builder the loader streams shards into.
 
 Q4_1 stores each block of 32 weights as d * q + m with q in 0..15, d = (max - min) / 15, m = min;
 quantizing such weights again with the same rule finds the same d, m and q. So the built-in
@@ -17,6 +18,8 @@ from torch import Tensor
 from engine.config import ConfigError
 from engine.weights.formats.packed_linear import DenseWeight, QuantizedLinear, can_pack
 from engine.weights.formats.shard_checks import FloatQuantizingBuilder
+from kernels import cpu_int4
+from kernels.cpu_ops import ops_loaded
 
 GROUP_SIZE = 32  # Q4_1's block; the kernel takes 32, 64, 128 or 256
 _LEVELS = 15  # codes 0..15
@@ -64,15 +67,24 @@ def dequantize_int4(codes: Tensor, scales_and_zeros: Tensor, group_size: int = G
     return ((q - _MIDPOINT) * scale[..., None] + zero[..., None]).reshape(n, k).to(dtype)
 
 
+def own_kernel_ready() -> bool:
+    """Whether new int4 linears run our op: the CPU ops are loaded (engine/host/cpu_kernels.py) and
+    it has its AVX512-BF16 loop (1.3-1.4x torch's kernel at one row on SmolLM2's shapes,
+    docs/PERF.md "The int4 kernel"); elsewhere torch's kernel stays."""
+    return ops_loaded() and cpu_int4.int4_gemv_native()
+
+
 class Int4Linear(QuantizedLinear):
-    """y = x dequantize(codes)^T (+ b), the codes packed two to a byte in the kernel's layout.
+    """y = x dequantize(codes)^T (+ b), the codes packed two to a byte in the kernel's layout
+    (our op's, kernels/cpu_int4.py, or torch's).
 
     Inputs of at least `dense_from_rows` rows multiply a dense copy of the same dequantized weight
     instead (a GEMM: torch's int4 kernel is a matrix-vector kernel whose time grows with the rows,
     docs/PERF.md)."""
 
     def __init__(self, codes: Tensor, scales_and_zeros: Tensor, bias: Tensor | None, in_features: int | None = None,
-                 dense_from_rows: int = 0, group_size: int = GROUP_SIZE, source: Tensor | None = None) -> None:
+                 dense_from_rows: int = 0, group_size: int = GROUP_SIZE, source: Tensor | None = None,
+                 own_kernel: bool | None = None) -> None:
         """`codes` [N, K] and `scales_and_zeros` as `quantize_int4` gives them; `in_features`: the
         layer's real K when `codes` carry zero padding columns up to a whole group; `dense_from_rows`
         > 0 keeps a dense bf16 copy for inputs of that many rows or more: of `source` ([N, K] float,
@@ -80,7 +92,8 @@ class Int4Linear(QuantizedLinear):
 
         NOTE: from the checkpoint's weights, large inputs (prefills) see what `--dtype bfloat16`
         would: on SmolLM2 the defaults' perplexity went from +0.34% to +0.22% against float32
-        (docs/PERF.md), and its greedy answer to a short question is bf16's again."""
+        (docs/PERF.md), and its greedy answer to a short question is bf16's again.
+        `own_kernel`: run our op (True) or torch's kernel (False); None: `own_kernel_ready()`."""
         super().__init__()
         assert codes.dtype == torch.uint8 and codes.dim() == 2, f"uint8 [N, K] codes expected, got {codes.dtype}"
         n, k = codes.shape
@@ -89,15 +102,23 @@ class Int4Linear(QuantizedLinear):
         self.out_features, self.in_features = n, k if in_features is None else in_features
         assert k - GROUP_SIZE < self.in_features <= k, f"in_features {in_features} for {k} columns of codes"
         self.group_size = group_size
-        # NOTE: the kernel takes N in multiples of 16: extra rows of code 0 and scale/zero 0 give
-        # zero outputs, cut off after the call (real models' widths never pad).
-        row_pad = -n % _N_MULTIPLE
         self.k_pad = k - self.in_features  # zero columns the input gets (K up to a whole group)
-        padded_codes = F.pad(codes, (0, 0, 0, row_pad)).to(torch.int32)  # [N + pad, K]
-        # [N + pad, K / 2] uint8 in the kernel's layout (packed with innerKTiles=1, its CPU layout).
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded_codes, 1))
-        # [K / group, N + pad, 2] activation dtype
-        self.register_buffer("scales_and_zeros", F.pad(scales_and_zeros, (0, 0, 0, row_pad)))
+        self.own_kernel = own_kernel_ready() if own_kernel is None else own_kernel
+        if self.own_kernel and group_size == cpu_int4.GROUP and scales_and_zeros.dtype == torch.bfloat16:
+            # [N, Kp / 2] uint8 and [N, Kp / 32, 2]: our op's layout; it takes x with K columns as they are.
+            packed, sz = cpu_int4.pack_int4_codes(codes, scales_and_zeros)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales_and_zeros", sz)
+        else:
+            self.own_kernel = False
+            # NOTE: torch's kernel takes N in multiples of 16: extra rows of code 0 and scale/zero 0
+            # give zero outputs, cut off after the call (real models' widths never pad).
+            row_pad = -n % _N_MULTIPLE
+            padded_codes = F.pad(codes, (0, 0, 0, row_pad)).to(torch.int32)  # [N + pad, K]
+            # [N + pad, K / 2] uint8 in the kernel's layout (packed with innerKTiles=1, its CPU layout).
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(padded_codes, 1))
+            # [K / group, N + pad, 2] activation dtype
+            self.register_buffer("scales_and_zeros", F.pad(scales_and_zeros, (0, 0, 0, row_pad)))
         self.register_buffer("bias", bias)  # [N] activation dtype, or None
         # Optional: the dequantized weight (engine/weights/formats/packed_linear.py's DenseWeight), for inputs of at
         # least `dense_from_rows` rows.
@@ -109,10 +130,10 @@ class Int4Linear(QuantizedLinear):
 
     @staticmethod
     def from_float(weight: Tensor, bias: Tensor | None, dtype: torch.dtype = INT4_ACTIVATION_DTYPE,
-                   dense_from_rows: int = 0) -> Int4Linear:
+                   dense_from_rows: int = 0, own_kernel: bool | None = None) -> Int4Linear:
         codes, sz = quantize_padded(weight, dtype)
         return Int4Linear(codes, sz, None if bias is None else bias.detach().to(dtype), weight.shape[1], dense_from_rows,
-                          source=weight if dense_from_rows else None)
+                          source=weight if dense_from_rows else None, own_kernel=own_kernel)
 
     @property
     def weight_nbytes(self) -> int:
@@ -120,6 +141,8 @@ class Int4Linear(QuantizedLinear):
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
     def quantized_mm(self, x2: Tensor) -> Tensor:
+        if self.own_kernel:
+            return cpu_int4.int4_gemv(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.packed, self.scales_and_zeros)
         if self.k_pad:
             x2 = F.pad(x2, (0, self.k_pad))  # [T, K + pad], a new contiguous tensor
         elif not x2.is_contiguous():
@@ -131,14 +154,17 @@ class Int4Linear(QuantizedLinear):
 
     def kernel_weights(self) -> tuple[Tensor, Tensor, int] | None:
         """(packed codes, scales and zeros, rows from which the dense copy serves) for a caller that
-        runs the kernel itself (kernels/cpu_decode_layer.cpp); None where `quantized_mm` does more
-        than call it (padding columns or rows, a bias)."""
-        if self.k_pad or self.bias is not None or self.scales_and_zeros.shape[1] != self.out_features:
+        runs the kernel itself (kernels/cpu_decode_layer.cpp, our op or torch's as `own_kernel`
+        says); None where `quantized_mm` does more than call it (padding columns or rows for
+        torch's kernel, a bias)."""
+        if self.bias is not None:
+            return None
+        if not self.own_kernel and (self.k_pad or self.scales_and_zeros.shape[1] != self.out_features):
             return None
         return self.packed, self.scales_and_zeros, self.dense_from_rows if self.dense is not None else 0
 
     def format_repr(self) -> str:
-        return f"int4 groups of {self.group_size}"
+        return f"int4 groups of {self.group_size}" + (" (our kernel)" if self.own_kernel else "")
 
 
 def check_int4_device(device: torch.device, dtype: torch.dtype) -> None:
