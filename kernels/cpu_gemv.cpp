@@ -8,6 +8,9 @@
 // per 4 input rows, prefetches the weights ahead, and splits the weight rows over torch's threads
 // when there is enough work.
 //
+// With bf16 inputs on AVX512-BF16 the codes go through VDPBF16PS instead (tile_bf16 below): twice the
+// float loop's pace from cache; from memory both read at the same pace (docs/PERF.md "The int4 kernel").
+//
 // NOTE: an AVX512-VNNI form that quantized x to Q8_0 (llama.cpp's way) read the head 4x faster
 // from cache but made the built-in model answer "What is the capital of France?" wrongly, as
 // llama.cpp does (tests/test_default_model.py); so x stays float.
@@ -80,6 +83,85 @@ inline void tile(const int8_t* w, int64_t ldw, const float* x, int64_t ldx, int6
 }
 
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define FP4SERVE_INT8_BF16 1
+// bf16 inputs on AVX512-BF16: a code v = 16 h + l with l = v & 15 and h + 8 = (v ^ 0x80) >> 4, both
+// 0..15, become bf16 128 + l and 128 + h + 8 with shifts and masks (OR-ing a nibble into 128.0's bits,
+// as kernels/cpu_int4.cpp does), and VDPBF16PS multiplies them by x and 16 x (exact in bf16), so
+//   sum_k v_k x_k = sum_k (128 + h_k + 8) 16 x_k + sum_k (128 + l_k) x_k - 2304 sum_k x_k.
+// A 64-byte load is 32 words of two codes: word j holds codes 2j and 2j + 1, so the nibble vectors
+// pair with x's even and odd columns (prepared once per call). No per-code conversions: ~12 vector
+// ops per 64 codes where the float loop above takes ~12 per 16.
+struct Bf16Input {
+  std::vector<uint16_t> even, odd, even16, odd16;  // per input row, K / 2 each, blocks of 64 codes
+  std::vector<float> sums;                           // sum of x over the blocks' columns, per input row
+  int64_t half;
+};
+
+Bf16Input prepare_bf16(const c10::BFloat16* x, int64_t rows, int64_t ldx, int64_t kb) {
+  Bf16Input p{std::vector<uint16_t>(rows * kb / 2), std::vector<uint16_t>(rows * kb / 2), std::vector<uint16_t>(rows * kb / 2),
+              std::vector<uint16_t>(rows * kb / 2), std::vector<float>(rows, 0.f), kb / 2};
+  for (int64_t t = 0; t < rows; ++t) {
+    const c10::BFloat16* src = x + t * ldx;
+    for (int64_t m = 0; m < kb / 2; ++m) {
+      const c10::BFloat16 e = src[2 * m], o = src[2 * m + 1];
+      p.even[t * p.half + m] = e.x;
+      p.odd[t * p.half + m] = o.x;
+      p.even16[t * p.half + m] = c10::BFloat16(static_cast<float>(e) * 16.f).x;  // a power of two: exact
+      p.odd16[t * p.half + m] = c10::BFloat16(static_cast<float>(o) * 16.f).x;
+      p.sums[t] += static_cast<float>(e) + static_cast<float>(o);
+    }
+  }
+  return p;
+}
+
+// out[t * ldo + r] = the first kb columns of R weight rows times I input rows (kb a multiple of 64).
+template <int64_t R, int64_t I>
+inline void tile_bf16(const int8_t* w, int64_t ldw, const Bf16Input& p, int64_t t0, int64_t kb, float* out, int64_t ldo) {
+  const __m512i nib = _mm512_set1_epi16(0x000f), one28 = _mm512_set1_epi16(0x4300), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R][I];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < I; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < kb; c += 64) {
+    __m512bh xs[I][4];
+    for (int64_t i = 0; i < I; ++i) {
+      const int64_t at = (t0 + i) * p.half + c / 2;
+      xs[i][0] = (__m512bh)_mm512_loadu_si512(p.even.data() + at);
+      xs[i][1] = (__m512bh)_mm512_loadu_si512(p.even16.data() + at);
+      xs[i][2] = (__m512bh)_mm512_loadu_si512(p.odd.data() + at);
+      xs[i][3] = (__m512bh)_mm512_loadu_si512(p.odd16.data() + at);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int8_t* row = w + r * ldw + c;
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes), _MM_HINT_T0);
+      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(row), flip);  // v + 128 as unsigned bytes
+      // (u >> 4m) & 0xf | 0x4300 per 16-bit word (VPTERNLOGD 0xea: a & b | c): l and h + 8 of the even
+      // codes (the words' low bytes), then of the odd ones
+      const __m512bh v[4] = {(__m512bh)_mm512_ternarylogic_epi32(u, nib, one28, 0xea),
+                             (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(u, 4), nib, one28, 0xea),
+                             (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(u, 8), nib, one28, 0xea),
+                             (__m512bh)_mm512_or_si512(_mm512_srli_epi16(u, 12), one28)};
+      for (int64_t i = 0; i < I; ++i) {
+        __m512 a = _mm512_dpbf16_ps(acc[r][i], v[0], xs[i][0]);
+        a = _mm512_dpbf16_ps(a, v[1], xs[i][1]);
+        a = _mm512_dpbf16_ps(a, v[2], xs[i][2]);
+        acc[r][i] = _mm512_dpbf16_ps(a, v[3], xs[i][3]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < I; ++i) out[i * ldo + r] = _mm512_reduce_add_ps(acc[r][i]) - 2304.f * p.sums[t0 + i];
+}
+
+template <int64_t I>
+void rows_of_tiles_bf16(const int8_t* w, int64_t k, const Bf16Input& p, int64_t t0, int64_t kb, float* out, int64_t n_out,
+                        int64_t begin, int64_t end) {
+  int64_t n = begin;
+  for (; n + kWeightRows <= end; n += kWeightRows) tile_bf16<kWeightRows, I>(w + n * k, k, p, t0, kb, out + n, n_out);
+  for (; n < end; ++n) tile_bf16<1, I>(w + n * k, k, p, t0, kb, out + n, n_out);
+}
+#endif
+
 template <int64_t I>
 void rows_of_tiles(const int8_t* w, int64_t k, const float* x, float* out, int64_t n_out, int64_t begin, int64_t end) {
   int64_t n = begin;
@@ -95,10 +177,39 @@ void int8_gemv_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   for (int64_t t = 0; t < rows; ++t) load_row(xp + t * x.stride(0), xf.data() + t * k, k);
   load_row(scales.data_ptr<T>(), sc.data(), n_out);
   const int8_t* w = codes.data_ptr<int8_t>();
+#if defined(FP4SERVE_INT8_BF16)
+  // bf16 inputs: whole blocks of 64 columns on the VDPBF16PS path, the rest (k % 64) in floats below.
+  const int64_t kb = std::is_same_v<T, c10::BFloat16> ? k - k % 64 : 0;
+  Bf16Input p;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (kb) p = prepare_bf16(xp, rows, x.stride(0), kb);
+  }
+#else
+  constexpr int64_t kb = 0;
+#endif
   auto work = [&](int64_t begin, int64_t end) {
     for (int64_t t0 = 0; t0 < rows; t0 += kInputRows) {
       const float* xt = xf.data() + t0 * k;
       float* ot = acc.data() + t0 * n_out;
+#if defined(FP4SERVE_INT8_BF16)
+      if (kb) {
+        switch (std::min(kInputRows, rows - t0)) {
+          case 1: rows_of_tiles_bf16<1>(w, k, p, t0, kb, ot, n_out, begin, end); break;
+          case 2: rows_of_tiles_bf16<2>(w, k, p, t0, kb, ot, n_out, begin, end); break;
+          case 3: rows_of_tiles_bf16<3>(w, k, p, t0, kb, ot, n_out, begin, end); break;
+          default: rows_of_tiles_bf16<4>(w, k, p, t0, kb, ot, n_out, begin, end); break;
+        }
+        if (kb < k) {  // the columns past the last whole block, as floats
+          for (int64_t t = t0; t < std::min(rows, t0 + kInputRows); ++t)
+            for (int64_t n = begin; n < end; ++n) {
+              float sum = 0.f;
+              for (int64_t c = kb; c < k; ++c) sum += static_cast<float>(w[n * k + c]) * xf[t * k + c];
+              acc[t * n_out + n] += sum;
+            }
+        }
+        continue;
+      }
+#endif
       switch (std::min(kInputRows, rows - t0)) {
         case 1: rows_of_tiles<1>(w, k, xt, ot, n_out, begin, end); break;
         case 2: rows_of_tiles<2>(w, k, xt, ot, n_out, begin, end); break;
