@@ -20,6 +20,7 @@ from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_re
 from engine.weights.dtype_policy import int8_dense_from_rows, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
 from engine.attention.hybrid_backend import HybridBackend
 from engine.host.cpu_kernels import load_cpu_ops
+from engine.host.huge_pages import move_to_huge_pages
 from engine.attention.hybrid_runner import make_checkpoint_pool, make_hybrid_backend, make_state_pool
 from engine.weights.loader import load_model, weight_bytes
 from engine.models.decoder import DecoderForCausalLM, use_cpu_ops, use_fused_layers
@@ -112,6 +113,8 @@ class ModelRunner:
             # Quantize-at-load temporaries sit in torch's cache, which mem_get_info counts as used.
             torch.cuda.empty_cache()
         if self.device.type == "cpu" and type(self.model) is DecoderForCausalLM:
+            if moved := move_to_huge_pages(self.model):
+                logger.info("int4 layers and the int8 lm_head (%.1f MiB) moved into transparent huge pages", moved / _MIB)
             if cpu_ops_error is None:
                 use_cpu_ops(self.model)
                 logger.info("norms, residual adds, SwiGLU and RoPE run as fused CPU ops")
