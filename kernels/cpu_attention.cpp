@@ -55,14 +55,26 @@ struct Meta {
   int64_t row_stride;
 };
 
+// The rows of one KV head's keys (half 0) or values (half 1) for keys t0..t1-1 of a request, page by
+// page: f(t, row). One division per call, none per key (at 64 dims a division per key cost as much as
+// the key's multiply-adds).
+template <typename CT, typename F>
+inline void for_each_row(const CT* cache, const int32_t* pages, const Meta& m, int64_t kv_head, int64_t half, int64_t t0,
+                         int64_t t1, F&& f) {
+  for (int64_t t = t0, p = t0 / m.block_size; t < t1; ++p) {
+    const CT* row = cache + pages[p] * m.page_stride + half * m.half_stride + kv_head * m.head_dim +
+                    (t % m.block_size) * m.row_stride;
+    for (const int64_t end = std::min(t1, (p + 1) * m.block_size); t < end; ++t, row += m.row_stride) f(t, row);
+  }
+}
+
 // scores[g * n + t] = qf[g] . k_t for the G query heads of one KV head (qf: G x D floats, scaled).
 template <typename CT>
 void key_scores(const float* qf, const CT* cache, const int32_t* pages, const Meta& m, int64_t kv_head, int64_t n,
                 float* scores) {
-  const int64_t G = m.group, D = m.head_dim, bs = m.block_size, W = Vec::size();
+  const int64_t G = m.group, D = m.head_dim, W = Vec::size();
   const int64_t Dv = D - D % W;
-  for (int64_t t = 0; t < n; ++t) {
-    const CT* k = cache + pages[t / bs] * m.page_stride + (t % bs) * m.row_stride + kv_head * D;
+  for_each_row(cache, pages, m, kv_head, 0, 0, n, [&](int64_t t, const CT* k) {
     if (G <= kMaxGroup) {
       Vec acc[kMaxGroup];
       for (int64_t g = 0; g < G; ++g) acc[g] = Vec(0.f);
@@ -81,6 +93,28 @@ void key_scores(const float* qf, const CT* cache, const int32_t* pages, const Me
         for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * to_float(k[d]);
         scores[g * n + t] = dot;
       }
+    }
+  });
+}
+
+// acc[g * D ..] = sum_t p[g * n + t] v_t for the G query heads, NV vectors wide (D = NV * W): per
+// chunk of keys (its values stay in L1 across the heads) each head's sums stay in registers (a load
+// and store of the sums per key and vector cost more than the FMAs).
+template <int64_t NV, typename CT>
+void weighted_values(const float* p, const CT* cache, const int32_t* pages, const Meta& m, int64_t kv_head, int64_t n,
+                     float* acc) {
+  constexpr int64_t W = Vec::size(), kChunk = 64;
+  std::fill(acc, acc + m.group * NV * W, 0.f);
+  for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
+    const int64_t t1 = std::min(n, t0 + kChunk);
+    for (int64_t g = 0; g < m.group; ++g) {
+      Vec a[NV];
+      for (int64_t d = 0; d < NV; ++d) a[d] = Vec::loadu(acc + g * NV * W + d * W);
+      for_each_row(cache, pages, m, kv_head, 1, t0, t1, [&](int64_t t, const CT* v) {
+        const Vec w(p[g * n + t]);
+        for (int64_t d = 0; d < NV; ++d) a[d] = at::vec::fmadd(w, load_vec(v + d * W), a[d]);
+      });
+      for (int64_t d = 0; d < NV; ++d) a[d].store(acc + g * NV * W + d * W);
     }
   }
 }
@@ -112,7 +146,7 @@ inline void softmax_inplace(float* s, int64_t n) {
 template <typename QT, typename CT>
 void attend_row(const QT* q_row, QT* out_row, const CT* cache, const Meta& m, int64_t request, int64_t kv_head,
                 int64_t n_keys, float scale, float* scores, float* acc, float* qf) {
-  const int64_t G = m.group, D = m.head_dim, bs = m.block_size, W = Vec::size();
+  const int64_t G = m.group, D = m.head_dim, W = Vec::size();
   const int64_t Dv = D - D % W;
   for (int64_t g = 0; g < G; ++g) {
     const QT* src = q_row + (kv_head * G + g) * D;
@@ -121,19 +155,24 @@ void attend_row(const QT* q_row, QT* out_row, const CT* cache, const Meta& m, in
   const int32_t* pages = m.kv_indices + m.kv_indptr[request];
   key_scores<CT>(qf, cache, pages, m, kv_head, n_keys, scores);
   for (int64_t g = 0; g < G; ++g) softmax_inplace(scores + g * n_keys, n_keys);
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t = 0; t < n_keys; ++t) {
-    const CT* v = cache + pages[t / bs] * m.page_stride + m.half_stride + (t % bs) * m.row_stride + kv_head * D;
-    for (int64_t d = 0; d < Dv; d += W) {
-      const Vec vd = load_vec(v + d);
-      for (int64_t g = 0; g < G; ++g) {
-        float* a = acc + g * D + d;
-        at::vec::fmadd(Vec(scores[g * n_keys + t]), vd, Vec::loadu(a)).store(a);
+  if (D == 4 * W) {
+    weighted_values<4>(scores, cache, pages, m, kv_head, n_keys, acc);
+  } else if (D == 8 * W) {
+    weighted_values<8>(scores, cache, pages, m, kv_head, n_keys, acc);
+  } else {
+    std::fill(acc, acc + G * D, 0.f);
+    for_each_row(cache, pages, m, kv_head, 1, 0, n_keys, [&](int64_t t, const CT* v) {
+      for (int64_t d = 0; d < Dv; d += W) {
+        const Vec vd = load_vec(v + d);
+        for (int64_t g = 0; g < G; ++g) {
+          float* a = acc + g * D + d;
+          at::vec::fmadd(Vec(scores[g * n_keys + t]), vd, Vec::loadu(a)).store(a);
+        }
       }
-    }
-    for (int64_t d = Dv; d < D; ++d) {
-      for (int64_t g = 0; g < G; ++g) acc[g * D + d] += scores[g * n_keys + t] * to_float(v[d]);
-    }
+      for (int64_t d = Dv; d < D; ++d) {
+        for (int64_t g = 0; g < G; ++g) acc[g * D + d] += scores[g * n_keys + t] * to_float(v[d]);
+      }
+    });
   }
   for (int64_t g = 0; g < G; ++g) {
     QT* dst = out_row + (kv_head * G + g) * D;

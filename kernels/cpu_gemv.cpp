@@ -9,7 +9,7 @@
 // when there is enough work.
 //
 // With bf16 inputs on AVX512-BF16 the codes go through VDPBF16PS instead (tile_bf16 below): twice the
-// float loop's pace from cache; from memory both read at the same pace (docs/PERF.md "The int4 kernel").
+// float loop's pace from cache; from memory both read at the same pace (docs/PERF.md "The int4 kernel, ...").
 //
 // NOTE: an AVX512-VNNI form that quantized x to Q8_0 (llama.cpp's way) read the head 4x faster
 // from cache but made the built-in model answer "What is the capital of France?" wrongly, as
@@ -39,7 +39,7 @@ constexpr int64_t kInputRows = 4;   // input rows per tile
 // Multiply-adds below which the op runs on the calling thread (waking OpenMP's workers costs more).
 // How far ahead of the tile the weights are prefetched, into L2 (_MM_HINT_T2): into L1 at 4 KiB the
 // VDPBF16PS loop read the head from memory at a third of a plain sum's pace, into L2 at 8 KiB at
-// about that pace, and the float loop 1.2x faster than before (docs/PERF.md "The int4 kernel").
+// about that pace, and the float loop 1.2x faster than before (docs/PERF.md "The int4 kernel, ...").
 constexpr int64_t kPrefetchL2Bytes = 8192;
 constexpr int64_t kSerialWork = 1 << 20;
 

@@ -3,7 +3,8 @@ moved into one buffer the kernel backs with transparent huge pages (2 MiB).
 
 Why: at one row a decode step reads every int4 layer and the int8 head once (~90 MiB on SmolLM2),
 spread over ~23,000 4 KiB pages; on the 2-core EPYC VM the int8 head read 14-20% faster from huge
-pages (docs/PERF.md "The int4 kernel"). Linux gives an anonymous mapping huge pages on first touch
+pages and the whole step took 0.95x (docs/PERF.md "The int4 kernel, the int8 head's prefetch and
+huge pages"). Linux gives an anonymous mapping huge pages on first touch
 only when madvise(MADV_HUGEPAGE) came first (THP in "madvise" mode, the common default), so the
 tensors are copied into a fresh, advised buffer; torch's own allocations are never advised.
 Where THP is off, or this is not Linux, nothing moves.
@@ -13,13 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-
-logger = logging.getLogger("fp4serve.runner")
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
