@@ -3,7 +3,8 @@
 // bf16, the sums in float32.
 //
 // Why by hand: torch's `_weight_int4pack_mm_for_cpu` read SmolLM2's int4 layers at ~10 GB/s per
-// core where a plain bf16 sum over the same bytes reaches ~23 (docs/PERF.md, "The int4 kernel, the int8 head's prefetch and huge pages").
+// core where a plain bf16 sum over the same bytes reaches ~23 (docs/PERF.md, "The int4 kernel, the
+// int8 head's prefetch and huge pages").
 // With AVX512-BF16 a block of 4 groups (64 bytes of codes) becomes 4 x 32 bf16 values in registers
 // with shifts, masks and an OR only (no shuffles: OR-ing a code q into bf16 128.0's bits gives
 // 128 + q), then one VDPBF16PS per group against x; each group's partial sums take its scale once,

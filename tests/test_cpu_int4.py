@@ -9,8 +9,18 @@ import torch
 import torch.nn.functional as F
 
 from engine.host.cpu_kernels import load_cpu_ops
-from engine.weights.formats.int4_linear import Int4Linear, dequantize_int4, quantize_int4, quantize_padded
-from kernels.cpu_int4 import int4_gemv, int4_gemv_ref, pack_int4_codes, unpack_int4_codes
+from engine.weights.formats.int4_linear import (
+    Int4Linear,
+    dequantize_int4,
+    quantize_int4,
+    quantize_padded,
+)
+from kernels.cpu_int4 import (
+    int4_gemv,
+    int4_gemv_ref,
+    pack_int4_codes,
+    unpack_int4_codes,
+)
 
 BF16 = torch.bfloat16
 
@@ -76,7 +86,7 @@ def test_the_layout_puts_each_block_of_four_groups_in_16_bit_words() -> None:
     g = torch.Generator().manual_seed(3)
     for k in (32, 64, 96, 160, 576, 1536):
         random = torch.randint(0, 16, (5, k), dtype=torch.uint8, generator=g)
-        packed, szp = pack_int4_codes(random, torch.zeros(k // 32, 5, 2, dtype=BF16))
+        packed, _ = pack_int4_codes(random, torch.zeros(k // 32, 5, 2, dtype=BF16))
         assert torch.equal(unpack_int4_codes(packed), F.pad(random, (0, -k % 64)))
 
 

@@ -10,7 +10,12 @@ import torch
 from torch import nn
 
 from engine.host import huge_pages
-from engine.host.huge_pages import HUGE_PAGE, move_to_huge_pages, streamed_weights, thp_mode
+from engine.host.huge_pages import (
+    HUGE_PAGE,
+    move_to_huge_pages,
+    streamed_weights,
+    thp_mode,
+)
 from engine.weights.formats.int4_linear import Int4Linear
 from engine.weights.formats.int8_linear import Int8Linear
 
