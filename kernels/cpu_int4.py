@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 GROUP = 32  # columns per scale and zero
-PAIR = 64  # the op reads two groups at a time: K is padded to a multiple of this
+PAIR = 64  # K is padded to whole pairs of groups (the op reads blocks of 4 groups, then a last pair)
 
 
 def int4_gemv_native() -> bool:
