@@ -26,7 +26,7 @@ from engine.weights.loader import load_model, weight_bytes
 from engine.models.decoder import DecoderForCausalLM, use_cpu_ops, use_fused_layers
 from engine.weights.formats.packed_linear import can_pack, pack_float_linears, packed_bytes
 from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
-from engine.weights.formats.int4_linear import Int4Linear
+from engine.weights.formats.int4_linear import Int4Linear, cpu_streamed_weights
 from engine.weights.formats.int8_linear import use_cpu_gemv
 from engine.weights.formats.nvfp4 import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
@@ -113,7 +113,7 @@ class ModelRunner:
             # Quantize-at-load temporaries sit in torch's cache, which mem_get_info counts as used.
             torch.cuda.empty_cache()
         if self.device.type == "cpu" and type(self.model) is DecoderForCausalLM:
-            if moved := move_to_huge_pages(self.model):
+            if moved := move_to_huge_pages(cpu_streamed_weights(self.model)):
                 logger.info("int4 layers and the int8 lm_head (%.1f MiB) moved into transparent huge pages", moved / _MIB)
             if cpu_ops_error is None:
                 use_cpu_ops(self.model)

@@ -121,7 +121,7 @@ Bf16Input prepare_bf16(const c10::BFloat16* x, int64_t rows, int64_t ldx, int64_
 // out[t * ldo + r] = the first kb columns of R weight rows times I input rows (kb a multiple of 64).
 template <int64_t R, int64_t I>
 inline void tile_bf16(const int8_t* w, int64_t ldw, const Bf16Input& p, int64_t t0, int64_t kb, float* out, int64_t ldo) {
-  const __m512i nib = _mm512_set1_epi16(0x000f), one28 = _mm512_set1_epi16(0x4300), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R][I];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = 0; i < I; ++i) acc[r][i] = _mm512_setzero_ps();
@@ -138,12 +138,9 @@ inline void tile_bf16(const int8_t* w, int64_t ldw, const Bf16Input& p, int64_t 
       const int8_t* row = w + r * ldw + c;
       _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchL2Bytes), _MM_HINT_T2);
       const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(row), flip);  // v + 128 as unsigned bytes
-      // (u >> 4m) & 0xf | 0x4300 per 16-bit word (VPTERNLOGD 0xea: a & b | c): l and h + 8 of the even
-      // codes (the words' low bytes), then of the odd ones
-      const __m512bh v[4] = {(__m512bh)_mm512_ternarylogic_epi32(u, nib, one28, 0xea),
-                             (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(u, 4), nib, one28, 0xea),
-                             (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(u, 8), nib, one28, 0xea),
-                             (__m512bh)_mm512_or_si512(_mm512_srli_epi16(u, 12), one28)};
+      // l and h + 8 of the even codes (the words' low bytes), then of the odd ones
+      __m512bh v[4];
+      fp4serve_cpu::nibbles_to_bf16(u, v);
       for (int64_t i = 0; i < I; ++i) {
         __m512 a = _mm512_dpbf16_ps(acc[r][i], v[0], xs[i][0]);
         a = _mm512_dpbf16_ps(a, v[1], xs[i][1]);

@@ -48,7 +48,6 @@ constexpr int64_t kInputRows = 4;  // input rows per pass over the weights
 
 constexpr int64_t kWeightRows = 4;  // weight rows per tile
 constexpr int64_t kPrefetchBytes = 2048;
-constexpr uint32_t kBf16_128 = 0x4300;  // bf16 128.0: OR-ing a code q in gives 128 + q
 
 // Per input row, laid out for the loop below: xb, the row's bf16 values, zero past K (to Kp);
 // xz, per group g the pair (-136 X_g, X_g) as floats, X_g the group's sum, zero past the groups.
@@ -86,7 +85,6 @@ template <int64_t R, int64_t I>
 inline void tile(const uint8_t* codes, int64_t ldc, const c10::BFloat16* sz, int64_t ldsz, const Prepared& p,
                  int64_t t0, float* out, int64_t ldo) {
   const int64_t groups = p.kp / kGroup, blocks = groups / 4;
-  const __m512i nib = _mm512_set1_epi16(0x000f), one28 = _mm512_set1_epi16(kBf16_128);
   __m512 acc[R][I];
   __m256 zacc[R][I];
   for (int64_t r = 0; r < R; ++r)
@@ -101,12 +99,8 @@ inline void tile(const uint8_t* codes, int64_t ldc, const c10::BFloat16* sz, int
       const uint8_t* c = codes + r * ldc + b * 64;
       _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes), _MM_HINT_T0);
       const __m512i w = _mm512_loadu_si512(c);
-      // (w >> 4m) & 0xf | 0x4300 as one VPTERNLOGD each (0xea: a & b | c)
-      const __m512bh v[4] = {
-          (__m512bh)_mm512_ternarylogic_epi32(w, nib, one28, 0xea),
-          (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), nib, one28, 0xea),
-          (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), nib, one28, 0xea),
-          (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 12), one28)};
+      __m512bh v[4];
+      fp4serve_cpu::nibbles_to_bf16(w, v);
       const c10::BFloat16* s = sz + r * ldsz + b * 8;
       const __m256 szf = _mm256_castsi256_ps(
           _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))), 16));
@@ -120,14 +114,10 @@ inline void tile(const uint8_t* codes, int64_t ldc, const c10::BFloat16* sz, int
   }
   if (groups % 4) {  // the last pair of groups
     const int64_t g = blocks * 4;
-    const __m256i nib8 = _mm256_set1_epi16(0x000f), one28_8 = _mm256_set1_epi16(kBf16_128);
     for (int64_t r = 0; r < R; ++r) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + r * ldc + blocks * 64));
-      const __m256bh v[4] = {
-          (__m256bh)_mm256_or_si256(_mm256_and_si256(w, nib8), one28_8),
-          (__m256bh)_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), nib8), one28_8),
-          (__m256bh)_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 8), nib8), one28_8),
-          (__m256bh)_mm256_or_si256(_mm256_srli_epi16(w, 12), one28_8)};
+      __m256bh v[4];
+      fp4serve_cpu::nibbles_to_bf16(w, v);
       const c10::BFloat16* s = sz + r * ldsz + g * 2;
       const __m128 szf = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))), 16));
       for (int64_t i = 0; i < I; ++i) {

@@ -19,6 +19,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -66,5 +68,27 @@ inline void store_row(const float* src, T* dst, int64_t n) {
     at::vec::convert(src, dst, n);
   }
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The four nibbles of each 16-bit word of `w` as bf16 128 + nibble (nibble m in v[m]): shifts, masks
+// and an OR into 128.0's bits (0x4300), no shuffles; VPTERNLOGD 0xea is a & b | c. The int4 and int8
+// loops (cpu_int4.cpp, cpu_gemv.cpp) take their codes through it and fold the 128 out.
+inline void nibbles_to_bf16(__m512i w, __m512bh v[4]) {
+  const __m512i nib = _mm512_set1_epi16(0x000f), one28 = _mm512_set1_epi16(0x4300);
+  v[0] = (__m512bh)_mm512_ternarylogic_epi32(w, nib, one28, 0xea);
+  v[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), nib, one28, 0xea);
+  v[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), nib, one28, 0xea);
+  v[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 12), one28);
+}
+
+// The same for 16 words (a 256-bit vector).
+inline void nibbles_to_bf16(__m256i w, __m256bh v[4]) {
+  const __m256i nib = _mm256_set1_epi16(0x000f), one28 = _mm256_set1_epi16(0x4300);
+  v[0] = (__m256bh)_mm256_ternarylogic_epi32(w, nib, one28, 0xea);
+  v[1] = (__m256bh)_mm256_ternarylogic_epi32(_mm256_srli_epi16(w, 4), nib, one28, 0xea);
+  v[2] = (__m256bh)_mm256_ternarylogic_epi32(_mm256_srli_epi16(w, 8), nib, one28, 0xea);
+  v[3] = (__m256bh)_mm256_or_si256(_mm256_srli_epi16(w, 12), one28);
+}
+#endif
 
 }  // namespace fp4serve_cpu

@@ -10,13 +10,8 @@ import torch
 from torch import nn
 
 from engine.host import huge_pages
-from engine.host.huge_pages import (
-    HUGE_PAGE,
-    move_to_huge_pages,
-    streamed_weights,
-    thp_mode,
-)
-from engine.weights.formats.int4_linear import Int4Linear
+from engine.host.huge_pages import HUGE_PAGE, move_to_huge_pages, thp_mode
+from engine.weights.formats.int4_linear import Int4Linear, cpu_streamed_weights
 from engine.weights.formats.int8_linear import Int8Linear
 
 
@@ -44,9 +39,9 @@ def test_streamed_weights_move_into_one_advised_buffer_in_read_order() -> None:
     x = torch.randn(3, 96).to(torch.bfloat16)
     h = torch.randn(2, 64).to(torch.bfloat16)
     before = [layer(x) for layer in model.layers], model.lm_head(h)
-    values = [getattr(m, name).clone() for m, name in streamed_weights(model)]
-    moved = move_to_huge_pages(model)
-    tensors = [getattr(m, name) for m, name in streamed_weights(model)]
+    values = [getattr(m, name).clone() for m, name in cpu_streamed_weights(model)]
+    moved = move_to_huge_pages(cpu_streamed_weights(model))
+    tensors = [getattr(m, name) for m, name in cpu_streamed_weights(model)]
     assert moved >= sum(t.nbytes for t in tensors) and len(tensors) == 7  # 3 x (codes, scales) + the head
     assert all(torch.equal(a, b) for a, b in zip(tensors, values))
     ptrs = [t.data_ptr() for t in tensors]
@@ -58,10 +53,10 @@ def test_streamed_weights_move_into_one_advised_buffer_in_read_order() -> None:
 
 def test_nothing_moves_where_thp_is_off_or_madvise_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     model = Tiny()
-    ptrs = [getattr(m, name).data_ptr() for m, name in streamed_weights(model)]
+    ptrs = [getattr(m, name).data_ptr() for m, name in cpu_streamed_weights(model)]
     monkeypatch.setattr(huge_pages, "thp_mode", lambda: "never")
-    assert move_to_huge_pages(model) == 0
+    assert move_to_huge_pages(cpu_streamed_weights(model)) == 0
     monkeypatch.setattr(huge_pages, "thp_mode", lambda: "madvise")
     monkeypatch.setattr(huge_pages, "_madvise_huge", lambda address, length: False)
-    assert move_to_huge_pages(model) == 0
-    assert [getattr(m, name).data_ptr() for m, name in streamed_weights(model)] == ptrs
+    assert move_to_huge_pages(cpu_streamed_weights(model)) == 0
+    assert [getattr(m, name).data_ptr() for m, name in cpu_streamed_weights(model)] == ptrs

@@ -58,28 +58,13 @@ def huge_page_buffer(nbytes: int) -> tuple[Tensor, int] | None:
     return raw, start
 
 
-def streamed_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(module, buffer name) of the tensors a CPU decode step reads whole at one row, in the order
-    the step reads them: each int4 linear's packed codes and scales/zeros, the int8 lm_head's codes."""
-    from engine.weights.formats.int4_linear import Int4Linear
-    from engine.weights.formats.int8_linear import Int8Linear
-
-    found: list[tuple[nn.Module, str]] = []
-    for module in model.modules():
-        if isinstance(module, Int4Linear):
-            found += [(module, "packed"), (module, "scales_and_zeros")]
-        elif isinstance(module, Int8Linear) and module is getattr(model, "lm_head", None):
-            found.append((module, "codes"))
-    return found
-
-
-def move_to_huge_pages(model: nn.Module) -> int:
-    """Copy the streamed weights (`streamed_weights`) into one huge-page buffer, in read order, and
-    point the modules' buffers at the copies; the bytes moved (0 where THP is off or madvise fails).
-    Before anything else keeps references to those buffers (decoder.use_fused_layers)."""
+def move_to_huge_pages(slots: list[tuple[nn.Module, str]]) -> int:
+    """Copy the buffers `slots` name ((module, buffer name), in the order a step reads them; e.g.
+    int4_linear.cpu_streamed_weights) into one huge-page buffer, in that order, and point the
+    modules at the copies; the bytes moved (0 where THP is off or madvise fails). Before anything
+    else keeps references to those buffers (decoder.use_fused_layers)."""
     if thp_mode() not in ("always", "madvise"):
         return 0
-    slots = streamed_weights(model)
     tensors = [getattr(m, name) for m, name in slots]
     if not tensors or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return 0

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from engine.config import ConfigError
+from engine.weights.formats.int8_linear import Int8Linear
 from engine.weights.formats.packed_linear import DenseWeight, QuantizedLinear, can_pack
 from engine.weights.formats.shard_checks import FloatQuantizingBuilder
 from kernels import cpu_int4
@@ -166,6 +167,20 @@ class Int4Linear(QuantizedLinear):
 
     def format_repr(self) -> str:
         return f"int4 groups of {self.group_size}" + (" (our kernel)" if self.own_kernel else "")
+
+
+def cpu_streamed_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, buffer name) of what a CPU decode step reads whole at one row, in the order it reads
+    them: each int4 linear's packed codes and scales/zeros, then an int8 lm_head's codes (for
+    engine/host/huge_pages.py)."""
+    found: list[tuple[nn.Module, str]] = []
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            found += [(module, "packed"), (module, "scales_and_zeros")]
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, Int8Linear):
+        found.append((head, "codes"))
+    return found
 
 
 def check_int4_device(device: torch.device, dtype: torch.dtype) -> None:
