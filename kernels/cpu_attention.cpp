@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -36,8 +37,9 @@ using fp4serve_cpu::Vec;
 // Work (multiply-adds) below which a call runs on the calling thread: waking OpenMP's workers
 // costs more than a small decode batch's attention (engine/cpu_threads.py has the measurements).
 constexpr int64_t kSerialMacs = 1 << 20;
-// Query heads per KV head held in registers while a key row is read once for all of them.
-constexpr int64_t kMaxGroup = 8;
+// The next work item's first pages (K and V halves, at most this many bytes) are prefetched into
+// L2 while an item is computed (a quarter of the L2 of the CPUs we run on).
+constexpr int64_t kPrefetchBytes = 256 << 10;
 
 struct Meta {
   const int32_t* qo_indptr;
@@ -55,66 +57,101 @@ struct Meta {
   int64_t row_stride;
 };
 
-// The rows of one KV head's keys (half 0) or values (half 1) for keys t0..t1-1 of a request, page by
-// page: f(t, row). One division per call, none per key (at 64 dims a division per key cost as much as
-// the key's multiply-adds).
-template <typename CT, typename F>
-inline void for_each_row(const CT* cache, const int32_t* pages, const Meta& m, int64_t kv_head, int64_t half, int64_t t0,
-                         int64_t t1, F&& f) {
-  for (int64_t t = t0, p = t0 / m.block_size; t < t1; ++p) {
-    const CT* row = cache + pages[p] * m.page_stride + half * m.half_stride + kv_head * m.head_dim +
-                    (t % m.block_size) * m.row_stride;
-    for (const int64_t end = std::min(t1, (p + 1) * m.block_size); t < end; ++t, row += m.row_stride) f(t, row);
+// Pulls [p, p + bytes) toward L1 ahead of its use. A request's pages lie anywhere in the cache and
+// each page is only 16 rows, too short for the hardware's stream prefetchers to catch up: reading
+// the next page while this one is computed hid most of the misses (docs/PERF.md).
+template <int Hint = _MM_HINT_T0>
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, static_cast<_mm_hint>(Hint));
+}
+
+// Where a request's keys (half 0) or values (half 1) of page p begin: rows of Hkv contiguous heads.
+template <typename CT>
+inline const CT* page_rows(const CT* cache, const int32_t* pages, const Meta& m, int64_t p, int64_t half) {
+  return cache + pages[p] * m.page_stride + half * m.half_stride;
+}
+
+// scores[b * n + i] = q_b . k_i for NB query heads (q: NB rows of D floats, scaled) and `count` key
+// rows of one KV head (k: the first, rows `stride` apart). NV: D in vectors, 0 when D is not a
+// multiple of the vector width (then runtime loops). The heads and vectors are compile-time, so
+// the sums stay in registers.
+template <int64_t NV, int64_t NB, typename CT>
+inline void score_rows(const float* q, const CT* k, int64_t stride, int64_t count, int64_t D, float* scores,
+                       int64_t n) {
+  constexpr int64_t W = Vec::size();
+  for (int64_t i = 0; i < count; ++i, k += stride) {
+    if constexpr (NV > 0) {
+      Vec kv[NV];
+      for (int64_t d = 0; d < NV; ++d) kv[d] = load_vec(k + d * W);
+      for (int64_t b = 0; b < NB; ++b) {
+        Vec acc = Vec::loadu(q + b * D) * kv[0];
+        for (int64_t d = 1; d < NV; ++d) acc = at::vec::fmadd(Vec::loadu(q + b * D + d * W), kv[d], acc);
+        scores[b * n + i] = acc.reduce_add();
+      }
+    } else {
+      const int64_t Dv = D - D % W;
+      for (int64_t b = 0; b < NB; ++b) {
+        Vec acc(0.f);
+        for (int64_t d = 0; d < Dv; d += W) acc = at::vec::fmadd(Vec::loadu(q + b * D + d), load_vec(k + d), acc);
+        float dot = acc.reduce_add();
+        for (int64_t d = Dv; d < D; ++d) dot += q[b * D + d] * to_float(k[d]);
+        scores[b * n + i] = dot;
+      }
+    }
   }
 }
 
-// scores[g * n + t] = qf[g] . k_t for the G query heads of one KV head (qf: G x D floats, scaled).
-template <typename CT>
-void key_scores(const float* qf, const CT* cache, const int32_t* pages, const Meta& m, int64_t kv_head, int64_t n,
-                float* scores) {
-  const int64_t G = m.group, D = m.head_dim, W = Vec::size();
-  const int64_t Dv = D - D % W;
-  for_each_row(cache, pages, m, kv_head, 0, 0, n, [&](int64_t t, const CT* k) {
-    if (G <= kMaxGroup) {
-      Vec acc[kMaxGroup];
-      for (int64_t g = 0; g < G; ++g) acc[g] = Vec(0.f);
-      for (int64_t d = 0; d < Dv; d += W) {
-        const Vec kd = load_vec(k + d);
-        for (int64_t g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec::loadu(qf + g * D + d), kd, acc[g]);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float dot = acc[g].reduce_add();
-        for (int64_t d = Dv; d < D; ++d) dot += qf[g * D + d] * to_float(k[d]);
-        scores[g * n + t] = dot;
-      }
-    } else {
-      for (int64_t g = 0; g < G; ++g) {
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * to_float(k[d]);
-        scores[g * n + t] = dot;
+// acc_b += sum_i p[b * n + i] v_i for NB query heads (acc: NB rows of D floats) over `count` value
+// rows of one KV head; NV as in score_rows.
+template <int64_t NV, int64_t NB, typename CT>
+inline void add_weighted_rows(const float* p, const CT* v, int64_t stride, int64_t count, int64_t D, float* acc,
+                              int64_t n) {
+  constexpr int64_t W = Vec::size();
+  if constexpr (NV > 0) {
+    // Every head's sums in registers at once (NB * NV <= 16): per key, NB * NV independent FMAs on
+    // one load of the row; one head at a time, its NV sums each waited on the FMA's latency.
+    Vec a[NB][NV];
+    for (int64_t b = 0; b < NB; ++b) {
+      for (int64_t d = 0; d < NV; ++d) a[b][d] = Vec::loadu(acc + b * D + d * W);
+    }
+    for (int64_t i = 0; i < count; ++i, v += stride) {
+      Vec vv[NV];
+      for (int64_t d = 0; d < NV; ++d) vv[d] = load_vec(v + d * W);
+      for (int64_t b = 0; b < NB; ++b) {
+        const Vec w(p[b * n + i]);
+        for (int64_t d = 0; d < NV; ++d) a[b][d] = at::vec::fmadd(w, vv[d], a[b][d]);
       }
     }
-  });
+    for (int64_t b = 0; b < NB; ++b) {
+      for (int64_t d = 0; d < NV; ++d) a[b][d].store(acc + b * D + d * W);
+    }
+  } else {
+    const int64_t Dv = D - D % W;
+    for (int64_t i = 0; i < count; ++i, v += stride) {
+      for (int64_t b = 0; b < NB; ++b) {
+        const float w = p[b * n + i];
+        float* a = acc + b * D;
+        for (int64_t d = 0; d < Dv; d += W) at::vec::fmadd(Vec(w), load_vec(v + d), Vec::loadu(a + d)).store(a + d);
+        for (int64_t d = Dv; d < D; ++d) a[d] += w * to_float(v[d]);
+      }
+    }
+  }
 }
 
-// acc[g * D ..] = sum_t p[g * n + t] v_t for the G query heads, NV vectors wide (D = NV * W): per
-// chunk of keys (its values stay in L1 across the heads) each head's sums stay in registers (a load
-// and store of the sums per key and vector cost more than the FMAs).
-template <int64_t NV, typename CT>
-void weighted_values(const float* p, const CT* cache, const int32_t* pages, const Meta& m, int64_t kv_head, int64_t n,
-                     float* acc) {
-  constexpr int64_t W = Vec::size(), kChunk = 64;
-  std::fill(acc, acc + m.group * NV * W, 0.f);
-  for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
-    const int64_t t1 = std::min(n, t0 + kChunk);
-    for (int64_t g = 0; g < m.group; ++g) {
-      Vec a[NV];
-      for (int64_t d = 0; d < NV; ++d) a[d] = Vec::loadu(acc + g * NV * W + d * W);
-      for_each_row(cache, pages, m, kv_head, 1, t0, t1, [&](int64_t t, const CT* v) {
-        const Vec w(p[g * n + t]);
-        for (int64_t d = 0; d < NV; ++d) a[d] = at::vec::fmadd(w, load_vec(v + d * W), a[d]);
-      });
-      for (int64_t d = 0; d < NV; ++d) a[d].store(acc + g * NV * W + d * W);
+// The G query heads of one KV head in blocks of at most kMaxBlock(NV) (compile-time, so their
+// sums fit the registers): f(block's first head, the block's size as a template argument).
+constexpr int64_t kMaxBlock(int64_t NV) { return NV == 0 ? 4 : std::clamp<int64_t>(16 / NV, 1, 4); }
+
+template <int64_t NV, typename F>
+inline void for_head_blocks(int64_t G, F&& f) {
+  constexpr int64_t B = kMaxBlock(NV);
+  for (int64_t g0 = 0; g0 < G; g0 += B) {
+    switch (std::min<int64_t>(B, G - g0)) {
+      case 1: f(g0, std::integral_constant<int64_t, 1>{}); break;
+      case 2: if constexpr (B >= 2) f(g0, std::integral_constant<int64_t, 2>{}); break;
+      case 3: if constexpr (B >= 3) f(g0, std::integral_constant<int64_t, 3>{}); break;
+      default: f(g0, std::integral_constant<int64_t, B>{}); break;
     }
   }
 }
@@ -141,43 +178,48 @@ inline void softmax_inplace(float* s, int64_t n) {
   for (int64_t t = nv; t < n; ++t) s[t] *= 1.f / sum;
 }
 
-// One (query row, KV head): the G query heads of that KV head attend over the row's visible keys.
-// scores: scratch of at least G * n_keys floats; acc and qf: G * D floats each.
-template <typename QT, typename CT>
-void attend_row(const QT* q_row, QT* out_row, const CT* cache, const Meta& m, int64_t request, int64_t kv_head,
+// One query row, KV heads [h0, h1): their query heads attend over the row's n_keys visible keys.
+// The keys, then the values, are read page by page, each page's rows once for all those heads (a
+// page's K or V half is one contiguous block), the next page prefetched while this one is used.
+// scores: scratch of (h1 - h0) * G * n_keys floats; acc and qf: (h1 - h0) * G * D floats each.
+template <int64_t NV, typename QT, typename CT>
+void attend_row(const QT* q_row, QT* out_row, const CT* cache, const Meta& m, int64_t request, int64_t h0, int64_t h1,
                 int64_t n_keys, float scale, float* scores, float* acc, float* qf) {
-  const int64_t G = m.group, D = m.head_dim, W = Vec::size();
-  const int64_t Dv = D - D % W;
-  for (int64_t g = 0; g < G; ++g) {
-    const QT* src = q_row + (kv_head * G + g) * D;
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(src[d]) * scale;
-  }
+  const int64_t G = m.group, D = m.head_dim, bs = m.block_size, rs = m.row_stride;
+  const int64_t heads = (h1 - h0) * G, n = n_keys;
+  const int64_t span = bs * rs * static_cast<int64_t>(sizeof(CT));  // one page's K or V half, bytes
+  for (int64_t j = 0; j < heads * D; ++j) qf[j] = to_float(q_row[h0 * G * D + j]) * scale;
   const int32_t* pages = m.kv_indices + m.kv_indptr[request];
-  key_scores<CT>(qf, cache, pages, m, kv_head, n_keys, scores);
-  for (int64_t g = 0; g < G; ++g) softmax_inplace(scores + g * n_keys, n_keys);
-  if (D == 4 * W) {
-    weighted_values<4>(scores, cache, pages, m, kv_head, n_keys, acc);
-  } else if (D == 8 * W) {
-    weighted_values<8>(scores, cache, pages, m, kv_head, n_keys, acc);
-  } else {
-    std::fill(acc, acc + G * D, 0.f);
-    for_each_row(cache, pages, m, kv_head, 1, 0, n_keys, [&](int64_t t, const CT* v) {
-      for (int64_t d = 0; d < Dv; d += W) {
-        const Vec vd = load_vec(v + d);
-        for (int64_t g = 0; g < G; ++g) {
-          float* a = acc + g * D + d;
-          at::vec::fmadd(Vec(scores[g * n_keys + t]), vd, Vec::loadu(a)).store(a);
-        }
-      }
-      for (int64_t d = Dv; d < D; ++d) {
-        for (int64_t g = 0; g < G; ++g) acc[g * D + d] += scores[g * n_keys + t] * to_float(v[d]);
-      }
-    });
+  const int64_t num_pages = (n + bs - 1) / bs;
+  for (int64_t p = 0; p < num_pages; ++p) {
+    const CT* rows = page_rows(cache, pages, m, p, 0);
+    if (p + 1 < num_pages) prefetch_span(page_rows(cache, pages, m, p + 1, 0), span);
+    if (p + 2 < num_pages) prefetch_span<_MM_HINT_T1>(page_rows(cache, pages, m, p + 2, 0), span);
+    prefetch_span<_MM_HINT_T1>(page_rows(cache, pages, m, p, 1), span);  // this page's values, for the second pass
+    const int64_t t0 = p * bs, count = std::min(n, t0 + bs) - t0;
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t first = (h - h0) * G;
+      for_head_blocks<NV>(G, [&](int64_t g0, auto nb) {
+        score_rows<NV, decltype(nb)::value>(qf + (first + g0) * D, rows + h * D, rs, count, D,
+                                            scores + (first + g0) * n + t0, n);
+      });
+    }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    QT* dst = out_row + (kv_head * G + g) * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = from_float<QT>(acc[g * D + d]);
+  for (int64_t b = 0; b < heads; ++b) softmax_inplace(scores + b * n, n);
+  std::fill(acc, acc + heads * D, 0.f);
+  for (int64_t p = 0; p < num_pages; ++p) {
+    const CT* rows = page_rows(cache, pages, m, p, 1);
+    if (p + 1 < num_pages) prefetch_span(page_rows(cache, pages, m, p + 1, 1), span);
+    const int64_t t0 = p * bs, count = std::min(n, t0 + bs) - t0;
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t first = (h - h0) * G;
+      for_head_blocks<NV>(G, [&](int64_t g0, auto nb) {
+        add_weighted_rows<NV, decltype(nb)::value>(scores + (first + g0) * n + t0, rows + h * D, rs, count, D,
+                                                   acc + (first + g0) * D, n);
+      });
+    }
   }
+  for (int64_t j = 0; j < heads * D; ++j) out_row[h0 * G * D + j] = from_float<QT>(acc[j]);
 }
 
 template <typename QT, typename CT>
@@ -202,17 +244,46 @@ void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& kv_ca
       max_keys = std::max(max_keys, row_keys[r]);
     }
   }
-  const int64_t items = num_rows * m.num_kv_heads;
   const int64_t macs = total_keys * m.num_kv_heads * m.group * m.head_dim * 2;
+  const bool serial = macs < kSerialMacs;
+  // A work item is a query row with all its KV heads (a page's rows are read once for all of them);
+  // with fewer rows than a few per thread, a row's KV heads are split over the threads instead.
+  const int64_t splits = !serial && num_rows < 4 * at::get_num_threads() ? m.num_kv_heads : 1;
+  const int64_t heads_per_item = m.num_kv_heads / splits, items = num_rows * splits;
+  constexpr int64_t W = Vec::size();
+  const int64_t nv = m.head_dim % W == 0 ? m.head_dim / W : 0;
   auto work = [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(m.group * max_keys), acc(m.group * m.head_dim), qf(m.group * m.head_dim);
+    const int64_t width = heads_per_item * m.group;
+    std::vector<float> scores(width * max_keys), acc(width * m.head_dim), qf(width * m.head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / m.num_kv_heads, h = item % m.num_kv_heads;
-      attend_row<QT, CT>(qp + r * q_row_stride, op + r * out_row_stride, cache, m, row_request[r], h, row_keys[r],
-                         scale, scores.data(), acc.data(), qf.data());
+      const int64_t r = item / splits, h0 = (item % splits) * heads_per_item, h1 = h0 + heads_per_item;
+      if (item + 1 < end) {  // the next item's first pages into L2 while this one is computed
+        const int64_t r_next = (item + 1) / splits;
+        const int32_t* pages = m.kv_indices + m.kv_indptr[row_request[r_next]];
+        const int64_t span = m.block_size * m.row_stride * static_cast<int64_t>(sizeof(CT));
+        const int64_t ahead = std::min((row_keys[r_next] + m.block_size - 1) / m.block_size,
+                                       std::max<int64_t>(1, kPrefetchBytes / (2 * span)));
+        for (int64_t p = 0; p < ahead; ++p) {
+          prefetch_span<_MM_HINT_T1>(page_rows(cache, pages, m, p, 0), span);
+          prefetch_span<_MM_HINT_T1>(page_rows(cache, pages, m, p, 1), span);
+        }
+      }
+      const QT* qr = qp + r * q_row_stride;
+      QT* orow = op + r * out_row_stride;
+      auto row = [&](auto nv_const) {
+        attend_row<decltype(nv_const)::value, QT, CT>(qr, orow, cache, m, row_request[r], h0, h1, row_keys[r], scale,
+                                                      scores.data(), acc.data(), qf.data());
+      };
+      switch (nv) {  // head_dim 64, 128, 256 at AVX512's width (32, 64, 128 at AVX2's)
+        case 2: row(std::integral_constant<int64_t, 2>{}); break;
+        case 4: row(std::integral_constant<int64_t, 4>{}); break;
+        case 8: row(std::integral_constant<int64_t, 8>{}); break;
+        case 16: row(std::integral_constant<int64_t, 16>{}); break;
+        default: row(std::integral_constant<int64_t, 0>{}); break;
+      }
     }
   };
-  if (macs < kSerialMacs) {
+  if (serial) {
     work(0, items);
   } else {
     at::parallel_for(0, items, 1, work);

@@ -179,7 +179,9 @@ void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
       load_row(sp + t * D, s.data(), D);
       for (int64_t h = 0; h < H; ++h) {
         load_row(xp + t * xs0 + h * xs1, v.data(), D);
-        for (int64_t d = 0; d < D; ++d) o[d] = v[d] * c[d] + v[(d + half) % D] * s[d];
+        // Two loops, not one with (d + half) % D: the modulo kept gcc from vectorizing it.
+        for (int64_t d = 0; d < half; ++d) o[d] = v[d] * c[d] + v[d + half] * s[d];
+        for (int64_t d = half; d < D; ++d) o[d] = v[d] * c[d] + v[d - half] * s[d];
         store_row(o.data(), op + (t * H + h) * D, D);
       }
     }

@@ -91,6 +91,38 @@ def test_paged_attention_reads_strided_query_rows_and_head_dims_off_the_vector_w
                                rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("shape", [(8, 8, 64, 16), (16, 2, 128, 16), (24, 4, 256, 16), (12, 2, 64, 32), (10, 2, 48, 8)],
+                         ids=["mha-d64", "gqa8-d128", "gqa6-d256", "gqa6-d64-bs32", "gqa5-d48-bs8"])
+@pytest.mark.parametrize("rows", ["batch", "few rows"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_paged_attention_over_head_groups_widths_and_page_sizes_on_two_threads(
+        shape: tuple[int, int, int, int], rows: str, dtype: torch.dtype) -> None:
+    """The op's compile-time shapes (head blocks of 1-4 query heads, head_dim 64/128/256 in
+    registers, 48 through the runtime loops), page sizes other than 16, and both ways of sharing
+    the rows between threads: a decode batch with a prefill chunk (a row per work item) and two
+    long rows (their KV heads split over the threads)."""
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    if rows == "batch":
+        query_lens, seq_lens = [1] * 20 + [7], [1 + 37 * i % 300 for i in range(20)] + [90]
+    else:
+        query_lens, seq_lens = [1, 1], [1000, 700]
+    num_pages = sum(-(-n // block_size) for n in seq_lens) + 3
+    g = torch.Generator().manual_seed(head_dim + block_size)
+    batch = make_batch(query_lens, seq_lens, block_size=block_size, num_pages=num_pages)
+    cache = torch.randn(num_pages, 2, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    meta = (batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = paged_attention(q, cache, *meta, head_dim ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    ref = paged_attention_ref(q, cache, *meta, head_dim ** -0.5)
+    tol = 2e-6 if dtype == F32 else 2 ** -7
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, BF16), (F32, BF16), (BF16, F32)])
 def test_reshape_and_cache_writes_exactly_what_index_copy_writes(dtypes: tuple[torch.dtype, torch.dtype]) -> None:
     src_dtype, cache_dtype = dtypes
