@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -202,6 +203,44 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// The index of each row's largest value (the first of equal ones; the first NaN where a row has
+// one, as torch.argmax), int64 [B], for float32 rows [B, V]. Why by hand: torch's argmax over the
+// last dimension does not vectorize (1.2-1.3 ms for [32, 49152] on the 2-core EPYC, where its amax
+// takes 51 us); this is a vector max, then a scan for its first position.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0 && x.scalar_type() == at::kFloat,
+              "argmax_rows: float32 [B, V] with contiguous rows, V > 0");
+  const int64_t rows = x.size(0), n = x.size(1), W = Vec::size(), nv = n - n % W;
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for_rows(rows, n, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * x.stride(0);
+      Vec vmax(-std::numeric_limits<float>::infinity());
+      for (int64_t i = 0; i < nv; i += W) vmax = at::vec::maximum(vmax, Vec::loadu(row + i));  // NaN wins
+      float lanes[Vec::size()];
+      vmax.store(lanes);
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < W + n - nv; ++i) {
+        const float v = i < W ? lanes[i] : row[nv + i - W];
+        best = std::isnan(v) || std::isnan(best) ? std::numeric_limits<float>::quiet_NaN() : std::max(best, v);
+      }
+      int64_t at_ = 0;
+      if (std::isnan(best)) {
+        while (!std::isnan(row[at_])) ++at_;
+      } else {
+        const Vec vbest(best);  // skip whole vectors with no lane equal to the max
+        const int all = (1 << W) - 1;
+        while (at_ < nv && (Vec::loadu(row + at_) == vbest).zero_mask() == all) at_ += W;
+        while (row[at_] != best) ++at_;
+      }
+      op[r] = at_;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fp4serve_cpu, m) {
@@ -209,6 +248,7 @@ TORCH_LIBRARY_FRAGMENT(fp4serve_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fp4serve_cpu, CPU, m) {
@@ -216,4 +256,5 @@ TORCH_LIBRARY_IMPL(fp4serve_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -30,6 +30,11 @@ def rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return torch.ops.fp4serve_cpu.rotary.default(x, cos, signed_sin)
 
 
+def argmax_rows(x: Tensor) -> Tensor:
+    """x [B, V] float32 -> int64 [B], each row's argmax (ties and NaN as torch.argmax)."""
+    return torch.ops.fp4serve_cpu.argmax_rows.default(x)
+
+
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
 

@@ -110,7 +110,12 @@ def _int4_gemv_fake(x: Tensor, codes: Tensor, scales_zeros: Tensor) -> Tensor:
     return x.new_empty((x.shape[0], codes.shape[0]))
 
 
+def _argmax_rows_fake(x: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0],), dtype=torch.int64)
+
+
 _FAKES = {"paged_attention": _like, "reshape_and_cache": _reshape_and_cache_fake, "rms_norm": _like,
           "add_rms_norm": _add_rms_norm_fake, "silu_and_mul": _silu_and_mul_fake, "rotary": _like,
           "int8_gemv": _int8_gemv_fake, "rope_cache_attention": _rope_cache_attention_fake,
-          "decode_layer_int4": _decode_layer_int4_fake, "int4_gemv": _int4_gemv_fake}
+          "decode_layer_int4": _decode_layer_int4_fake, "int4_gemv": _int4_gemv_fake,
+          "argmax_rows": _argmax_rows_fake}

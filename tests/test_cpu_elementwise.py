@@ -14,6 +14,7 @@ from engine.front.offline import OfflineEngine
 from kernels.cpu_elementwise import (
     add_rms_norm,
     add_rms_norm_ref,
+    argmax_rows,
     rms_norm,
     rms_norm_ref,
     rotary,
@@ -82,6 +83,34 @@ def test_rotary_equals_the_reference(dtype: torch.dtype, tokens: int, heads: int
     close(rotary(qk, cos, sin), rotary_ref(qk, cos, sin))
 
 
+@pytest.mark.parametrize("shape", [(1, 49152), (32, 49152), (3, 17), (5, 1000), (2, 1)])
+def test_argmax_rows_equals_torch_argmax_with_ties_nan_and_infinities(shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(*shape, generator=g)
+    rows, v = shape
+    if v > 3:  # a tie (the first wins), a row of -inf, NaNs (the first NaN wins), +inf
+        x[0, v // 3] = x[0, v - 1] = 1e4
+        if rows > 1:
+            x[1] = float("-inf")
+        if rows > 2:
+            x[2, v // 2] = x[2, v - 2] = float("nan")
+        if rows > 3:
+            x[3, v - 1] = float("inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    strided = torch.randn(rows, v + 5, generator=g)[:, :v]  # rows longer than V
+    assert torch.equal(argmax_rows(strided), strided.argmax(dim=-1))
+
+
+def test_greedy_sampling_takes_the_argmax_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.sampler as sampler
+
+    calls = []
+    monkeypatch.setattr(sampler, "argmax_rows", lambda x: calls.append(x.shape) or argmax_rows(x))
+    x = torch.randn(4, 300)
+    assert torch.equal(sampler.greedy_ids(x), x.argmax(dim=-1)) and calls == [(4, 300)]
+    assert torch.equal(sampler.greedy_ids(x.double()), x.double().argmax(dim=-1)) and len(calls) == 1
+
+
 def test_the_ops_reject_what_they_cannot_take() -> None:
     with pytest.raises(RuntimeError, match="weight \\[hidden\\] in x's dtype"):
         rms_norm(torch.zeros(2, 8), torch.zeros(8, dtype=BF16), 1e-6)
@@ -89,6 +118,8 @@ def test_the_ops_reject_what_they_cannot_take() -> None:
         silu_and_mul(torch.zeros(2, 7))
     with pytest.raises(RuntimeError, match="bfloat16, float16 or float32"):
         silu_and_mul(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="float32 \\[B, V\\] with contiguous rows"):
+        argmax_rows(torch.zeros(2, 8, dtype=BF16))
 
 
 def first_logits(path: Path, dtype: str, fused: bool) -> tuple[list[int], torch.Tensor]:
