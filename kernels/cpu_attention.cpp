@@ -102,6 +102,29 @@ inline void score_rows(const float* q, const CT* k, int64_t stride, int64_t coun
   }
 }
 
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+// score_rows for bf16 queries and keys, D = 32 * NP: VDPBF16PS multiplies the bf16 pairs exactly
+// and sums them in float32, so the keys are never widened to floats (half the instructions of the
+// float loop); q is unscaled, the scale applied to each sum.
+template <int64_t NP, int64_t NB>
+inline void score_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t stride, int64_t count,
+                            int64_t D, float scale, float* scores, int64_t n) {
+  __m512bh qv[NB][NP];
+  for (int64_t b = 0; b < NB; ++b) {
+    for (int64_t d = 0; d < NP; ++d) qv[b][d] = (__m512bh)_mm512_loadu_si512(q + b * D + d * 32);
+  }
+  for (int64_t i = 0; i < count; ++i, k += stride) {
+    __m512bh kv[NP];
+    for (int64_t d = 0; d < NP; ++d) kv[d] = (__m512bh)_mm512_loadu_si512(k + d * 32);
+    for (int64_t b = 0; b < NB; ++b) {
+      __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[b][0], kv[0]);
+      for (int64_t d = 1; d < NP; ++d) acc = _mm512_dpbf16_ps(acc, qv[b][d], kv[d]);
+      scores[b * n + i] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+#endif
+
 // acc_b += sum_i p[b * n + i] v_i for NB query heads (acc: NB rows of D floats) over `count` value
 // rows of one KV head; NV as in score_rows.
 template <int64_t NV, int64_t NB, typename CT>
@@ -188,7 +211,12 @@ void attend_row(const QT* q_row, QT* out_row, const CT* cache, const Meta& m, in
   const int64_t G = m.group, D = m.head_dim, bs = m.block_size, rs = m.row_stride;
   const int64_t heads = (h1 - h0) * G, n = n_keys;
   const int64_t span = bs * rs * static_cast<int64_t>(sizeof(CT));  // one page's K or V half, bytes
-  for (int64_t j = 0; j < heads * D; ++j) qf[j] = to_float(q_row[h0 * G * D + j]) * scale;
+  // bf16 queries and keys at a width of whole 512-bit vectors: the dot products in bf16 pairs.
+  constexpr bool kBf16Dots = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16> && NV > 0 &&
+                             NV % 2 == 0 && Vec::size() == 16;
+  if constexpr (!kBf16Dots) {
+    for (int64_t j = 0; j < heads * D; ++j) qf[j] = to_float(q_row[h0 * G * D + j]) * scale;
+  }
   const int32_t* pages = m.kv_indices + m.kv_indptr[request];
   const int64_t num_pages = (n + bs - 1) / bs;
   for (int64_t p = 0; p < num_pages; ++p) {
@@ -200,6 +228,13 @@ void attend_row(const QT* q_row, QT* out_row, const CT* cache, const Meta& m, in
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t first = (h - h0) * G;
       for_head_blocks<NV>(G, [&](int64_t g0, auto nb) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+        if constexpr (kBf16Dots) {
+          score_rows_bf16<NV / 2, decltype(nb)::value>(q_row + (h * G + g0) * D, rows + h * D, rs, count, D, scale,
+                                                       scores + (first + g0) * n + t0, n);
+          return;
+        }
+#endif
         score_rows<NV, decltype(nb)::value>(qf + (first + g0) * D, rows + h * D, rs, count, D,
                                             scores + (first + g0) * n + t0, n);
       });
