@@ -102,7 +102,7 @@ def test_argmax_rows_equals_torch_argmax_with_ties_nan_and_infinities(shape: tup
 
 
 def test_greedy_sampling_takes_the_argmax_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.sampler as sampler
+    from engine import sampler
 
     calls = []
     monkeypatch.setattr(sampler, "argmax_rows", lambda x: calls.append(x.shape) or argmax_rows(x))
