@@ -130,7 +130,7 @@ def draw_inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block_size: int = _CD
 
 def greedy_ids(x: torch.Tensor) -> torch.Tensor:
     """x [B, V] f32 -> int64 [B], each row's argmax (ties: the lowest id). On CPU, our op where the
-    CPU ops are loaded: torch's argmax over rows is ~10x slower than a vector max (tests/test_sampler.py)."""
+    CPU ops are loaded: torch's argmax over rows does not vectorize (docs/PERF.md "The 32-row step")."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1 and ops_loaded():
         return argmax_rows(x)
     return x.argmax(dim=-1)

@@ -205,8 +205,8 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 // The index of each row's largest value (the first of equal ones; the first NaN where a row has
 // one, as torch.argmax), int64 [B], for float32 rows [B, V]. Why by hand: torch's argmax over the
-// last dimension does not vectorize (1.2-1.3 ms for [32, 49152] on the 2-core EPYC, where its amax
-// takes 51 us); this is a vector max, then a scan for its first position.
+// last dimension does not vectorize (a tenth of its time here, docs/PERF.md "The 32-row step");
+// this is a vector max, then a vector scan for its first position.
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0 && x.scalar_type() == at::kFloat,
               "argmax_rows: float32 [B, V] with contiguous rows, V > 0");
