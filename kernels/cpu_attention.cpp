@@ -292,8 +292,8 @@ void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& kv_ca
     std::vector<float> scores(width * max_keys), acc(width * m.head_dim), qf(width * m.head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / splits, h0 = (item % splits) * heads_per_item, h1 = h0 + heads_per_item;
-      if (item + 1 < end) {  // the next item's first pages into L2 while this one is computed
-        const int64_t r_next = (item + 1) / splits;
+      const int64_t r_next = (item + 1) / splits;
+      if (item + 1 < end && r_next != r) {  // the next row's first pages into L2 while this one is computed
         const int32_t* pages = m.kv_indices + m.kv_indptr[row_request[r_next]];
         const int64_t span = m.block_size * m.row_stride * static_cast<int64_t>(sizeof(CT));
         const int64_t ahead = std::min((row_keys[r_next] + m.block_size - 1) / m.block_size,
