@@ -38,8 +38,8 @@ constexpr int64_t kWeightRows = 4;  // weight rows per tile
 constexpr int64_t kInputRows = 4;   // input rows per tile
 // Multiply-adds below which the op runs on the calling thread (waking OpenMP's workers costs more).
 // How far ahead of the tile the weights are prefetched, into L2 (_MM_HINT_T2): into L1 at 4 KiB the
-// VDPBF16PS loop read the head from memory at a third of a plain sum's pace, into L2 at 8 KiB at
-// about that pace, and the float loop 1.2x faster than before (docs/PERF.md "The int4 kernel, ...").
+// VDPBF16PS loop read the head from memory well below a plain sum's pace, into L2 at 8 KiB at
+// about that pace, the float loop faster too (docs/PERF.md "The int4 kernel, ...").
 constexpr int64_t kPrefetchL2Bytes = 8192;
 constexpr int64_t kSerialWork = 1 << 20;
 

@@ -2,9 +2,8 @@
 moved into one buffer the kernel backs with transparent huge pages (2 MiB).
 
 Why: at one row a decode step reads every int4 layer and the int8 head once (~90 MiB on SmolLM2),
-spread over ~23,000 4 KiB pages; on the 2-core EPYC VM the int8 head read 14-20% faster from huge
-pages and the whole step took 0.95x (docs/PERF.md "The int4 kernel, the int8 head's prefetch and
-huge pages"). Linux gives an anonymous mapping huge pages on first touch
+spread over ~23,000 4 KiB pages; from huge pages the head and the whole step read faster
+(docs/PERF.md "The int4 kernel, the int8 head's prefetch and huge pages"). Linux gives an anonymous mapping huge pages on first touch
 only when madvise(MADV_HUGEPAGE) came first (THP in "madvise" mode, the common default), so the
 tensors are copied into a fresh, advised buffer; torch's own allocations are never advised.
 Where THP is off, or this is not Linux, nothing moves.

@@ -70,9 +70,8 @@ def dequantize_int4(codes: Tensor, scales_and_zeros: Tensor, group_size: int = G
 
 def own_kernel_ready() -> bool:
     """Whether new int4 linears run our op: the CPU ops are loaded (engine/host/cpu_kernels.py) and
-    it has its AVX512-BF16 loop (at one row on SmolLM2's shapes 0.65x the time of torch's kernel
-    from cache, 0.82-0.87x from memory; docs/PERF.md "The int4 kernel, ..."); elsewhere torch's
-    kernel stays."""
+    it has its AVX512-BF16 loop (faster than torch's kernel at one row, docs/PERF.md "The int4
+    kernel, ..."); elsewhere torch's kernel stays."""
     return ops_loaded() and cpu_int4.int4_gemv_native()
 
 
