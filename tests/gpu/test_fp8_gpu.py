@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.weights import loader
 from scheduler.request import SamplingParams
 from kernels.fp8_block import Fp8BlockWeight, fp8_device_supported, quantize_block_fp8, w8a8_block_matmul_ref
 from kernels.fp8_dispatch import Fp8Experts, Fp8Linear
@@ -54,20 +55,25 @@ def test_fp8_experts_match_reference(t: int) -> None:
     assert relative_error(got, want) <= 2e-2
 
 
-def test_kept_fp8_checkpoint_agrees_with_its_dequantized_self(tmp_path: Path) -> None:
+@pytest.mark.timeout(90)
+def test_kept_fp8_checkpoint_agrees_with_its_dequantized_self(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine on CUDA keeps the linears and experts FP8 (W8A8); its first-token logits stay
-    within W8A8's error of the CPU engine's on the dequantized weights (float32)."""
+    within W8A8's error of the same checkpoint dequantized at load (float32), on the same device.
+    NOTE: the reference runs on the GPU, not the CPU: a CPU engine compiles the C++ CPU ops into a
+    cold cache first (engine/host/cpu_kernels.py), which on a fresh GPU machine outlasts the budget."""
     fp8 = to_fp8_checkpoint(make_moe_checkpoint(tmp_path / "f", hidden_size=256, moe_intermediate_size=128,
                                                 intermediate_size=256, head_dim=64), tmp_path / "fp8")
-    gpu = make_engine(fp8, device="cuda", dtype="bfloat16", attention_backend="torch", enforce_eager=True)
-    model = gpu.core.runner.model
+    prompt = [list(range(3, 40))]
+    kept = make_engine(fp8, device="cuda", dtype="bfloat16", attention_backend="torch", enforce_eager=True)
+    model = kept.core.runner.model
     assert any(isinstance(m, Fp8Linear) for m in model.modules())
     assert any(isinstance(m, Fp8Experts) for m in model.modules())
-    prompt = [list(range(3, 40))]
-    got = capture_logits(gpu)
-    gpu.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    cpu = make_engine(fp8, device="cpu")  # "auto" would pick the GPU here
-    want = capture_logits(cpu)
-    cpu.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    got = capture_logits(kept)
+    kept.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    monkeypatch.setattr(loader, "keeps_fp8", lambda *args, **kwargs: False)  # dequantize as it streams in
+    dequantized = make_engine(fp8, device="cuda", dtype="float32", attention_backend="torch", enforce_eager=True)
+    assert not any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in dequantized.core.runner.model.modules())
+    want = capture_logits(dequantized)
+    dequantized.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     [a], [b] = list(got.values()), list(want.values())
-    assert relative_error(a[0].float().cpu(), b[0]) < 5e-2
+    assert relative_error(a[0].float(), b[0].float()) < 5e-2
