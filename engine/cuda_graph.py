@@ -242,13 +242,19 @@ class CudaGraphRunner:
         self.device = kv_caches[0].device
         self.max_num_pages = buckets.largest * max_pages_per_seq
         self.scratch_slot = backend.scratch_slot if isinstance(backend, HybridBackend) else None
-        assert verify_query_len is None or 2 <= verify_query_len <= block_size, \
-            f"verify steps of {verify_query_len} rows per request"
-        self.verify_query_len = verify_query_len if verify_query_len and can_capture_verify(backend) else None
         self._capturer = capturer if capturer is not None else CudaGraphCapturer()
         self._graphs: dict[tuple[int, int], CapturedGraph] = {}  # (requests, rows per request) -> graph
+        self.verify_query_len: int | None = None
+        self.enable_verify_graphs(verify_query_len)
+
+    def enable_verify_graphs(self, query_len: int | None) -> None:
+        """Before capture(): also capture verify steps of `query_len` rows per request (None: none),
+        when the backend can."""
+        assert not self._graphs, "verify graphs are chosen before capture()"
+        assert query_len is None or 2 <= query_len <= self.block_size, f"verify steps of {query_len} rows per request"
+        self.verify_query_len = query_len if query_len and can_capture_verify(self.backend) else None
         # The graphs' inputs: fixed addresses, rows [:size * rows per request] used by a graph.
-        rows = buckets.largest * max(1, self.verify_query_len or 1)
+        rows = self.buckets.largest * (self.verify_query_len or 1)
         self._input_ids = torch.zeros(rows, dtype=torch.int64, device=self.device)  # [largest * L]
         self._positions = torch.zeros(rows, dtype=torch.int64, device=self.device)  # [largest * L]
 
