@@ -163,4 +163,3 @@ def test_graph_wrappers_share_fixed_buffers_and_plan_graph_fills_them() -> None:
     assert backend._k_rows.data_ptr() == backend._graph_k_rows.data_ptr()  # the captured address
     with pytest.raises(AssertionError, match="no graph wrapper for batch size 3"):
         backend.plan_graph(pad_decode_batch(forward_batch(("a", 4, 1, [3, 5])), 3, scratch_page=9))
-
