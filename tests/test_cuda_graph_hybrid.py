@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from engine.attention.hybrid_backend import HybridBackend
+from engine.attention.gated_delta import sequential_gated_delta_rule
 from engine.attention.linear_attention import TorchLinearAttentionBackend
+from engine.attention.linear_attention_fla import FlaLinearAttentionBackend
 from engine.attention.state_pool import StatePool
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch, build_forward_batch
@@ -226,3 +228,44 @@ def test_verify_graphs_are_skipped_for_backends_without_them(tiny: Any) -> None:
     runner = CudaGraphRunner(model, caches_for(cfg), backend, DecodeBuckets((1, 2)), SCRATCH_PAGE, 4, FakeCapturer(),
                              verify_query_len=1 + K)
     assert runner.verify_query_len is None
+
+
+# ---- the fla backend's graph path (its batch-layout kernel stood in for by the torch recurrence) ------------
+def fla_batch_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       initial_state: torch.Tensor, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+                       **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla-core's fused_recurrent_gated_delta_rule in its batch layout: [B, L, H, D], one sequence per row."""
+    assert output_final_state and use_qk_l2norm_in_kernel and kwargs.get("cu_seqlens") is None
+    return sequential_gated_delta_rule(q, k, v, g, beta, initial_state)
+
+
+def unreachable(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    raise AssertionError("a graph step ran the chunked kernel")
+
+
+@pytest.mark.parametrize("rows", [1, 1 + K])
+def test_fla_graph_step_equals_the_torch_backend_eagerly(tiny: Any, rows: int) -> None:
+    _, cfg = tiny
+    h = cfg.hybrid
+    fla_pool, ref_pool = StatePool(h, NUM_SLOTS, CPU), StatePool(h, NUM_SLOTS, CPU)
+    g = torch.Generator().manual_seed(rows)
+    for pool in (fla_pool, ref_pool):
+        pool.conv.copy_(torch.randn(pool.conv.shape, generator=torch.Generator().manual_seed(1)))
+        pool.recurrent.copy_(torch.randn(pool.recurrent.shape, generator=torch.Generator().manual_seed(2)))
+    fla = FlaLinearAttentionBackend(fla_pool, CPU, kernels=(unreachable, fla_batch_stand_in))
+    ref = TorchLinearAttentionBackend(ref_pool, CPU)
+    fla.prepare_graphs([4])
+    real = [(r, PROMPT[r], rows, rows - 1) for r in ("r0", "r2", "r4")]
+    fla.plan_graph(pad_decode_batch(batch_of(*real), 4, SCRATCH_PAGE, rows, scratch_slot=NUM_SLOTS))
+    ref.plan(batch_of(*real))
+    t = 3 * rows
+    x, weight = torch.randn(4 * rows, h.conv_dim, generator=g), torch.randn(h.conv_dim, h.conv_kernel, generator=g)
+    q, k = (torch.randn(4 * rows, h.num_k_heads, h.head_k_dim, generator=g) for _ in range(2))
+    v = torch.randn(4 * rows, h.num_v_heads, h.head_v_dim, generator=g)
+    decay = -torch.nn.functional.softplus(torch.randn(4 * rows, h.num_v_heads, generator=g))
+    beta = torch.rand(4 * rows, h.num_v_heads, generator=g)
+    torch.testing.assert_close(fla.conv(0, x, weight)[:t], ref.conv(0, x[:t], weight))
+    torch.testing.assert_close(fla.delta_rule(0, q, k, v, decay, beta)[:t],
+                               ref.delta_rule(0, q[:t], k[:t], v[:t], decay[:t], beta[:t]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fla_pool.conv[:, :NUM_SLOTS], ref_pool.conv[:, :NUM_SLOTS])
+    torch.testing.assert_close(fla_pool.recurrent[:, :NUM_SLOTS], ref_pool.recurrent[:, :NUM_SLOTS], rtol=1e-5, atol=1e-5)
