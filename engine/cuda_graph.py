@@ -1,8 +1,8 @@
-"""CUDA-graph decode: the batch-size buckets and `CudaGraphRunner` (padding a batch to its bucket with
-dummy rows over a reserved scratch page and, for hybrids, the state pool's scratch slot is
-engine.cuda_graph_padding.py), which captures one graph of the model's forward per bucket at start-up and
-replays it for pure-decode steps. With speculative decoding it also captures one graph per bucket
-for verify steps, where every request has the same 1 + k query rows; every other step runs eagerly.
+"""CUDA-graph decode: the batch-size buckets and `CudaGraphRunner`, which captures one graph of the
+model's forward per bucket at start-up and replays it for pure-decode steps, each batch padded to
+its bucket with dummy rows over a scratch KV page and, for hybrids, the state pool's scratch slot
+(engine/cuda_graph_padding.py). With speculative decoding it also captures one graph per bucket for
+verify steps, where every request has the same 1 + k query rows; every other step runs eagerly.
 
 Only the forward (embeddings to final norm) is captured; logits and sampling stay eager.
 """
