@@ -1,6 +1,8 @@
-"""CUDA-graph decode: the batch-size buckets, padding a decode `ForwardBatch` to its bucket with dummy
-rows over a reserved scratch page, and `CudaGraphRunner`, which captures one graph of the model's
-forward per bucket at start-up and replays it for pure-decode steps; every other step runs eagerly.
+"""CUDA-graph decode: the batch-size buckets and `CudaGraphRunner`, which captures one graph of the
+model's forward per bucket at start-up and replays it for pure-decode steps, each batch padded to
+its bucket with dummy rows over a scratch KV page and, for hybrids, the state pool's scratch slot
+(engine/cuda_graph_padding.py). With speculative decoding it also captures one graph per bucket for
+verify steps, where every request has the same 1 + k query rows; every other step runs eagerly.
 
 Only the forward (embeddings to final norm) is captured; logits and sampling stay eager.
 """
@@ -8,7 +10,6 @@ Only the forward (embeddings to final norm) is captured; logits and sampling sta
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 import logging
 import time
@@ -20,15 +21,22 @@ import torch
 from tqdm import tqdm
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.hybrid_backend import HybridBackend
 from engine.batch import ForwardBatch, build_forward_batch
+from engine.cuda_graph_padding import PADDING_REQUEST_ID, is_pure_decode, pad_decode_batch, uniform_query_len, \
+    verify_graph_query_len
 from engine.models.decoder import DecoderForCausalLM
 from scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("fp4serve.cuda_graph")
 
+# Re-exported: callers pad and test batches through this module.
+__all__ = ["PADDING_REQUEST_ID", "is_pure_decode", "pad_decode_batch", "uniform_query_len", "verify_graph_query_len",
+           "CudaGraphRunner", "DecodeBuckets", "GraphAttentionBackend", "VerifyGraphBackend", "graphs_disabled_reason",
+           "can_capture", "can_capture_verify", "CudaGraphCapturer", "GraphCapturer", "CapturedGraph"]
+
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32)  # fine steps where a decode batch is latency-bound
 BUCKET_STEP = 16  # beyond 32: padding at most 15 rows costs little next to the weights read
-PADDING_REQUEST_ID = ""  # request id of a dummy row; dummy rows are never sampled
 
 
 @dataclass(frozen=True)
@@ -59,46 +67,6 @@ class DecodeBuckets:
         return self.sizes[i] if i < len(self.sizes) and batch_size >= 1 else None
 
 
-def is_pure_decode(batch: ForwardBatch) -> bool:
-    return batch.num_requests > 0 and all(n == 1 for n in batch.query_lens)
-
-
-def pad_decode_batch(batch: ForwardBatch, size: int, scratch_page: int) -> ForwardBatch:
-    """`batch` (pure decode) with dummy requests appended up to `size` requests.
-
-    A dummy row is token 0 at position 0 with a one-token KV of its own in `scratch_page`: it
-    writes K/V only there and attends only to that, so real rows and real pages are untouched.
-    Real rows keep their indices, and logits_indices is unchanged: dummies are never sampled.
-    All on the batch's device, no host sync."""
-    assert batch.num_requests == 0 or is_pure_decode(batch), "only pure-decode batches are padded"
-    pad = size - batch.num_requests
-    assert pad >= 0, f"{batch.num_requests} requests do not fit a batch of {size}"
-    if pad == 0:
-        return batch
-    dev = batch.input_ids.device
-    steps = torch.arange(1, pad + 1, dtype=torch.int32, device=dev)  # [pad]
-
-    def extend(t: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, tail.to(t.dtype)])
-
-    def fill(value: int) -> torch.Tensor:
-        return torch.full((pad,), value, dtype=torch.int64, device=dev)
-
-    return dataclasses.replace(
-        batch,
-        input_ids=extend(batch.input_ids, fill(0)),
-        positions=extend(batch.positions, fill(0)),
-        qo_indptr=extend(batch.qo_indptr, steps + batch.num_tokens),
-        kv_indptr=extend(batch.kv_indptr, steps + batch.kv_indices.numel()),
-        kv_indices=extend(batch.kv_indices, fill(scratch_page)),
-        kv_last_page_len=extend(batch.kv_last_page_len, fill(1)),
-        slot_mapping=extend(batch.slot_mapping, fill(scratch_page * batch.block_size)),
-        query_lens=[*batch.query_lens, *[1] * pad],
-        seq_lens=[*batch.seq_lens, *[1] * pad],
-        request_ids=[*batch.request_ids, *[PADDING_REQUEST_ID] * pad],
-    )
-
-
 @runtime_checkable
 class GraphAttentionBackend(Protocol):
     """An attention backend whose decode can be captured: fixed buffers per batch size, planned
@@ -115,13 +83,32 @@ class GraphAttentionBackend(Protocol):
     def plan_graph(self, batch: ForwardBatch) -> None: ...
 
 
+@runtime_checkable
+class VerifyGraphBackend(Protocol):
+    """A graph backend that also captures verify steps (FlashInferAttentionBackend's prefill wrappers)."""
+
+    def prepare_verify_graphs(self, batch_sizes: Sequence[int], query_len: int, max_num_pages: int) -> None: ...
+
+
+def can_capture(backend: AttentionBackend) -> bool:
+    if isinstance(backend, HybridBackend):
+        return backend.graph_capable()
+    return isinstance(backend, GraphAttentionBackend)
+
+
+def can_capture_verify(backend: AttentionBackend) -> bool:
+    if isinstance(backend, HybridBackend):
+        return backend.verify_graph_capable()
+    return isinstance(backend, GraphAttentionBackend) and isinstance(backend, VerifyGraphBackend)
+
+
 def graphs_disabled_reason(enforce_eager: bool, device: torch.device, backend: AttentionBackend) -> str | None:
     """Why decode runs without CUDA graphs, or None when it can use them."""
     if enforce_eager:
         return "--enforce-eager"
     if device.type != "cuda":
         return f"the device is {device.type}, not CUDA"
-    if not isinstance(backend, GraphAttentionBackend):
+    if not can_capture(backend):
         return f"the {backend.name} attention backend plans on the host every step and cannot be captured"
     return None
 
@@ -163,8 +150,9 @@ class CudaGraphCapturer:
 
 class CudaGraphRunner:
     """Runs the model's forward for one `ForwardBatch`: a graph replay for pure-decode batches
-    up to the largest bucket, the eager forward for everything else (prefill or mixed batches,
-    bigger decode batches, and every batch before `capture()`)."""
+    up to the largest bucket (and, with `verify_query_len`, for verify steps whose every request
+    has that many rows), the eager forward for everything else (prefill or mixed batches, bigger
+    batches, ragged verify steps, and every batch before `capture()`)."""
 
     def __init__(
         self,
@@ -175,10 +163,13 @@ class CudaGraphRunner:
         scratch_page: int,
         max_pages_per_seq: int,
         capturer: GraphCapturer | None = None,
+        verify_query_len: int | None = None,
     ) -> None:
         """`scratch_page` is a KV page no request ever owns (the runner allocates one page more
-        than it gives the scheduler); dummy rows write there. Any backend runs eagerly; capture()
-        needs a GraphAttentionBackend."""
+        than it gives the scheduler); dummy rows write there, and a hybrid's dummy rows use its
+        state pool's scratch slot. Any backend runs eagerly; capture() needs a graph backend.
+        `verify_query_len` (1 + k with k drafts per request): also capture verify steps of that
+        many rows per request, when the backend can."""
         num_pages, _, block_size = kv_caches[0].shape[:3]
         assert 0 <= scratch_page < num_pages, f"scratch page {scratch_page} outside the cache's {num_pages} pages"
         self.model = model
@@ -189,42 +180,68 @@ class CudaGraphRunner:
         self.block_size = block_size
         self.device = kv_caches[0].device
         self.max_num_pages = buckets.largest * max_pages_per_seq
+        self.scratch_slot = backend.scratch_slot if isinstance(backend, HybridBackend) else None
         self._capturer = capturer if capturer is not None else CudaGraphCapturer()
-        self._graphs: dict[int, CapturedGraph] = {}
-        # The graphs' inputs: fixed addresses, rows [:size] used by the graph of that size.
-        self._input_ids = torch.zeros(buckets.largest, dtype=torch.int64, device=self.device)  # [largest]
-        self._positions = torch.zeros(buckets.largest, dtype=torch.int64, device=self.device)  # [largest]
+        self._graphs: dict[tuple[int, int], CapturedGraph] = {}  # (requests, rows per request) -> graph
+        self.verify_query_len: int | None = None
+        self.enable_verify_graphs(verify_query_len)
+
+    def enable_verify_graphs(self, query_len: int | None) -> None:
+        """Before capture(): also capture verify steps of `query_len` rows per request (None: none),
+        when the backend can."""
+        assert not self._graphs, "verify graphs are chosen before capture()"
+        assert query_len is None or 2 <= query_len <= self.block_size, f"verify steps of {query_len} rows per request"
+        self.verify_query_len = query_len if query_len and can_capture_verify(self.backend) else None
+        # The graphs' inputs: fixed addresses, rows [:size * rows per request] used by a graph.
+        rows = self.buckets.largest * (self.verify_query_len or 1)
+        self._input_ids = torch.zeros(rows, dtype=torch.int64, device=self.device)  # [largest * L]
+        self._positions = torch.zeros(rows, dtype=torch.int64, device=self.device)  # [largest * L]
 
     @property
     def captured_sizes(self) -> list[int]:
-        return sorted(self._graphs)
+        """The batch sizes with a decode graph."""
+        return sorted(size for size, query_len in self._graphs if query_len == 1)
+
+    @property
+    def captured_verify_sizes(self) -> list[int]:
+        """The batch sizes with a verify-step graph."""
+        return sorted(size for size, query_len in self._graphs if query_len > 1)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per bucket, largest first, each after one eager warm-up run (Triton
         compiles and cuBLAS picks its kernels outside the capture)."""
         start = time.perf_counter()
-        assert isinstance(self.backend, GraphAttentionBackend), f"the {self.backend.name} backend cannot be captured"
-        self.backend.prepare_graphs(self.buckets.sizes, self.max_num_pages)
+        assert can_capture(self.backend), f"the {self.backend.name} backend cannot be captured"
+        backend: GraphAttentionBackend = self.backend  # type: ignore[assignment]
+        backend.prepare_graphs(self.buckets.sizes, self.max_num_pages)
+        shapes = [(size, 1) for size in sorted(self.buckets.sizes, reverse=True)]
+        if self.verify_query_len is not None:
+            verify: VerifyGraphBackend = self.backend  # type: ignore[assignment]
+            verify.prepare_verify_graphs(self.buckets.sizes, self.verify_query_len, self.max_num_pages)
+            shapes += [(size, self.verify_query_len) for size in sorted(self.buckets.sizes, reverse=True)]
         empty = build_forward_batch(SchedulerOutput((), ()), self.block_size, self.device)
-        sizes = sorted(self.buckets.sizes, reverse=True)
-        for size in tqdm(sizes, desc="capturing CUDA graphs", unit="graph", disable=None):
-            self._load_inputs(pad_decode_batch(empty, size, self.scratch_page))
-            self._run_static(size)
+        for size, query_len in tqdm(shapes, desc="capturing CUDA graphs", unit="graph", disable=None):
+            self._load_inputs(self._pad(empty, size, query_len))
+            self._run_static(size, query_len)
             try:
-                self._graphs[size] = self._capturer.capture(functools.partial(self._run_static, size))
+                self._graphs[size, query_len] = self._capturer.capture(
+                    functools.partial(self._run_static, size, query_len))
             except RuntimeError as e:
-                raise RuntimeError(f"CUDA graph capture failed at batch size {size} ({e}); "
+                raise RuntimeError(f"CUDA graph capture failed at batch size {size} x {query_len} rows ({e}); "
                                    "start with --enforce-eager to run without CUDA graphs") from e
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
-                    len(sizes), ",".join(map(str, self.buckets.sizes)), time.perf_counter() - start)
+        logger.info("captured %d CUDA graphs (batch sizes %s; decode%s) in %.1f s", len(shapes),
+                    ",".join(map(str, self.buckets.sizes)),
+                    f" and verify steps of {self.verify_query_len} rows" if self.verify_query_len else "",
+                    time.perf_counter() - start)
 
     def graph_size_for(self, batch: ForwardBatch) -> int | None:
         """The captured size this batch replays, or None when it runs eagerly."""
-        if not self._graphs or not is_pure_decode(batch):
+        query_len = uniform_query_len(batch)
+        if not self._graphs or query_len is None or batch.interior_saves:
             return None
         size = self.buckets.bucket_for(batch.num_requests)
-        return size if size in self._graphs else None
+        return size if (size, query_len) in self._graphs else None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's rows.
@@ -236,17 +253,24 @@ class CudaGraphRunner:
             self.backend.plan(batch)
             return self.model(batch.input_ids, batch.positions, self.kv_caches, self.backend)
         assert batch.kv_indices.numel() <= self.max_num_pages, "a sequence is longer than max_pages_per_seq"
-        self._load_inputs(pad_decode_batch(batch, size, self.scratch_page))
-        graph = self._graphs[size]
+        query_len = batch.query_lens[0]
+        self._load_inputs(self._pad(batch, size, query_len))
+        graph = self._graphs[size, query_len]
         graph.replay()
         return graph.output[: batch.num_tokens]
 
-    def _load_inputs(self, padded: ForwardBatch) -> None:
-        assert isinstance(self.backend, GraphAttentionBackend)
-        size = padded.num_requests
-        self._input_ids[:size].copy_(padded.input_ids)
-        self._positions[:size].copy_(padded.positions)
-        self.backend.plan_graph(padded)
+    def _pad(self, batch: ForwardBatch, size: int, query_len: int) -> ForwardBatch:
+        return pad_decode_batch(batch, size, self.scratch_page, query_len, self.scratch_slot)
 
-    def _run_static(self, size: int) -> torch.Tensor:
-        return self.model(self._input_ids[:size], self._positions[:size], self.kv_caches, self.backend)
+    def _load_inputs(self, padded: ForwardBatch) -> None:
+        """Outside the graph: the padded step's tokens into the input buffers, its metadata (page
+        tables, KV write rows, state slots) into the backend's fixed buffers."""
+        num_tokens = padded.num_tokens
+        self._input_ids[:num_tokens].copy_(padded.input_ids)
+        self._positions[:num_tokens].copy_(padded.positions)
+        backend: GraphAttentionBackend = self.backend  # type: ignore[assignment]
+        backend.plan_graph(padded)
+
+    def _run_static(self, size: int, query_len: int = 1) -> torch.Tensor:
+        rows = size * query_len
+        return self.model(self._input_ids[:rows], self._positions[:rows], self.kv_caches, self.backend)

@@ -16,7 +16,7 @@ from engine.batch import ForwardBatch, build_forward_batch
 from engine.attention.checkpoint_pool import CheckpointPool
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
 from engine.core_types import SampledToken
-from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason
+from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason, verify_graph_query_len
 from engine.weights.dtype_policy import int8_dense_from_rows, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
 from engine.attention.hybrid_backend import HybridBackend
 from engine.host.cpu_kernels import load_cpu_ops
@@ -190,7 +190,8 @@ class ModelRunner:
                         self.drafter.kv_cache.nbytes / _MIB - self.drafter.scratch_nbytes / _MIB,
                         self.drafter.scratch_nbytes / _MIB)
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.backend, DecodeBuckets.up_to(config.max_num_seqs),
-                                      scratch_page=scratch_page, max_pages_per_seq=-(-max_model_len // self.block_size))
+                                      scratch_page=scratch_page, max_pages_per_seq=-(-max_model_len // self.block_size),
+                                      verify_query_len=verify_graph_query_len(config, self.block_size))
         why_not = graphs_disabled_reason(config.enforce_eager, self.device, self.backend)
         if why_not is None:
             self.graphs.capture()

@@ -18,6 +18,7 @@ from engine.cuda_graph import PADDING_REQUEST_ID, CudaGraphRunner, DecodeBuckets
     pad_decode_batch
 from engine.weights.loader import load_model
 from tests.factories import forward_batch
+from tests.graph_fakes import FakeCapturer, GraphableTorchBackend
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 BS = 4  # tokens per KV page in these tests (forward_batch's default)
@@ -69,43 +70,6 @@ def test_only_pure_decode_batches_are_padded() -> None:
 
 
 # ---- the graph runner, with capture stood in for ---------------------------------------------------------
-class _GraphableTorchBackend(TorchAttentionBackend):
-    """The torch reference with the graph hooks: on CPU a "replay" re-runs the forward, which then
-    reads whatever plan_graph() and the runner's input buffers hold."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.prepared: tuple[tuple[int, ...], int] | None = None
-        self.graph_plans: list[int] = []
-
-    def prepare_graphs(self, batch_sizes: Sequence[int], max_num_pages: int) -> None:
-        self.prepared = (tuple(batch_sizes), max_num_pages)
-
-    def plan_graph(self, batch: ForwardBatch) -> None:
-        self.graph_plans.append(batch.num_requests)
-        self.plan(batch)
-
-
-class _ReplayByRerun:
-    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
-        self.fn = fn
-        self.output = fn().clone()
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.output.copy_(self.fn())
-
-
-class _FakeCapturer:
-    def __init__(self) -> None:
-        self.graphs: list[_ReplayByRerun] = []
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> _ReplayByRerun:
-        self.graphs.append(_ReplayByRerun(fn))
-        return self.graphs[-1]
-
-
 NUM_PAGES, SCRATCH = 24, 24  # the scheduler's pages 0..23, the scratch page one past them
 TABLES = {f"r{i}": [4 * i + j for j in range(4)] for i in range(5)}  # 16 tokens each
 PROMPT = {"r0": 5, "r1": 9, "r2": 3, "r3": 12, "r4": 4}
@@ -117,11 +81,11 @@ def tiny(qwen3_ckpt: Path) -> tuple[Any, ModelConfig]:
     return load_model(qwen3_ckpt, cfg, torch.float32, CPU, 64), cfg
 
 
-def _runner(tiny: tuple[Any, ModelConfig], sizes: tuple[int, ...]) -> tuple[CudaGraphRunner, _FakeCapturer]:
+def _runner(tiny: tuple[Any, ModelConfig], sizes: tuple[int, ...]) -> tuple[CudaGraphRunner, FakeCapturer]:
     model, cfg = tiny
     caches = [torch.zeros(NUM_PAGES + 1, 2, BS, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
-    backend = _GraphableTorchBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, CPU)
-    capturer = _FakeCapturer()
+    backend = GraphableTorchBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, CPU)
+    capturer = FakeCapturer()
     return CudaGraphRunner(model, caches, backend, DecodeBuckets(sizes), SCRATCH, 4, capturer), capturer
 
 
@@ -189,7 +153,7 @@ def test_mixed_oversized_and_precapture_batches_run_eagerly(tiny: Any) -> None:
 def test_graphs_are_off_with_enforce_eager_on_cpu_or_with_the_torch_backend(tiny: Any) -> None:
     _, cfg = tiny
     torch_backend = TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, CPU)
-    graphable = _GraphableTorchBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, CPU)
+    graphable = GraphableTorchBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, CPU)
     assert graphs_disabled_reason(True, CUDA, graphable) == "--enforce-eager"
     assert graphs_disabled_reason(False, CPU, graphable) == "the device is cpu, not CUDA"
     assert "torch attention backend plans on the host" in str(graphs_disabled_reason(False, CUDA, torch_backend))

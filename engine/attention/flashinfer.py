@@ -1,7 +1,8 @@
 """The FlashInfer attention backend (CUDA): planned once per step from the same `ForwardBatch` the
 torch reference reads. Mixed prefill/decode batches run FlashInfer's paged prefill kernel (ragged
 qo_indptr); pure decode batches its decode kernel; CUDA-graph decode has one decode wrapper per
-captured batch size over shared fixed buffers.
+captured batch size over shared fixed buffers, and CUDA-graph verify steps (every request 1 + k
+query rows) one graph-mode prefill wrapper per batch size over fixed buffers of their own.
 
 flashinfer is imported in the constructor only, so this module imports on any machine.
 """
@@ -108,6 +109,11 @@ class FlashInferAttentionBackend:
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_k_rows: torch.Tensor | None = None  # [largest] int64, fixed address
         self._graph_v_rows: torch.Tensor | None = None
+        # Verify-step graphs (prepare_verify_graphs): one prefill wrapper per batch size, q_len fixed.
+        self._verify_wrappers: dict[int, Any] = {}
+        self._verify_query_len = 0
+        self._verify_k_rows: torch.Tensor | None = None  # [largest * q_len] int64, fixed address
+        self._verify_v_rows: torch.Tensor | None = None
 
     def _decode_wrapper(self, **graph_buffers: torch.Tensor) -> Any:
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -166,20 +172,50 @@ class FlashInferAttentionBackend:
             for size in batch_sizes
         }
 
+    def prepare_verify_graphs(self, batch_sizes: Sequence[int], query_len: int, max_num_pages: int) -> None:
+        """One graph-mode prefill wrapper per batch size for verify steps of `query_len` rows per
+        request, over one set of fixed buffers sized for the largest."""
+        largest = max(batch_sizes)
+        dev = self.device
+        qo_indptr = torch.zeros(largest + 1, dtype=torch.int32, device=dev)
+        kv_indptr = torch.zeros(largest + 1, dtype=torch.int32, device=dev)
+        last_page_len = torch.zeros(largest, dtype=torch.int32, device=dev)
+        indices = torch.zeros(max_num_pages, dtype=torch.int32, device=dev)
+        self._verify_query_len = query_len
+        self._verify_k_rows = torch.zeros(largest * query_len, dtype=torch.int64, device=dev)
+        self._verify_v_rows = torch.zeros(largest * query_len, dtype=torch.int64, device=dev)
+        self._verify_wrappers = {
+            size: self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo_indptr[: size + 1],
+                paged_kv_indptr_buf=kv_indptr[: size + 1], paged_kv_indices_buf=indices,
+                paged_kv_last_page_len_buf=last_page_len[:size], backend=self.prefill_backend)
+            for size in batch_sizes
+        }
+
     def plan_graph(self, batch: ForwardBatch) -> None:
-        """Plan a pure-decode batch already padded to a prepared size (outside the graph: plan()
-        copies into the fixed buffers); forward() inside the graph then reads only those."""
-        size = batch.num_requests
-        wrapper = self._graph_wrappers.get(size)
-        assert wrapper is not None, f"no graph wrapper for batch size {size}: prepare_graphs() first"
-        assert self._graph_k_rows is not None and self._graph_v_rows is not None
-        assert all(n == 1 for n in batch.query_lens), "graph batches are pure decode"
+        """Plan a batch already padded to a prepared size, pure decode or a verify step (outside the
+        graph: plan() copies into the fixed buffers); forward() inside the graph then reads only those."""
+        size, query_len = batch.num_requests, batch.query_lens[0]
+        assert all(n == query_len for n in batch.query_lens), "a graph batch has the same rows per request"
         meta = host_metadata(batch)
-        wrapper.plan(meta.kv_indptr, batch.kv_indices, meta.kv_last_page_len,
-                     self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, **self._plan_kwargs())
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        if query_len == 1:
+            wrapper = self._graph_wrappers.get(size)
+            assert wrapper is not None, f"no graph wrapper for batch size {size}: prepare_graphs() first"
+            k_rows, v_rows = self._graph_k_rows, self._graph_v_rows
+            wrapper.plan(meta.kv_indptr, batch.kv_indices, meta.kv_last_page_len, *heads, **self._plan_kwargs())
+        else:
+            wrapper = self._verify_wrappers.get(size)
+            assert wrapper is not None and query_len == self._verify_query_len, \
+                f"no verify graph wrapper for {size} x {query_len} rows: prepare_verify_graphs() first"
+            k_rows, v_rows = self._verify_k_rows, self._verify_v_rows
+            wrapper.plan(meta.qo_indptr, meta.kv_indptr, batch.kv_indices, meta.kv_last_page_len, *heads,
+                         causal=True, **self._plan_kwargs())
+        assert k_rows is not None and v_rows is not None
+        num_tokens = size * query_len
         rows = cache_rows(batch.slot_mapping, self.block_size)
-        self._graph_k_rows[:size].copy_(rows)
-        self._graph_v_rows[:size].copy_(rows + self.block_size)
-        self._k_rows = self._graph_k_rows[:size]
-        self._v_rows = self._graph_v_rows[:size]
+        k_rows[:num_tokens].copy_(rows)
+        v_rows[:num_tokens].copy_(rows + self.block_size)
+        self._k_rows = k_rows[:num_tokens]
+        self._v_rows = v_rows[:num_tokens]
         self._wrapper = wrapper

@@ -16,6 +16,12 @@ Hybrid prefix caching: a state to keep part way through a request's rows (`Forwa
 interior_saves`) is taken inside the conv and the rule of the request's group and written straight
 into the checkpoint pool; no extra pass over the tokens.
 
+CUDA graphs (`prepare_graphs`, `plan_graph`): a captured step has B requests of L rows each (L = 1
+for decode, 1 + k for a verify step), so the rows are a plain [B, L] view of the flattened batch
+and need no gather, mask or host-built index. The one per-step input is each row's slot, in a
+buffer at a fixed address that plan_graph refills (vLLM's and SGLang's state-index buffers); a
+padded row holds the pool's scratch slot, so it reads and writes no request's state.
+
 SHORT_ROW_MAX = 16 by measurement (docs/PERF.md, "Short rows"): the chunked form pays for a whole
 padded chunk of 64 whatever the row's length, the recurrence pays per token; on tiny test models
 they break even near 16 tokens, at Qwen3.5's DeltaNet sizes the recurrence is still far cheaper.
@@ -23,6 +29,7 @@ they break even near 16 tokens, at Qwen3.5's DeltaNet sizes the recurrence is st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -136,17 +143,76 @@ class TorchLinearAttentionBackend:
         self.device = device
         self.short_max = short_max  # rows of 2..short_max tokens run the recurrence; 0: every row chunked
         self._plan: LinearAttentionPlan | None = None
+        # CUDA graphs: each row's slot, at a fixed address; rows [:B] used by a graph of B requests.
+        self._graph_slots: torch.Tensor | None = None  # [largest] int64
+        self._graph_shape: tuple[int, int] | None = None  # (B, L) of the planned graph step; None: eager
 
     def plan(self, batch: ForwardBatch) -> None:
+        self._graph_shape = None
         self._plan, fresh = LinearAttentionPlan.build(batch, self.device, self.short_max)
         if fresh:
             self.pool.reset(torch.tensor(fresh, dtype=torch.int64, device=self.device))
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def prepare_graphs(self, batch_sizes: Sequence[int]) -> None:
+        """The slot buffer the captured steps read, sized for the largest batch."""
+        # NOTE: kept when already big enough: graphs captured before read its address.
+        if self._graph_slots is None or len(self._graph_slots) < max(batch_sizes):
+            self._graph_slots = torch.full((max(batch_sizes),), self.pool.scratch_slot, dtype=torch.int64,
+                                           device=self.device)
+
+    def plan_graph(self, batch: ForwardBatch) -> None:
+        """Plan a step of B requests with L rows each, padded rows on the scratch slot (outside the
+        graph: the slots are copied into the fixed buffer, fresh slots zeroed here)."""
+        assert self._graph_slots is not None, "prepare_graphs() first"
+        size, length = batch.num_requests, batch.query_lens[0]
+        assert all(n == length for n in batch.query_lens), "a graph step has the same rows per request"
+        assert len(batch.state_slots) == size, "a hybrid batch needs a state slot per request"
+        assert not batch.interior_saves, "states kept part way need the eager plan"
+        scratch = self.pool.scratch_slot
+        fresh = [s for s, n in zip(batch.state_slots, batch.seq_lens) if n == length and s != scratch]
+        if fresh:
+            self.pool.reset(torch.tensor(fresh, dtype=torch.int64, device=self.device))
+        slots = torch.tensor(batch.state_slots, dtype=torch.int64)
+        self._graph_slots[:size].copy_(slots.to(self.device, non_blocking=True))
+        self._graph_shape = (size, length)
+        self._plan = None
+
+    def _graph_rows(self) -> tuple[int, int, torch.Tensor]:
+        assert self._graph_shape is not None and self._graph_slots is not None
+        size, length = self._graph_shape
+        return size, length, self._graph_slots[:size]
+
+    def _graph_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        size, length, slots = self._graph_rows()
+        states = self.pool.conv[layer]  # [S + 1, C, K-1] float32
+        lengths = torch.full((size,), length, dtype=torch.int64, device=x.device)  # [B]: a constant of the graph
+        y, new_state = causal_conv1d(x.reshape(size, length, -1).transpose(1, 2), states[slots], weight, lengths)
+        states.index_copy_(0, slots, new_state.float())
+        return y.transpose(1, 2).reshape(size * length, -1)
+
+    def _graph_delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor) -> torch.Tensor:
+        size, length, slots = self._graph_rows()
+        states = self.pool.recurrent[layer]  # [S + 1, Hv, Dk, Dv] float32
+        o, new_state = self._uniform_rule(*(t.reshape(size, length, *t.shape[1:]) for t in (q, k, v, g, beta)),
+                                          states[slots])
+        states.index_copy_(0, slots, new_state.float())
+        return o.reshape(size * length, *v.shape[1:])
+
+    def _uniform_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rule over [B, L] rows with no padding inside them: the recurrence, as the eager
+        plan runs decodes and short rows. Returns [B, L, Hv, Dv] and the final states."""
+        return sequential_gated_delta_rule(q, k, v, g, beta, state)
 
     def _groups(self) -> list[Segments]:
         assert self._plan is not None, "plan() must run before the forward"
         return [s for s in (self._plan.decode, self._plan.short, self._plan.prefill) if s is not None]
 
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._graph_shape is not None:
+            return self._graph_conv(layer, x, weight)
         states = self.pool.conv[layer]  # [S, C, K-1] float32
         out = torch.empty_like(x)
         for seg in self._groups():  # three groups at most, never one per sequence
@@ -162,6 +228,8 @@ class TorchLinearAttentionBackend:
 
     def delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor) -> torch.Tensor:
+        if self._graph_shape is not None:
+            return self._graph_delta_rule(layer, q, k, v, g, beta)
         states = self.pool.recurrent[layer]  # [S, Hv, Dk, Dv] float32
         plan = self._plan
         assert plan is not None, "plan() must run before the forward"

@@ -2,6 +2,8 @@
 per-sequence `cu_seqlens` and initial/final states gathered from and written back to the state
 slots (chunk_gated_delta_rule for steps with a prefill, fused_recurrent_gated_delta_rule for pure
 decode). The conv stays the torch one (`TorchLinearAttentionBackend.conv`), cheap next to the rule.
+A CUDA-graph step (B requests of L rows each) runs fused_recurrent_gated_delta_rule over the plain
+[B, L] layout with no cu_seqlens: nothing in it is planned on the host.
 
 Hybrid prefix caching needs states part way through a request's rows (`ForwardBatch.
 interior_saves`; a state at the end of a request's rows is its slot, copied by the model runner).
@@ -105,6 +107,8 @@ class FlaLinearAttentionBackend(TorchLinearAttentionBackend):
 
     def delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor) -> torch.Tensor:
+        if self._graph_shape is not None:
+            return self._graph_delta_rule(layer, q, k, v, g, beta)
         assert self._slots is not None and self._cu_seqlens is not None, "plan() must run before the forward"
         states = self.pool.recurrent[layer]  # [S, Hv, Dk, Dv] float32
         if self._rounds:
@@ -116,6 +120,12 @@ class FlaLinearAttentionBackend(TorchLinearAttentionBackend):
                           use_qk_l2norm_in_kernel=True, cu_seqlens=self._cu_seqlens)
         states.index_copy_(0, self._slots, final.float())
         return out[0]
+
+    def _uniform_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, L] rows, each its own sequence: fla's batch layout, initial states [B, Hv, Dk, Dv]."""
+        return self._recurrent(q, k, v.contiguous(), g=g, beta=beta, initial_state=state, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
 
     def _delta_rule_rounds(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
