@@ -46,7 +46,7 @@ class W4A16Config:
     block_m: int  # tokens per tile, a power of two >= 16
     block_n: int  # weight rows per tile, a power of two >= 16
     split_k: int = 1  # K slices; > 1 reduces them in the kernel (serial split-K)
-    halves: int = 4  # half chunks (64 K each) per K step, a power of two: K step = 64 * halves
+    halves: int = 4  # half chunks (64 K each) per K step, a power of two >= 2: K step = 64 * halves
     num_warps: int = 4
     num_stages: int = 4
 
@@ -54,7 +54,8 @@ class W4A16Config:
         for name in ("block_m", "block_n"):
             size = getattr(self, name)
             assert size >= 16 and size & (size - 1) == 0, f"{name}={size} must be a power of two >= 16"
-        assert self.halves >= 1 and self.halves & (self.halves - 1) == 0, f"halves={self.halves}"
+        # >= 2: whole 128-K chunks per step (the layout's unit), and no size-1 aranges.
+        assert self.halves >= 2 and self.halves & (self.halves - 1) == 0, f"halves={self.halves}"
         assert self.split_k >= 1, f"split_k={self.split_k}"
 
     @property

@@ -174,7 +174,7 @@ def test_chosen_tiles_match_reference_for_every_decode_m(triton_cpu: SimpleNames
 
 
 @pytest.mark.parametrize(("block_m", "block_n", "split_k", "halves"), [
-    (16, 16, 1, 1), (16, 32, 2, 2), (16, 64, 3, 4), (32, 16, 4, 1), (64, 16, 2, 8), (16, 16, 9, 1),
+    (16, 16, 1, 2), (16, 32, 2, 2), (16, 64, 3, 4), (32, 16, 4, 2), (64, 16, 2, 8), (16, 16, 9, 2),
 ])
 @pytest.mark.parametrize(("n", "k"), [(48, 80), (19, 400), (64, 512)])
 def test_every_tile_shape_and_split_matches_reference(
@@ -187,16 +187,16 @@ def test_every_tile_shape_and_split_matches_reference(
 
 def test_split_k_is_reproducible_and_close_to_one_slice(triton_cpu: SimpleNamespace) -> None:
     w, x = make_weight(32, 512, seed=3), fp16_exact(5, 512, seed=4)
-    first = run_kernel(triton_cpu, x, w, split_k=4, halves=1)
-    assert torch.equal(run_kernel(triton_cpu, x, w, split_k=4, halves=1), first)  # fixed-order sum
-    assert_within_fp32_rounding(run_kernel(triton_cpu, x, w, split_k=1, halves=1), x, w)
+    first = run_kernel(triton_cpu, x, w, split_k=4, halves=2)
+    assert torch.equal(run_kernel(triton_cpu, x, w, split_k=4, halves=2), first)  # fixed-order sum
+    assert_within_fp32_rounding(run_kernel(triton_cpu, x, w, split_k=1, halves=2), x, w)
 
 
 def test_more_tiles_than_counters_falls_back_to_one_slice(triton_cpu: SimpleNamespace) -> None:
     w, x = make_weight(48, 256, seed=5), fp16_exact(3, 256, seed=6)
     layout = triton_cpu.layout.pack_kernel_layout(w.packed, w.block_scale, w.row_global_scale())
     layout = dataclasses.replace(layout, tile_locks=torch.zeros(1, dtype=torch.int32))  # 3 tiles, 1 counter
-    cfg = triton_cpu.w4a16.W4A16Config(16, 16, split_k=2, halves=1)
+    cfg = triton_cpu.w4a16.W4A16Config(16, 16, split_k=2, halves=2)
     got = triton_cpu.w4a16.w4a16_matmul(x, layout, dot_dtype=torch.float16, config=cfg)
     assert_within_fp32_rounding(got, x, w)
 
@@ -217,23 +217,23 @@ def test_dequantized_operand_is_exact(triton_cpu: SimpleNamespace) -> None:
 def test_bias_is_added_once(triton_cpu: SimpleNamespace, split_k: int) -> None:
     w, x = make_weight(32, 384, seed=8), fp16_exact(4, 384, seed=9)
     bias = torch.linspace(-2.0, 2.0, 32)
-    got = run_kernel(triton_cpu, x, w, bias, split_k=split_k, halves=1)
+    got = run_kernel(triton_cpu, x, w, bias, split_k=split_k, halves=2)
     assert_within_fp32_rounding(got, x, w, bias, slices=split_k)
 
 
 def test_fused_shards_apply_each_shards_global_scale(triton_cpu: SimpleNamespace) -> None:
-    shards = [make_weight(32, 128, seed=10, std=1.0), make_weight(16, 128, seed=11, std=1e-3),
-              make_weight(16, 128, seed=12, std=0.05)]
-    x = fp16_exact(5, 128, seed=13)
-    got = run_kernel(triton_cpu, x, fuse_nvfp4(shards), split_k=2, halves=1)
+    shards = [make_weight(32, 256, seed=10, std=1.0), make_weight(16, 256, seed=11, std=1e-3),
+              make_weight(16, 256, seed=12, std=0.05)]
+    x = fp16_exact(5, 256, seed=13)
+    got = run_kernel(triton_cpu, x, fuse_nvfp4(shards), split_k=2, halves=2)
     for (start, stop), shard in zip([(0, 32), (32, 48), (48, 64)], shards):
         assert_within_fp32_rounding(got[:, start:stop], x, shard, slices=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_output_dtype_follows_activations(triton_cpu: SimpleNamespace, dtype: torch.dtype) -> None:
-    w, x = make_weight(16, 128, seed=14), fp16_exact(3, 128, seed=15).to(dtype)
-    got = run_kernel(triton_cpu, x, w, split_k=2, halves=1)
+    w, x = make_weight(16, 256, seed=14), fp16_exact(3, 256, seed=15).to(dtype)
+    got = run_kernel(triton_cpu, x, w, split_k=2, halves=2)
     assert got.dtype == dtype
     assert_within_fp32_rounding(got, x.float(), w, slices=2)
 
