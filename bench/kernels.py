@@ -33,6 +33,9 @@ QWEN36_27B_SHAPES = {"attn_qkv": (14336, 5120), "o": (5120, 6144), "gdn_qkvz": (
                      "gate_up": (34816, 5120), "down": (5120, 17408)}
 SHAPES = {**{f"8b/{k}": v for k, v in QWEN3_8B_SHAPES.items()}, **{f"27b/{k}": v for k, v in QWEN36_27B_SHAPES.items()}}
 SWEEP_M = (1, 16, 64, 256)
+# With --sweep, neighbouring tiles are tried on these shapes at M <= 16 only: each new tile shape
+# is a compile, and the device run has about 90 s for this step.
+SWEEP_SHAPES = ("8b/o", "8b/gate_up", "27b/down")
 # Issue 39's targets: NVFP4's speed over cuBLAS bf16, by M (the largest key <= M applies).
 TARGETS = {1: 2.5, 16: 2.0, 64: 1.3, 128: 1.0}
 _FLUSH_BYTES = 256 << 20
@@ -59,6 +62,8 @@ class Row:
     kernel_config: str
     best_kernel_us: float  # the best tiles the sweep tried
     best_kernel_config: str
+    variants: dict[str, float]  # every tile shape the sweep tried -> us
+    fp16_dot_us: float | None  # the chosen tiles with fp16 dot operands (the sweep; CUDA only)
     dequant_us: float | None  # dequantize + cuBLAS (M >= 64 only)
     max_rel_error: float
 
@@ -98,12 +103,11 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int, reps: int) -> float:
     return 2 * nbytes / us / 1e3
 
 
-def sweep_configs(chosen: "W4A16Config", m: int) -> list["W4A16Config"]:
-    """A few neighbours of the chosen tiles (decode sizes only): wider rows, shorter K steps,
-    twice the slices. Few on purpose: each new tile shape is a compile."""
-    if m > 64:
-        return []
-    return [replace(chosen, block_n=128), replace(chosen, halves=2), replace(chosen, split_k=2 * chosen.split_k)]
+def sweep_configs(chosen: "W4A16Config") -> list["W4A16Config"]:
+    """A few neighbours of the chosen tiles: the two-dot decode, wider rows, shorter K steps,
+    twice the slices."""
+    return [replace(chosen, lanes=not chosen.lanes), replace(chosen, block_n=128), replace(chosen, halves=2),
+            replace(chosen, split_k=2 * chosen.split_k)]
 
 
 def bench_point(name: str, m: int, n: int, k: int, copy_gbps: float, flush: torch.Tensor,
@@ -131,12 +135,17 @@ def bench_point(name: str, m: int, n: int, k: int, copy_gbps: float, flush: torc
     chosen = choose_config(m, n, k, num_sms)
     errors = [error(nvfp4_linear_prepared(x, layout))]
     kernel_us = best_us = time_us(lambda: w4a16_matmul(x, layout, config=chosen), flush, warmup, reps)
-    best = chosen
-    for config in sweep_configs(chosen, m) if sweep else []:
+    best, variants, fp16_dot_us = chosen, {chosen.describe(): round(kernel_us, 2)}, None
+    for config in sweep_configs(chosen) if sweep else []:
         errors.append(error(w4a16_matmul(x, layout, config=config)))
         us = time_us(lambda: w4a16_matmul(x, layout, config=config), flush, warmup, reps)
+        variants[config.describe()] = round(us, 2)
         if us < best_us:
             best_us, best = us, config
+    if sweep and device.type == "cuda":  # fp16 operands would skip a cast per weight; bf16's range is why not
+        fp16 = lambda: w4a16_matmul(x, layout, config=chosen, dot_dtype=torch.float16)  # noqa: E731
+        errors.append(error(fp16()))
+        fp16_dot_us = time_us(fp16, flush, warmup, reps)
     dequant_us = None
     if m >= 64:
         dense = lambda: torch.nn.functional.linear(x, dequantize_layout(layout, dtype))  # noqa: E731
@@ -153,7 +162,8 @@ def bench_point(name: str, m: int, n: int, k: int, copy_gbps: float, flush: torc
     return Row(name, m, n, k, path, round(nvfp4_us, 2), round(nvfp4_gbps, 1), round(nvfp4_gbps / copy_gbps, 3),
                round(bf16_us, 2), round(bf16_gbps, 1), round(bf16_gbps / copy_gbps, 3), round(speedup, 2),
                target_for(m), speedup >= target_for(m), round(kernel_us, 2), chosen.describe(), round(best_us, 2),
-               best.describe(), None if dequant_us is None else round(dequant_us, 2), round(max(errors), 5))
+               best.describe(), variants, None if fp16_dot_us is None else round(fp16_dot_us, 2),
+               None if dequant_us is None else round(dequant_us, 2), round(max(errors), 5))
 
 
 def print_table(rows: list[Row], copy_gbps: float, device: str) -> None:
@@ -178,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--sweep", action="store_true", help="also time a few neighbouring tiles of each decode point")
+    parser.add_argument("--sweep", action="store_true",
+                        help=f"also time a few neighbouring tiles at M <= 16 on {', '.join(SWEEP_SHAPES)}")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="N / 64 and K / 16 (the CPU rehearsal: several K slices, a ragged K)")
     parser.add_argument("--out", help="write the rows, the copy bandwidth and the verdict as JSON here")
@@ -202,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.tiny:
             n, k = max(16, n // 64), max(512, k // 16)
         for m in args.m:
-            rows.append(bench_point(shape, m, n, k, copy_gbps, flush, args.warmup, args.reps, args.sweep))
+            sweep = args.sweep and m <= 16 and shape in SWEEP_SHAPES
+            rows.append(bench_point(shape, m, n, k, copy_gbps, flush, args.warmup, args.reps, sweep))
             print(f"  {shape} M={m}: {rows[-1].speedup}x bf16 ({rows[-1].path})", file=sys.stderr, flush=True)
             if args.out:  # after every point: a run cut short by its time budget still reports
                 write_report(args.out, name, copy_gbps, rows, time.perf_counter() - started)

@@ -14,7 +14,10 @@ Design, for decode sizes (M <= 64), where the weight stream is the whole cost:
   positions q, a [BLOCK_N, 4 * 16] slab of weights for four scale groups at once; one dot of
   K = 64 per q (K-order permuted consistently on both sides: a dot only sums over K) replaces
   eight K = 16 dots per 128 K. W is the dot's left side ("swap AB"): M <= 16 tokens fill a
-  16-wide tile instead of padding a 64-row MMA.
+  16-wide tile instead of padding a 64-row MMA. A variant (`lanes`) splits each slab into its
+  even-j and odd-j weights, two dots of K = 32, so that the decode is elementwise from the loads
+  with no join/reshape; which of the two the compiler turns into fewer shared-memory round trips
+  is for the device's `bench.kernels --sweep` to say.
 - One launch. The K slices are reduced inside the kernel ("serial split-K"): each slice writes
   its fp32 partial tile to a workspace and bumps a per-tile counter; the last to arrive sums the
   slices in a fixed order (bit-reproducible, unlike fp32 atomics into the output), applies the
@@ -49,6 +52,7 @@ class W4A16Config:
     halves: int = 4  # half chunks (64 K each) per K step, a power of two >= 2: K step = 64 * halves
     num_warps: int = 4
     num_stages: int = 4
+    lanes: bool = False  # two dots per group position (even j, odd j) instead of one joined dot
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -64,7 +68,7 @@ class W4A16Config:
 
     def describe(self) -> str:
         return (f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} "
-                f"w{self.num_warps} st{self.num_stages}")
+                f"w{self.num_warps} st{self.num_stages}" + (" lanes" if self.lanes else ""))
 
 
 def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -96,7 +100,7 @@ def choose_config(m: int, n: int, k: int, num_sms: int) -> W4A16Config:
     while tiles * effective_split(k, block_k, split_k)[0] < CTAS_PER_SM * num_sms and split_k < max_split:
         split_k += 1
     split_k = effective_split(k, block_k, split_k)[0]
-    return W4A16Config(block_m, block_n, split_k, halves, warps, stages)
+    return W4A16Config(block_m, block_n, split_k, halves=halves, num_warps=warps, num_stages=stages)
 
 
 def num_ctas(m: int, n: int, k: int, config: W4A16Config) -> int:
@@ -121,11 +125,78 @@ def _decode_slab(words, scales, q: tl.constexpr, BLOCK_N: tl.constexpr, HALVES: 
 
 
 @triton.jit
+def _step_joined(acc, x_ptr, w_ptr, s_ptr, offs_n, offs_m, n_ok, m_ok, k0, K, k_pad,
+                 stride_xm, stride_xk, stride_wn, stride_sn,
+                 BLOCK_N: tl.constexpr, HALVES: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One K step (64 * HALVES), each group position's slab joined into one dot of K = 16 * HALVES."""
+    offs_h = tl.arange(0, HALVES)
+    offs_t = tl.arange(0, HALVES * 16)  # (half, j) of one slab
+    half0 = k0 // 64
+    if EVEN_K:
+        h_ok = n_ok[:, None] & (offs_h >= 0)[None, :]
+    else:
+        h_ok = n_ok[:, None] & (half0 + offs_h < k_pad // 64)[None, :]
+    # [BLOCK_N, HALVES, 8] words: HALVES * 32 contiguous bytes per row.
+    words = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + (half0 + offs_h)[None, :, None] * 8
+                    + tl.arange(0, 8)[None, None, :], mask=h_ok[:, :, None], other=0).to(tl.uint32, bitcast=True)
+    # [BLOCK_N, HALVES] int32: the four e4m3 block scales of each half chunk.
+    scales = tl.load(s_ptr + offs_n[:, None] * stride_sn + (half0 + offs_h)[None, :], mask=h_ok, other=0)
+    for q in tl.static_range(4):
+        w = _decode_slab(words, scales, q, BLOCK_N, HALVES)
+        # Slab element t is K offset 64 (t // 16) + 16 q + t % 16 of the step.
+        offs_k = k0 + 16 * q + (offs_t // 16) * 64 + offs_t % 16
+        if EVEN_K:
+            x_ok = m_ok[None, :]
+        else:
+            x_ok = m_ok[None, :] & (offs_k < K)[:, None]
+        # [HALVES * 16, BLOCK_M] activations in the slab's K order, transposed: W is the left side.
+        x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, mask=x_ok, other=0.0)
+        acc = tl.dot(w.to(DOT_DTYPE), x_t.to(DOT_DTYPE), acc)
+    return acc
+
+
+@triton.jit
+def _step_lanes(acc, x_ptr, w_ptr, s_ptr, offs_n, offs_m, n_ok, m_ok, k0, K, k_pad,
+                stride_xm, stride_xk, stride_wn, stride_sn,
+                HALVES: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One K step like `_step_joined`, but the even-j and odd-j weights of a slab go to two dots of
+    K = 8 * HALVES: no join or reshape, so the decode is elementwise from the loads (the compiler
+    may then decode in the dot operand's register layout instead of converting through shared
+    memory). Each scale word is loaded for each of its 8 word columns (L1 hits) for the same reason."""
+    offs_c = tl.arange(0, HALVES * 8)  # (half, j // 2)
+    half = k0 // 64 + offs_c // 8
+    if EVEN_K:
+        c_ok = n_ok[:, None] & (offs_c >= 0)[None, :]
+    else:
+        c_ok = n_ok[:, None] & (half < k_pad // 64)[None, :]
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 8 + offs_c)[None, :], mask=c_ok,
+                    other=0).to(tl.uint32, bitcast=True)  # [BLOCK_N, HALVES * 8]
+    scales = tl.load(s_ptr + offs_n[:, None] * stride_sn + half[None, :], mask=c_ok, other=0)  # [BLOCK_N, HALVES * 8]
+    pair_k = (offs_c // 8) * 64 + (offs_c % 8) * 2  # K offset of each column's even-j weight, less 16 q
+    for q in tl.static_range(4):
+        shifted = words << (4 * q)
+        pair = (shifted & 0x80008000) | ((shifted >> 3) & 0x0E000E00)
+        scale_bits = ((scales >> (8 * q)) & 0xFF).to(tl.uint16) << 7
+        scale = (scale_bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(tl.float16)
+        offs_k = k0 + 16 * q + pair_k
+        if EVEN_K:
+            x_ok = m_ok[None, :]
+        else:
+            x_ok = m_ok[None, :] & (offs_k < K)[:, None]  # K is a multiple of 16: the odd partner too
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk  # [HALVES * 8, BLOCK_M]
+        for lane in tl.static_range(2):
+            w = ((pair >> (16 * lane)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True) * scale
+            x_t = tl.load(x_ptrs + lane * stride_xk, mask=x_ok, other=0.0)
+            acc = tl.dot(w.to(DOT_DTYPE), x_t.to(DOT_DTYPE), acc)
+    return acc
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
     M, N, K, k_pad, k_per_split,
     stride_xm, stride_xk, stride_wn, stride_sn, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALVES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALVES: tl.constexpr, LANES: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -133,37 +204,18 @@ def _w4a16_kernel(
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_h = tl.arange(0, HALVES)
-    offs_word = tl.arange(0, 8)
-    offs_t = tl.arange(0, HALVES * 16)  # (half, j) of one slab
     n_ok = offs_n < N
     m_ok = offs_m < M
-    # Slab element t is K offset 64 (t // 16) + 16 q + t % 16 of the step.
-    slab_k = (offs_t // 16) * 64 + offs_t % 16
     acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     # A fixed trip count: the last slice may run past k_pad, where nothing is loaded.
     for step in range(0, k_per_split, 64 * HALVES):
         k0 = pid_k * k_per_split + step
-        half0 = k0 // 64
-        if EVEN_K:
-            h_ok = n_ok[:, None] & (offs_h >= 0)[None, :]
+        if LANES:
+            acc = _step_lanes(acc, x_ptr, w_ptr, s_ptr, offs_n, offs_m, n_ok, m_ok, k0, K, k_pad,
+                              stride_xm, stride_xk, stride_wn, stride_sn, HALVES, EVEN_K, DOT_DTYPE)
         else:
-            h_ok = n_ok[:, None] & (half0 + offs_h < k_pad // 64)[None, :]
-        # [BLOCK_N, HALVES, 8] words: HALVES * 32 contiguous bytes per row.
-        words = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + (half0 + offs_h)[None, :, None] * 8
-                        + offs_word[None, None, :], mask=h_ok[:, :, None], other=0).to(tl.uint32, bitcast=True)
-        # [BLOCK_N, HALVES] int32: the four e4m3 block scales of each half chunk.
-        scales = tl.load(s_ptr + offs_n[:, None] * stride_sn + (half0 + offs_h)[None, :], mask=h_ok, other=0)
-        for q in tl.static_range(4):
-            w = _decode_slab(words, scales, q, BLOCK_N, HALVES)
-            offs_k = k0 + 16 * q + slab_k
-            if EVEN_K:
-                x_ok = m_ok[None, :]
-            else:
-                x_ok = m_ok[None, :] & (offs_k < K)[:, None]
-            # [HALVES * 16, BLOCK_M] activations in the slab's K order, transposed: W is the left side.
-            x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None] * stride_xk, mask=x_ok, other=0.0)
-            acc = tl.dot(w.to(DOT_DTYPE), x_t.to(DOT_DTYPE), acc)
+            acc = _step_joined(acc, x_ptr, w_ptr, s_ptr, offs_n, offs_m, n_ok, m_ok, k0, K, k_pad,
+                               stride_xm, stride_xk, stride_wn, stride_sn, BLOCK_N, HALVES, EVEN_K, DOT_DTYPE)
 
     tile_ok = n_ok[:, None] & m_ok[None, :]
     out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
@@ -229,7 +281,7 @@ def w4a16_matmul(
         m, n, k, k_pad, k_per_split,
         x.stride(0), x.stride(1), weight.words.stride(0), weight.scale_words.stride(0),
         out.stride(0), out.stride(1),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HALVES=config.halves, SPLIT=slices > 1,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HALVES=config.halves, LANES=config.lanes, SPLIT=slices > 1,
         EVEN_K=k == slices * k_per_split, HAS_BIAS=bias is not None,
         DOT_DTYPE=tl_dtype(dot_dtype or default_dot_dtype(x)),
         num_warps=config.num_warps, num_stages=config.num_stages,

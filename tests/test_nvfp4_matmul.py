@@ -154,7 +154,7 @@ def assert_within_fp32_rounding(got: torch.Tensor, x: torch.Tensor, w: NVFP4Weig
 
 
 def run_kernel(triton_cpu: SimpleNamespace, x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None,
-               **config: int) -> torch.Tensor:
+               **config: int | bool) -> torch.Tensor:
     layout = triton_cpu.layout.pack_kernel_layout(w.packed, w.block_scale, w.row_global_scale())
     cfg = triton_cpu.w4a16.W4A16Config(**{"block_m": 16, "block_n": 16, **config}) if config else None
     got = triton_cpu.w4a16.w4a16_matmul(x, layout, bias, dot_dtype=torch.float16, config=cfg)
@@ -177,11 +177,12 @@ def test_chosen_tiles_match_reference_for_every_decode_m(triton_cpu: SimpleNames
     (16, 16, 1, 2), (16, 32, 2, 2), (16, 64, 3, 4), (32, 16, 4, 2), (64, 16, 2, 8), (16, 16, 9, 2),
 ])
 @pytest.mark.parametrize(("n", "k"), [(48, 80), (19, 400), (64, 512)])
+@pytest.mark.parametrize("lanes", [False, True], ids=["joined", "lanes"])
 def test_every_tile_shape_and_split_matches_reference(
-    triton_cpu: SimpleNamespace, block_m: int, block_n: int, split_k: int, halves: int, n: int, k: int
+    triton_cpu: SimpleNamespace, block_m: int, block_n: int, split_k: int, halves: int, n: int, k: int, lanes: bool
 ) -> None:
     w, x = make_weight(n, k, seed=split_k), fp16_exact(33, k, seed=n)
-    got = run_kernel(triton_cpu, x, w, block_m=block_m, block_n=block_n, split_k=split_k, halves=halves)
+    got = run_kernel(triton_cpu, x, w, block_m=block_m, block_n=block_n, split_k=split_k, halves=halves, lanes=lanes)
     assert_within_fp32_rounding(got, x, w, slices=split_k)
 
 
@@ -201,14 +202,15 @@ def test_more_tiles_than_counters_falls_back_to_one_slice(triton_cpu: SimpleName
     assert_within_fp32_rounding(got, x, w)
 
 
-def test_dequantized_operand_is_exact(triton_cpu: SimpleNamespace) -> None:
+@pytest.mark.parametrize("lanes", [False, True], ids=["joined", "lanes"])
+def test_dequantized_operand_is_exact(triton_cpu: SimpleNamespace, lanes: bool) -> None:
     """Activations of +-1 on one K position pick out one weight column: exact if the in-register
     decode of codes and scales is exact (any bit slip would be off by >= 2**-4 relative)."""
     n, k = 32, 256
     w = make_weight(n, k, seed=7, std=3.0)
     x = torch.zeros(k, k)
     x[torch.arange(k), torch.arange(k)] = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0)
-    got = run_kernel(triton_cpu, x, w, block_m=64, block_n=32, halves=4)
+    got = run_kernel(triton_cpu, x, w, block_m=64, block_n=32, halves=4, lanes=lanes)
     want = reference(x, w)
     torch.testing.assert_close(got.double(), want, rtol=2e-7, atol=0.0)
 
@@ -217,7 +219,7 @@ def test_dequantized_operand_is_exact(triton_cpu: SimpleNamespace) -> None:
 def test_bias_is_added_once(triton_cpu: SimpleNamespace, split_k: int) -> None:
     w, x = make_weight(32, 384, seed=8), fp16_exact(4, 384, seed=9)
     bias = torch.linspace(-2.0, 2.0, 32)
-    got = run_kernel(triton_cpu, x, w, bias, split_k=split_k, halves=2)
+    got = run_kernel(triton_cpu, x, w, bias, split_k=split_k, halves=2, lanes=split_k > 1)
     assert_within_fp32_rounding(got, x, w, bias, slices=split_k)
 
 
@@ -290,6 +292,8 @@ def test_choose_config_splits_k_until_sms_are_busy(
 ) -> None:
     config = triton_cpu.w4a16.choose_config(m, n, k, num_sms=132)
     assert (config.block_m, config.block_n, config.split_k) == expected
+    assert (config.num_warps, config.lanes) == ((8 if m > 64 else 4), False)
+    assert config.num_stages == (4 if m <= 16 else 3)
 
 
 # --- the per-M dispatch on the Triton operand -----------------------------------------------

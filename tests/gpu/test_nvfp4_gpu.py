@@ -72,10 +72,12 @@ def test_dispatch_at_batch_and_prefill_sizes_matches_reference(m: int, n: int, k
 
 @pytest.mark.parametrize("config", [(16, 64, 1, 4), (16, 128, 4, 4), (16, 64, 8, 2), (32, 64, 3, 8), (64, 64, 2, 4),
                                     (128, 128, 1, 2), (128, 128, 3, 2)])
-def test_every_tile_shape_and_split_matches_reference(config: tuple[int, int, int, int]) -> None:
+@pytest.mark.parametrize("lanes", [False, True], ids=["joined", "lanes"])
+def test_every_tile_shape_and_split_matches_reference(config: tuple[int, int, int, int], lanes: bool) -> None:
     block_m, block_n, split_k, halves = config
     w, x = make_weight(1000, 2000, seed=split_k), make_x(37, 2000, seed=block_n)  # ragged N, M and K
-    cfg = nvfp4_w4a16.W4A16Config(block_m, block_n, split_k, halves, num_warps=8 if block_m >= 128 else 4)
+    cfg = nvfp4_w4a16.W4A16Config(block_m, block_n, split_k, halves, num_warps=8 if block_m >= 128 else 4,
+                                  lanes=lanes)
     got = nvfp4_w4a16.w4a16_matmul(x, layout_of(w), config=cfg)
     assert_within_rounding(got, x, w, split_k)
 
