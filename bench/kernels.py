@@ -95,8 +95,8 @@ def time_us(fn: Callable[[], object], flush: torch.Tensor, warmup: int, reps: in
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
 
 
-def copy_bandwidth_gbps(device: torch.device, nbytes: int, reps: int) -> float:
-    """Device-to-device copy: bytes read plus bytes written per second."""
+def copy_bandwidth_gbps(reps: int, device: torch.device | str = "cuda", nbytes: int = _COPY_BYTES) -> float:
+    """Device-to-device copy: bytes read plus bytes written per second (bench.gpu uses it too)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     us = time_us(lambda: dst.copy_(src), torch.empty(0, device=device), warmup=3, reps=reps)
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup, args.reps = min(args.warmup, 1), min(args.reps, 2)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)"
-    copy_gbps = copy_bandwidth_gbps(device, _COPY_BYTES if device.type == "cuda" else 64 << 20, max(args.reps, 5))
+    copy_gbps = copy_bandwidth_gbps(max(args.reps, 5), device, _COPY_BYTES if device.type == "cuda" else 64 << 20)
     flush = torch.empty(_FLUSH_BYTES if device.type == "cuda" else 0, dtype=torch.uint8, device=device)
     started = time.perf_counter()
     rows: list[Row] = []
