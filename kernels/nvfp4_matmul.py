@@ -135,7 +135,7 @@ def prepare_for_kernel(w: NVFP4Weight) -> NVFP4Operand:
     if backend == "triton":
         from kernels.nvfp4_triton import pack_kernel_layout
 
-        _log_dispatch_once(w.device, *w.shape)
+        log_dispatch_once(w.device, *w.shape)
         return pack_kernel_layout(w.packed, w.block_scale, w.row_global_scale())
     return w
 
@@ -157,7 +157,7 @@ def describe_dispatch(n: int, k: int, num_sms: int, ms: tuple[int, ...] = (1, 16
 
 
 @functools.cache
-def _log_dispatch_once(device: torch.device, n: int, k: int) -> None:
+def log_dispatch_once(device: torch.device, n: int, k: int) -> None:
     """The start-up log's record of the per-M choice, once per weight shape and device."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     logger.info("%s (the kernel below M=%d)", describe_dispatch(n, k, num_sms), DEQUANT_MIN_M)

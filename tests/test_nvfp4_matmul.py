@@ -5,6 +5,7 @@ per-M dispatch and NVFP4Linear."""
 
 import dataclasses
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from kernels.nvfp4_matmul import (
     DEQUANT_MIN_M,
     NVFP4Linear,
     describe_dispatch,
+    log_dispatch_once,
     matmul_path,
     nvfp4_linear,
     nvfp4_linear_prepared,
@@ -305,6 +307,16 @@ def test_matmul_path_switches_to_dequantize_at_prefill_sizes() -> None:
     assert matmul_path(64, dequant_min_m=64) == "dequant"
     line = describe_dispatch(4096, 4096, num_sms=132)
     assert "M=1: m16 n64 k256" in line and "M=256: dequantize + cuBLAS" in line
+
+
+def test_the_per_m_choice_is_logged_once_per_shape(caplog: pytest.LogCaptureFixture) -> None:
+    log_dispatch_once.cache_clear()
+    with caplog.at_level(logging.INFO, logger="fp4serve.kernels"):
+        for n, k in [(4096, 4096), (4096, 4096), (6144, 4096)]:
+            log_dispatch_once(torch.device("cpu"), n, k)
+    lines = [r.getMessage() for r in caplog.records if r.name == "fp4serve.kernels"]
+    assert len(lines) == 2 and "[4096x4096]" in lines[0] and "[6144x4096]" in lines[1]
+    assert "M=16: m16 n64 k256" in lines[0] and "M=128: dequantize + cuBLAS" in lines[0]
 
 
 @pytest.mark.parametrize("m", [5, 130])  # the kernel, then dequantize + matmul
