@@ -268,8 +268,10 @@ def w4a16_matmul(
     k_pad = triton.cdiv(k, CHUNK_K) * CHUNK_K
     slices, k_per_split = effective_split(k_pad, config.block_k, config.split_k)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), slices)
-    if slices > 1 and grid[0] * grid[1] > weight.tile_locks.numel():
-        # More tiles than counters (only for M far past where splitting pays): no split.
+    locks = weight.tile_locks
+    if slices > 1 and (locks is None or grid[0] * grid[1] > locks.numel()):
+        # No counters (a layout built without them), or more tiles than counters (only for M far
+        # past where splitting pays): no split.
         slices, k_per_split = 1, triton.cdiv(k_pad, config.block_k) * config.block_k
         grid = grid[:2] + (1,)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
@@ -277,7 +279,7 @@ def w4a16_matmul(
     workspace = torch.empty(slices, m, n, dtype=torch.float32, device=x.device) if slices > 1 else out
     _w4a16_kernel[grid](
         x, weight.words, weight.scale_words, weight.row_global_scale,
-        bias if bias is not None else weight.row_global_scale, out, workspace, weight.tile_locks,
+        bias if bias is not None else weight.row_global_scale, out, workspace, locks if slices > 1 else out,
         m, n, k, k_pad, k_per_split,
         x.stride(0), x.stride(1), weight.words.stride(0), weight.scale_words.stride(0),
         out.stride(0), out.stride(1),

@@ -195,13 +195,15 @@ def test_split_k_is_reproducible_and_close_to_one_slice(triton_cpu: SimpleNamesp
     assert_within_fp32_rounding(run_kernel(triton_cpu, x, w, split_k=1, halves=2), x, w)
 
 
-def test_more_tiles_than_counters_falls_back_to_one_slice(triton_cpu: SimpleNamespace) -> None:
+@pytest.mark.parametrize("locks", [torch.zeros(1, dtype=torch.int32), None], ids=["too-few", "none"])
+def test_too_few_counters_fall_back_to_one_slice(triton_cpu: SimpleNamespace, locks: torch.Tensor | None) -> None:
     w, x = make_weight(48, 256, seed=5), fp16_exact(3, 256, seed=6)
     layout = triton_cpu.layout.pack_kernel_layout(w.packed, w.block_scale, w.row_global_scale())
-    layout = dataclasses.replace(layout, tile_locks=torch.zeros(1, dtype=torch.int32))  # 3 tiles, 1 counter
+    layout = dataclasses.replace(layout, tile_locks=locks)  # 3 tiles: 1 counter or none
     cfg = triton_cpu.w4a16.W4A16Config(16, 16, split_k=2, halves=2)
     got = triton_cpu.w4a16.w4a16_matmul(x, layout, dot_dtype=torch.float16, config=cfg)
     assert_within_fp32_rounding(got, x, w)
+    assert locks is None or not locks.any()
 
 
 @pytest.mark.parametrize("lanes", [False, True], ids=["joined", "lanes"])
