@@ -33,8 +33,9 @@ QWEN36_27B_SHAPES = {"attn_qkv": (14336, 5120), "o": (5120, 6144), "gdn_qkvz": (
                      "gate_up": (34816, 5120), "down": (5120, 17408)}
 SHAPES = {**{f"8b/{k}": v for k, v in QWEN3_8B_SHAPES.items()}, **{f"27b/{k}": v for k, v in QWEN36_27B_SHAPES.items()}}
 SWEEP_M = (1, 16, 64, 256)
-# With --sweep, neighbouring tiles are tried on these shapes at M <= 16 only: each new tile shape
-# is a compile, and the device run has about 90 s for this step.
+# With --sweep, neighbouring tiles are tried on these shapes only, and only while the run is
+# younger than --sweep-budget-s: each new tile shape is a compile, and the device run has about
+# 90 s for this step.
 SWEEP_SHAPES = ("8b/o", "8b/gate_up", "27b/down")
 # Issue 39's targets: NVFP4's speed over cuBLAS bf16, by M (the largest key <= M applies).
 TARGETS = {1: 2.5, 16: 2.0, 64: 1.3, 128: 1.0}
@@ -104,10 +105,10 @@ def copy_bandwidth_gbps(reps: int, device: torch.device | str = "cuda", nbytes: 
 
 
 def sweep_configs(chosen: "W4A16Config") -> list["W4A16Config"]:
-    """A few neighbours of the chosen tiles: the two-dot decode, wider rows, shorter K steps,
-    twice the slices."""
-    return [replace(chosen, lanes=not chosen.lanes), replace(chosen, block_n=128), replace(chosen, halves=2),
-            replace(chosen, split_k=2 * chosen.split_k)]
+    """A few neighbours of the chosen tiles: the other decode (joined or lanes), the other row
+    tile (64 or 128), the other K step (128 or 256), twice the slices."""
+    return [replace(chosen, lanes=not chosen.lanes), replace(chosen, block_n=128 if chosen.block_n == 64 else 64),
+            replace(chosen, halves=4 if chosen.halves == 2 else 2), replace(chosen, split_k=2 * chosen.split_k)]
 
 
 def bench_point(name: str, m: int, n: int, k: int, copy_gbps: float, flush: torch.Tensor,
@@ -189,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--sweep", action="store_true",
-                        help=f"also time a few neighbouring tiles at M <= 16 on {', '.join(SWEEP_SHAPES)}")
+                        help=f"also time a few neighbouring tiles on {', '.join(SWEEP_SHAPES)}")
+    parser.add_argument("--sweep-budget-s", type=float, default=60.0,
+                        help="try no more neighbouring tiles once the run is this old")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="N / 64 and K / 16 (the CPU rehearsal: several K slices, a ragged K)")
     parser.add_argument("--out", help="write the rows, the copy bandwidth and the verdict as JSON here")
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tiny:
             n, k = max(16, n // 64), max(512, k // 16)
         for m in args.m:
-            sweep = args.sweep and m <= 16 and shape in SWEEP_SHAPES
+            sweep = args.sweep and shape in SWEEP_SHAPES and time.perf_counter() - started < args.sweep_budget_s
             rows.append(bench_point(shape, m, n, k, copy_gbps, flush, args.warmup, args.reps, sweep))
             print(f"  {shape} M={m}: {rows[-1].speedup}x bf16 ({rows[-1].path})", file=sys.stderr, flush=True)
             if args.out:  # after every point: a run cut short by its time budget still reports

@@ -90,7 +90,9 @@ def choose_config(m: int, n: int, k: int, num_sms: int) -> W4A16Config:
     elif m <= 64:
         block_m, block_n, halves, warps, stages = triton.next_power_of_2(m), 64, 4, 4, 3
     else:
-        block_m, block_n, halves, warps, stages = 128, 128, 2, 8, 3
+        # Half-height weight tiles where 128 x 128 tiles would not give each SM one CTA.
+        wide = triton.cdiv(n, 128) * triton.cdiv(m, 128) >= num_sms
+        block_m, block_n, halves, warps, stages = 128, 128 if wide else 64, 2, 8, 3
     block_k = HALF_CHUNK_K * halves
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     steps = triton.cdiv(k, block_k)

@@ -101,7 +101,7 @@ run_kernels() {
     # Qwen3.6-27B's linears, each path of the dispatch, a few neighbouring tiles, pass/fail per target.
     # The rehearsal: the same code interpreted (TRITON_INTERPRET=1) on two shapes cut down (--tiny).
     if [ "$REHEARSE" = 1 ]; then
-        step kernels 600 "$PY" -m bench.kernels --device cpu --tiny --sweep --shapes 8b/o 27b/down \
+        step kernels 600 "$PY" -m bench.kernels --device cpu --tiny --sweep --sweep-budget-s 600 --shapes 8b/o 27b/down \
             --out "$OUT/kernels.json"
     else
         step kernels 150 "$PY" -m bench.kernels --sweep --out "$OUT/kernels.json"

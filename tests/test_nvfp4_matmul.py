@@ -287,8 +287,9 @@ def test_decode_launches_keep_every_sm_busy(triton_cpu: SimpleNamespace, n: int,
     (1, 24576, 4096, (16, 64, 1)),  # 384 tiles already fill 132 SMs twice
     (1, 4096, 12288, (16, 64, 5)),
     (64, 4096, 4096, (64, 64, 4)),  # partial sums would outweigh the weights past 4 slices
-    (256, 4096, 4096, (128, 128, 1)),
-    (256, 4096, 12288, (128, 128, 3)),
+    (256, 4096, 4096, (128, 64, 1)),  # 32 x 2 tiles of 128 x 128 would leave half the SMs idle
+    (256, 4096, 12288, (128, 64, 3)),
+    (256, 24576, 4096, (128, 128, 1)),
     (8, 4096, 256, (16, 64, 1)),  # one K step: nothing to split
 ])
 def test_choose_config_splits_k_until_sms_are_busy(
