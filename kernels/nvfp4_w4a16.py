@@ -9,7 +9,7 @@ Design, for decode sizes (M <= 64), where the weight stream is the whole cost:
   would leave half of an H200's 132 SMs idle and the rest latency-bound.
 - Wide loads, several in flight. Each K step reads 256 K (128 bytes of codes per row: whole
   cache lines, 128-bit vector loads) and the loop is software-pipelined (num_stages), so each
-  warp has several lines in flight instead of the 32 bytes the first kernel read per step.
+  warp has several lines in flight, where the first kernel read 32-byte row segments.
 - Few, large dots. The layout's shift-and-mask decode yields, for each of the four group
   positions q, a [BLOCK_N, 4 * 16] slab of weights for four scale groups at once; one dot of
   K = 64 per q (K-order permuted consistently on both sides: a dot only sums over K) replaces
@@ -23,7 +23,7 @@ Design, for decode sizes (M <= 64), where the weight stream is the whole cost:
   slices in a fixed order (bit-reproducible, unlike fp32 atomics into the output), applies the
   per-row global scale and bias, writes x.dtype and resets the counter for the next launch. The
   first kernel spent two more launches (a sum and a cast) on that.
-Prefill sizes use bigger tiles (128 x 128) or, past a threshold, dequantize + cuBLAS
+Prefill sizes use 128-token tiles or, past a threshold, dequantize + cuBLAS
 (`kernels.nvfp4_matmul.matmul_path`)."""
 
 from dataclasses import dataclass
