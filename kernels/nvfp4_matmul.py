@@ -1,10 +1,12 @@
 """NVFP4 linear layers: the dequantize-then-matmul reference, the operand each device's backend
 wants (`prepare_for_kernel`, run once at load), the dispatch (CPU: torch reference; CUDA SM80+:
-the Triton W4A16 kernel; SM100+: FlashInfer's bf16 x fp4 GEMM where it imports), and
-`NVFP4Linear`, the module model layers hold."""
+the Triton kernels, per batch size `matmul_path`; SM100+: FlashInfer's bf16 x fp4 GEMM where it
+imports), and `NVFP4Linear`, the module model layers hold."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
@@ -18,8 +20,17 @@ from kernels.nvfp4 import NVFP4Weight, dequantize_nvfp4
 if TYPE_CHECKING:
     from kernels.nvfp4_triton import KernelLayout
 
-# kernels.nvfp4_triton is imported lazily: it needs triton (a GPU extra), and importing it
-# fixes whether its kernel runs interpreted (see the NOTE there).
+# The Triton modules (kernels.nvfp4_triton, nvfp4_w4a16, nvfp4_dequant) are imported lazily:
+# they need triton (a GPU extra), and importing them fixes whether their kernels run
+# interpreted (see the NOTE in kernels.nvfp4_triton).
+
+logger = logging.getLogger("fp4serve.kernels")
+
+# Tokens (rows of x) at and above which a Triton-backed NVFP4 linear dequantizes its weight to a
+# scratch copy in x.dtype and calls cuBLAS, rather than run the in-register W4A16 kernel: there
+# the GEMM's FLOPs outweigh the scratch's bytes, and cuBLAS's Hopper GEMM beats Triton's
+# tiles. Where the two cross on a device is in its `bench.kernels --sweep` report.
+DEQUANT_MIN_M = 128
 
 
 def nvfp4_linear_ref(x: Tensor, w: NVFP4Weight, bias: Tensor | None = None) -> Tensor:
@@ -124,8 +135,32 @@ def prepare_for_kernel(w: NVFP4Weight) -> NVFP4Operand:
     if backend == "triton":
         from kernels.nvfp4_triton import pack_kernel_layout
 
+        log_dispatch_once(w.device, *w.shape)
         return pack_kernel_layout(w.packed, w.block_scale, w.row_global_scale())
     return w
+
+
+def matmul_path(m: int, dequant_min_m: int = DEQUANT_MIN_M) -> str:
+    """How a Triton-backed NVFP4 linear runs M tokens: "w4a16" (the in-register kernel of
+    kernels.nvfp4_w4a16, one launch) or "dequant" (kernels.nvfp4_dequant to a scratch, then
+    cuBLAS)."""
+    return "dequant" if m >= dequant_min_m else "w4a16"
+
+
+def describe_dispatch(n: int, k: int, num_sms: int, ms: tuple[int, ...] = (1, 16, 64, 128, 256)) -> str:
+    """One line: the path (and, for the kernel, its tiles) per M for an [N, K] weight."""
+    from kernels.nvfp4_w4a16 import choose_config
+
+    parts = [f"M={m}: " + (choose_config(m, n, k, num_sms).describe() if matmul_path(m) == "w4a16"
+                           else "dequantize + cuBLAS") for m in ms]
+    return f"NVFP4 [{n}x{k}] on {num_sms} SMs: " + "; ".join(parts)
+
+
+@functools.cache
+def log_dispatch_once(device: torch.device, n: int, k: int) -> None:
+    """The start-up log's record of the per-M choice, once per weight shape and device."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    logger.info("%s (the kernel below M=%d)", describe_dispatch(n, k, num_sms), DEQUANT_MIN_M)
 
 
 def backend_of(operand: NVFP4Operand) -> str:
@@ -140,7 +175,12 @@ def nvfp4_linear_prepared(x: Tensor, operand: NVFP4Operand, bias: Tensor | None 
         return nvfp4_linear_ref(x, operand, bias)
     if isinstance(operand, FlashInferFP4Weight):
         return _flashinfer_linear(x, operand, bias)
-    from kernels.nvfp4_triton import w4a16_matmul
+    if matmul_path(x.shape[0]) == "dequant":
+        from kernels.nvfp4_dequant import dequantize_layout
+
+        # [N, K] scratch in x.dtype, freed after the call; cuBLAS does the GEMM.
+        return F.linear(x, dequantize_layout(operand, x.dtype), None if bias is None else bias.to(x.dtype))
+    from kernels.nvfp4_w4a16 import w4a16_matmul
 
     return w4a16_matmul(x.contiguous(), operand, bias)
 

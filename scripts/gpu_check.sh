@@ -97,12 +97,16 @@ run_smoke() {
 }
 
 run_kernels() {
-    # The NVFP4 matmul against the copy bandwidth at M = 1..16, best of the tile sweep.
+    # The NVFP4 linear against cuBLAS bf16 and the copy bandwidth: M = 1, 16, 64, 256 on Qwen3-8B's and
+    # Qwen3.6-27B's linears, each path of the dispatch, a few neighbouring tiles, pass/fail per target.
+    # The rehearsal: the same code interpreted (TRITON_INTERPRET=1) on two shapes cut down (--tiny).
     if [ "$REHEARSE" = 1 ]; then
-        note "kernels                skipped (CUDA only; tests/test_nvfp4_matmul.py checks it under TRITON_INTERPRET)"
+        step kernels 600 "$PY" -m bench.kernels --device cpu --tiny --sweep --sweep-budget-s 600 --shapes 8b/o 27b/down \
+            --out "$OUT/kernels.json"
     else
-        step kernels 150 "$PY" -m bench.kernels --sweep --m 1 2 4 8 16 --out "$OUT/kernels.json"
+        step kernels 150 "$PY" -m bench.kernels --sweep --out "$OUT/kernels.json"
     fi
+    note "  $(grep -E 'points meet their target' "$WORK/kernels.log" | tail -n 1)"
 }
 
 # bench.gpu NAME BUDGET ARGS...: on CPU the same code on the tiny shapes, small sizes.
