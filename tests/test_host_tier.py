@@ -179,3 +179,17 @@ def test_snapshots_take_the_share_of_the_budget_checkpoints_take_on_the_device()
                         device_checkpoint_bytes=1000) == (30, 4)
     assert split_budget(1000, page_bytes=100, snapshot_bytes=0, device_kv_bytes=3000,
                         device_checkpoint_bytes=0) == (10, 0)
+
+
+def test_a_restarted_engine_carries_on_the_host_counters_with_an_empty_tier() -> None:
+    s = make_scheduler()
+    run_to_end(s, make_request("a", list(range(1, 10))))
+    run_to_end(s, make_request("b", list(range(100, 116))))
+    last = s.stats()
+    assert last.host is not None and last.host.spilled_pages == 2
+    successor = make_scheduler()
+    successor.restore(last)
+    host = successor.stats().host
+    assert host is not None and (host.spilled_pages, host.num_used_pages) == (2, 0)
+    assert successor.host is not None
+    successor.host.check_invariants()
