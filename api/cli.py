@@ -118,6 +118,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                         help="KV cache size: bytes (e.g. 4GiB, 512MiB) or a fraction of free device memory "
                         "(e.g. 0.9); default: the engine's choice for the device")
+    engine.add_argument("--kv-offloading-size", type=float, default=_engine_default("kv_offloading_size"),
+                        metavar="GiB",
+                        help="host memory (GiB, as vLLM's flag) for a second prefix-cache tier: cached KV pages "
+                        "and hybrid models' state snapshots the device evicts are copied there, and a later prompt "
+                        "sharing the prefix copies them back instead of recomputing them; least recently used out; "
+                        "the start-up log gives its pages and snapshots; 0: off (README: Host KV tier)")
     engine.add_argument("--block-size", type=int, default=_engine_default("block_size"), metavar="N",
                         help="tokens per KV cache page")
     engine.add_argument("--kv-cache-dtype", default=_engine_default("kv_cache_dtype"),
@@ -297,6 +303,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
+        kv_offloading_size=args.kv_offloading_size,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -7,15 +7,21 @@ streamed token).
 With `--model`, the scenario starts fp4serve twice (prefix caching on, and `--no-prefix-caching`)
 and sends every request to both, one after the other, so each TTFT ratio is measured back to back;
 the "off" server gets the same history (the "on" server's answers). With `--base-url` it replays
-against that one server."""
+against that one server.
+
+`--sessions N`: many agents at once (bench/agent_sessions.py): N conversations, each with its own
+system prompt, taking turns round-robin, against a device KV cache meant to hold fewer than N
+histories; with `--model` the two servers are the host KV tier on (`--kv-offloading-size`) and off."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,11 +36,12 @@ VOCAB_WORDS = 1000
 @dataclass(frozen=True)
 class Sample:
     kind: str  # "turn" (the agent's conversation) or "user" (another user of the system prompt)
-    index: int
+    index: int  # the turn (from 0), or the user
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float
     answer: str
+    session: int = 0  # --sessions: which conversation
 
 
 def words(n: int, rng: random.Random) -> str:
@@ -120,6 +127,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--users", type=int, default=3, help="other users sharing the system prompt, after the agent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the samples as JSON here")
+    p.add_argument("--sessions", type=int, default=0, metavar="N",
+                   help="many agents: N conversations (own system prompts), turns round-robin; with --model the "
+                   "servers are the host KV tier on and off (0: the one agent and its users)")
+    p.add_argument("--offload-size", default="1", metavar="GiB",
+                   help="with --model and --sessions: --kv-offloading-size of the tier-on server")
 
 
 def _served_name(base_url: str, given: str | None) -> str:
@@ -132,6 +144,10 @@ def cmd_agent_replay(args: argparse.Namespace) -> int:
     scenario = dict(system_len=args.system_len, turns=args.turns, turn_len=args.turn_len,
                     output_len=args.output_len, users=args.users, seed=args.seed)
     before = load_snapshot()
+    if args.sessions:
+        from bench.agent_sessions import cmd_sessions
+
+        return cmd_sessions(args, before)
     if args.base_url:
         base = args.base_url.rstrip("/")
         results = replay({"server": base}, _served_name(base, args.served_model), **scenario)
@@ -148,7 +164,14 @@ def cmd_agent_replay(args: argparse.Namespace) -> int:
 
 
 def _replay_on_and_off(args: argparse.Namespace, scenario: dict[str, int]) -> dict[str, list[Sample]]:
-    import contextlib
+    with start_servers(args, (("on", []), ("off", ["--no-prefix-caching"]))) as urls:
+        return replay(urls, _served_name(urls["on"], args.served_model), **scenario)
+
+
+@contextlib.contextmanager
+def start_servers(args: argparse.Namespace, variants: tuple[tuple[str, list[str]], ...]) -> Iterator[dict[str, str]]:
+    """fp4serve on `args.model` once per (name, extra flags) with `args.serve_args`: their base URLs by
+    name, while the block runs."""
     import socket
     import tempfile
 
@@ -160,7 +183,7 @@ def _replay_on_and_off(args: argparse.Namespace, scenario: dict[str, int]) -> di
     extra = args.serve_args.split()
     with contextlib.ExitStack() as stack:
         urls = {}
-        for name, flags in (("on", []), ("off", ["--no-prefix-caching"])):
+        for name, flags in variants:
             p = port()
             log = Path(tempfile.mkstemp(prefix=f"agent-replay-{name}-", suffix=".log")[1])
             argv = [sys.executable, "-m", "api.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
@@ -169,7 +192,7 @@ def _replay_on_and_off(args: argparse.Namespace, scenario: dict[str, int]) -> di
             urls[name] = f"http://127.0.0.1:{p}"
             wait_ready(proc, f"{urls[name]}/health", 600.0, log)
             print(f"{name}: {urls[name]} (log {log})", file=sys.stderr)
-        return replay(urls, _served_name(urls["on"], args.served_model), **scenario)
+        yield urls
 
 
 def summary(results: dict[str, list[Sample]]) -> dict[str, float]:

@@ -233,6 +233,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 4096
     kv_cache_memory: str | None = None  # bytes ("2GiB") or a fraction of free device memory
+    kv_offloading_size: float = 0.0  # GiB of host memory for evicted KV pages and state snapshots; 0: off
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | bfloat16 | float16 | float32 (engine/weights/dtype_policy.py)
     enable_prefix_caching: bool = True
@@ -287,6 +288,8 @@ class EngineConfig:
             raise ConfigError(f"--attention-backend: '{self.attention_backend}' is not one of auto, flashinfer, cpu, torch")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
+        if not 0.0 <= self.kv_offloading_size < float("inf"):
+            raise ConfigError(f"--kv-offloading-size: must be a non-negative number of GiB, got {self.kv_offloading_size:g}")
         if self.num_state_slots is not None and self.num_state_slots < 1:
             raise ConfigError(f"--num-state-slots: must be positive, got {self.num_state_slots}")
         if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:

@@ -24,6 +24,7 @@ from engine.core_types import (
 )
 from engine.weights.generation_config import generation_defaults
 from engine.weights.model_path import default_model_name, resolve_model_path
+from engine.attention.host_pool import host_tier_fields
 from engine.model_runner import ModelRunner, StepResult
 from engine.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
@@ -81,6 +82,7 @@ class EngineCore:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                 speculative_max_batch=spec.max_batch if spec else 0,
+                **host_tier_fields(self.runner.host_pool),
             ),
             drafter=self._drafter(spec),
         )
@@ -96,6 +98,8 @@ class EngineCore:
 
             self.prefix_feed = PrefixCacheFeed(self.scheduler.block_manager.event_sink)
             self.scheduler.block_manager.event_sink = self.prefix_feed
+        if self.scheduler.host is not None:  # KV events of the host tier (medium "CPU"), placement's feed
+            self.scheduler.host.event_sink = self.scheduler.block_manager.event_sink
         if mc.hybrid is not None and not self.scheduler.config.enable_prefix_caching:
             logger.info("prefix caching off for %s (a hybrid model): %s", mc.architecture,
                         "--no-prefix-caching" if not config.enable_prefix_caching else "--num-state-checkpoints 0")
@@ -228,6 +232,10 @@ class EngineCore:
     def update(self, out: SchedulerOutput, result: StepResult) -> EngineCoreOutputs:
         """Advance the scheduler by the sampled tokens; what each request got this step."""
         scored = self._unsent_prompt_logprobs(result)
+        if self.scheduler.host is not None and self.runner.host_pool is not None:
+            load_s, spill_s = self.runner.host_pool.take_seconds()
+            self.scheduler.host.load_seconds += load_s
+            self.scheduler.host.spill_seconds += spill_s
         emitted: dict[str, tuple[SampledToken, ...]] = {
             rid: result.emitted.get(rid) or (tok,) for rid, tok in result.sampled.items()
         }

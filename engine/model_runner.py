@@ -14,6 +14,7 @@ from engine.attention.backend import AttentionBackend, kv_cache_shape
 from engine.attention.select import choose_backend, flashinfer_import_error, make_backend
 from engine.batch import ForwardBatch, build_forward_batch
 from engine.attention.checkpoint_pool import CheckpointPool
+from engine.attention.host_pool import HostPool, make_host_pool
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
 from engine.core_types import SampledToken
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason, verify_graph_query_len
@@ -189,6 +190,9 @@ class ModelRunner:
                         "(%.2f MiB, counted in the KV budget) plus %.2f MiB of draft scratch pages",
                         self.drafter.kv_cache.nbytes / _MIB - self.drafter.scratch_nbytes / _MIB,
                         self.drafter.scratch_nbytes / _MIB)
+        self.host_pool: HostPool | None = make_host_pool(  # --kv-offloading-size
+            config.kv_offloading_size, config.enable_prefix_caching, self._checkpointed_kv(), self.num_kv_pages,
+            self.checkpoint_pool, self.state_pool, self.device)
         self.graphs = CudaGraphRunner(self.model, self.kv_caches, self.backend, DecodeBuckets.up_to(config.max_num_seqs),
                                       scratch_page=scratch_page, max_pages_per_seq=-(-max_model_len // self.block_size),
                                       verify_query_len=verify_graph_query_len(config, self.block_size))
@@ -246,8 +250,12 @@ class ModelRunner:
         if out.is_empty:
             return StepResult({}, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
         batch = build_forward_batch(out, self.block_size, self.device)
+        if self.host_pool is not None:  # spills before anything in the step writes their pages and checkpoints
+            self.host_pool.spill(out.host_copies)
         if self.checkpoint_pool is not None:
             self._restore_checkpoints(out)
+        if self.host_pool is not None:  # loads after the state saves (their slots and pages may be reused)
+            self.host_pool.load(out.host_copies, self.state_pool)
         verifying = [r for r in out.requests if r.num_draft_tokens]
         snapshot = None
         if verifying and self.state_pool is not None:

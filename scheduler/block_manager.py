@@ -30,6 +30,16 @@ class PrefixCacheListener(Protocol):
         """False: a freed page with this hash is of no use to any later request (evict it first)."""
 
 
+class HostSpill(Protocol):
+    """The host-memory tier (scheduler/host_tier.py), told of each cached page the device evicts."""
+
+    def spill_page(self, block_hash: bytes, device_page: int) -> bool:
+        """Keep the page's KV (copied before the step reuses the page); False when it cannot."""
+
+    def page_gone(self, block_hash: bytes) -> None:
+        """The page left the device and the host holds no copy."""
+
+
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """128-bit chained hash of one full page: collisions are out of reach, so a hit is exact."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
@@ -48,6 +58,12 @@ class KVCacheEventSink(Protocol):
     def all_cleared(self) -> None:
         """Every cached hash was forgotten."""
 
+    def host_stored(self, block_hash: bytes) -> None:
+        """The host tier (scheduler/host_tier.py) took a copy of the page cached under this hash."""
+
+    def host_removed(self, block_hash: bytes) -> None:
+        """The host tier dropped its copy of the page with this hash."""
+
 
 class BlockManager:
     """Owns `num_blocks` pages of `block_size` tokens. Pure bookkeeping: no tensors."""
@@ -65,6 +81,7 @@ class BlockManager:
         self.event_sink: KVCacheEventSink | None = None  # set by the engine core when KV events are on
         # Hybrid models: the state checkpoints that pair with cached pages (None: pages stand alone).
         self.listener: PrefixCacheListener | None = None
+        self.host: HostSpill | None = None  # --kv-offloading-size: where evicted cached pages go
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -144,6 +161,9 @@ class BlockManager:
         if old is not None:  # evict it from the prefix cache
             if self.cached.get(old) == block:
                 del self.cached[old]
+                # Spilled before the removal is announced: the host's KV event needs the page's hash.
+                if self.host is not None and not self.host.spill_page(old, block):
+                    self.host.page_gone(old)
                 if self.event_sink is not None:
                     self.event_sink.block_removed(old)
                 if self.listener is not None:

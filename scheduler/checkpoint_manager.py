@@ -21,7 +21,8 @@ Lifecycle of an entry: PENDING (written by this step's forward; not restorable u
 QUEUED (written at the start of the next step, before any restore: restorable now), READY. Only READY
 entries are evicted. Two LRU segments: snapshots taken on the grid inside long prefills wait in
 `probation` and go first; prompt ends, sequence ends, shared-prefix junctions, preemptions and
-every checkpoint that was restored once live in `protected`.
+every checkpoint that was restored once live in `protected`. With a host tier (scheduler/host_tier.py),
+a written checkpoint dropped to make room or for a page the device evicted spills there.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from scheduler.block_manager import ROOT_HASH, BlockManager
+from scheduler.host_tier import HostTier
 from scheduler.output import CheckpointSave, StateSave
 from scheduler.request import Request
 
@@ -102,6 +104,7 @@ class CheckpointManager:
         self.num_restored = 0  # cumulative: hits
         self.num_evicted = 0  # cumulative: dropped to make room
         self.num_invalidated = 0  # cumulative: dropped because a page they needed was evicted
+        self.host: HostTier | None = None  # --kv-offloading-size: where dropped checkpoints spill
         blocks.listener = self
 
     # ---- queries -----------------------------------------------------------------------------
@@ -150,13 +153,13 @@ class CheckpointManager:
         return sorted(points.items())
 
     # ---- the scheduler's calls ----------------------------------------------------------------------
-    def restore_point(self, request: Request, hit: list[int]) -> tuple[Checkpoint | None, int]:
-        """For a request about to start, with `hit` its leading cached pages: the checkpoint to
-        restore (None: start from scratch) and the tokens it covers. Sets the request's junction
-        where its cached pages reach past that checkpoint."""
+    def restore_point(self, request: Request, hit: list[int], num_host_pages: int = 0) -> tuple[Checkpoint | None, int]:
+        """For a request about to start, with `hit` its leading cached pages and `num_host_pages`
+        more in the host tier: the checkpoint to restore (None: start from scratch) and the tokens it
+        covers. Sets the request's junction where its cached pages reach past that checkpoint."""
         ck = self.find(request, len(hit))
         num_tokens = 0 if ck is None else ck.num_pages * self.block_size + len(ck.tail)
-        reach = len(hit) * self.block_size
+        reach = (len(hit) + num_host_pages) * self.block_size
         request.checkpoint_junction = reach if reach > num_tokens else 0
         return ck, num_tokens
 
@@ -266,6 +269,8 @@ class CheckpointManager:
         self._protected.move_to_end(ck)
 
     def _remove(self, ck: Checkpoint, demote: bool) -> None:
+        if demote and self.host is not None and ck.state is CheckpointState.READY:
+            self.host.spill_snapshot(ck.checkpoint_id, ck.chain, ck.tail)
         group = self._by_parent[ck.parent]
         del group[ck.tail]
         if not group:

@@ -1,6 +1,7 @@
 """What one scheduling step decided: per request, which new tokens run, from which position,
 over which KV pages, and whether its last token is sampled; for hybrid models also which state
-checkpoints are restored, written and copied (scheduler/checkpoint_manager.py). Consumed by
+checkpoints are restored, written and copied (scheduler/checkpoint_manager.py), and what the host
+tier spills and loads (scheduler/host_tier.py). Consumed by
 engine/batch.py and the model runner."""
 
 from __future__ import annotations
@@ -37,6 +38,49 @@ class StateSave:
     checkpoint_id: int
     state_slot: int
     kv_page: int | None
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """Copy one full KV page (every attention layer, the MTP head's too) between a device page and a
+    host slot of the host tier (scheduler/host_tier.py); the direction is the list it travels in."""
+
+    device_page: int
+    host_slot: int
+
+
+@dataclass(frozen=True)
+class SnapshotSpill:
+    """Copy device checkpoint `checkpoint_id` (state and partial page) into host snapshot slot `host_slot`."""
+
+    checkpoint_id: int
+    host_slot: int
+
+
+@dataclass(frozen=True)
+class SnapshotLoad:
+    """Copy host snapshot `host_slot` into a request's state slot and, when its prefix ends inside a
+    page, its partial page's KV into device page `kv_page`."""
+
+    host_slot: int
+    state_slot: int
+    kv_page: int | None
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """One step's host-tier copies, in the order the runner runs them: spills before anything else in
+    the step (their device pages and checkpoints may be overwritten by it), loads after the state
+    saves (their slots and pages may have been a finished sequence's) and before the forward."""
+
+    page_spills: tuple[PageCopy, ...] = ()
+    snapshot_spills: tuple[SnapshotSpill, ...] = ()
+    page_loads: tuple[PageCopy, ...] = ()
+    snapshot_loads: tuple[SnapshotLoad, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.page_spills or self.snapshot_spills or self.page_loads or self.snapshot_loads)
 
 
 @dataclass(frozen=True)
@@ -77,6 +121,7 @@ class SchedulerOutput:
     finished_request_ids: tuple[str, ...]  # ended since the last step: runner drops their state
     num_preempted: int = 0
     state_saves: tuple[StateSave, ...] = ()  # hybrid models: copied first, before any restore
+    host_copies: HostCopies = HostCopies()  # --kv-offloading-size: the host tier's spills and loads
 
     @property
     def num_batched_tokens(self) -> int:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from scheduler.block_manager import BlockManager
 from scheduler.checkpoint_manager import CheckpointManager
 from scheduler.fair_queue import FairQueue, FairShareState, Policy
-from scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
+from scheduler.host_tier import HostHit, HostTier, HostTierStats
+from scheduler.output import HostCopies, NewRequestData, ScheduledRequest, SchedulerOutput
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.slot_manager import SlotManager
 
@@ -39,6 +40,11 @@ class SchedulerConfig:
     # only while at most `speculative_max_batch` sequences run.
     num_speculative_tokens: int = 0
     speculative_max_batch: int = 0
+    # --kv-offloading-size: the host tier's page and snapshot slots (0: no tier), and their bytes.
+    num_host_pages: int = 0
+    num_host_snapshots: int = 0
+    host_page_bytes: int = 0
+    host_snapshot_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -70,6 +76,7 @@ class SchedulerStats:
     # compute of the waiting requests beyond the free batch slots (those the next step cannot start).
     num_added: int = 0
     num_queued_tokens: int = 0
+    host: HostTierStats | None = None  # --kv-offloading-size
 
     @property
     def kv_usage(self) -> float:
@@ -92,6 +99,13 @@ class Scheduler:
         if config.num_state_slots and config.enable_prefix_caching:
             self.checkpoints = CheckpointManager(config.num_state_checkpoints, self.block_manager,
                                                  config.state_checkpoint_bits)
+        self.host: HostTier | None = None
+        if config.num_host_pages and config.enable_prefix_caching:
+            self.host = HostTier(config.num_host_pages, config.num_host_snapshots if self.checkpoints else 0,
+                                 config.block_size, self.block_manager.cached.__contains__)
+            self.block_manager.host = self.host
+            if self.checkpoints is not None:
+                self.checkpoints.host = self.host
         self._restores: dict[str, int] = {}  # this step's restored checkpoint ids, by request id
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -204,10 +218,20 @@ class Scheduler:
             # A request wanting prompt logprobs computes every prompt position: no cache hit.
             lookup = not request.block_table and request.params.prompt_logprobs is None
             hit = self.block_manager.find_cached_prefix(request) if lookup else []
-            num_cached = len(hit) * self.config.block_size
+            # Past the device's pages: the host tier's, loaded into fresh pages (scheduler/host_tier.py).
+            host = self.host.lookup(request, len(hit), self.checkpoints is not None) \
+                if self.host is not None and lookup else HostHit()
+            num_cached = (len(hit) + len(host.host_slots)) * self.config.block_size
             restore = None
             if self.checkpoints is not None and lookup:  # hybrid: the hit ends where a state checkpoint is
-                restore, num_cached = self.checkpoints.restore_point(request, hit)
+                restore, num_cached = self.checkpoints.restore_point(request, hit, len(host.host_slots))
+                if host.snapshot is not None and self.host is not None and (
+                        self.host.snapshot_tokens(host.snapshot) > num_cached):
+                    restore, num_cached = None, self.host.snapshot_tokens(host.snapshot)
+                    if request.checkpoint_junction <= num_cached:
+                        request.checkpoint_junction = 0
+                else:
+                    host = HostHit(host.host_slots)
                 if in_flight.intersection(hit[num_cached // bs:]):
                     # Its prefix is being computed this step (a user sharing a system prompt with
                     # one who arrived with it): wait a step and restore the state kept there.
@@ -224,6 +248,8 @@ class Scheduler:
             if restore is not None and self.checkpoints is not None:
                 self.checkpoints.use(restore)
                 self._restores[request.request_id] = restore.checkpoint_id
+            if self.host is not None and lookup:
+                self._load_from_host(request, len(hit), num_cached, host)
             if self.config.enable_prefix_caching:
                 self.num_prefix_queried_tokens += request.num_tokens
                 self.num_prefix_hit_tokens += num_cached
@@ -248,9 +274,31 @@ class Scheduler:
             num_preempted=num_preempted,
             # Copies of finished or preempted sequences' states ride with the next step that runs.
             state_saves=self.checkpoints.take_queued() if self.checkpoints is not None and requests else (),
+            host_copies=self._host_copies(bool(requests)),
         )
         self._finished_ids = []
         return out
+
+    def _load_from_host(self, request: Request, num_device_pages: int, num_cached: int, host: HostHit) -> None:
+        """Order the host tier's copies for an admitted request: the pages its hit takes from the host
+        (and the snapshot it restores), and count them."""
+        assert self.host is not None
+        slots = host.host_slots[: max(0, num_cached // self.config.block_size - num_device_pages)]
+        self.host.load_pages(request, num_device_pages, slots)
+        if host.snapshot is not None:
+            self.host.load_snapshot(request, host.snapshot)
+        self.host.num_queried_tokens += request.num_tokens - num_device_pages * self.config.block_size
+        self.host.num_hit_tokens += max(0, num_cached - num_device_pages * self.config.block_size) \
+            if slots or host.snapshot is not None else 0
+
+    def _host_copies(self, runs: bool) -> HostCopies:
+        """The host tier's copies ride with a step that runs; otherwise they wait for one."""
+        if self.host is None:
+            return HostCopies()
+        if runs:
+            return self.host.take_copies()
+        self.host.unpin()
+        return HostCopies()
 
     def _propose(self, request: Request, room: int) -> list[int]:
         """Draft tokens for a decoding request: none past max_tokens, the context or the budget."""
@@ -375,6 +423,8 @@ class Scheduler:
         """Forget cached pages and state checkpoints (after a failed forward left them undefined)."""
         if self.checkpoints is not None:
             self.checkpoints.reset()
+        if self.host is not None:
+            self.host.reset()
         self.block_manager.reset_prefix_cache()
 
     def restore(self, last: SchedulerStats) -> None:
@@ -386,6 +436,8 @@ class Scheduler:
         self.num_prefix_queried_tokens = last.prefix_cache_queried_tokens
         self.num_prefix_hit_tokens = last.prefix_cache_hit_tokens
         self.fair.restore(last.fair_share, last.fair_charged)
+        if self.host is not None and last.host is not None:
+            self.host.restore(last.host)
 
     def seed_fair_share(self, external: FairShareState) -> None:
         """Data parallel: what the other engine cores charged these keys (engine/client/global_fair_share.py),
@@ -409,6 +461,8 @@ class Scheduler:
             fair_charged=self.fair.charged_snapshot(),
             num_added=self.num_added,
             num_queued_tokens=self._num_queued_tokens(),
+            host=None if self.host is None else self.host.stats(self.config.host_page_bytes,
+                                                                 self.config.host_snapshot_bytes),
         )
 
     def _num_queued_tokens(self) -> int:

@@ -37,6 +37,13 @@ _COUNTERS = {
     "prefix_queried_tokens": "fp4serve_prefix_cache_queries_total",
     "prefix_hit_tokens": "fp4serve_prefix_cache_hits_total",
     "preemptions": "fp4serve_num_preemptions_total",
+    # The host KV tier (--kv-offloading-size, engine/front/host_tier_metrics.py).
+    "host_kv_hit_tokens": "fp4serve_host_kv_hits_total",
+    "host_kv_page_loads": "fp4serve_host_kv_page_loads_total",
+    "host_kv_page_spills": "fp4serve_host_kv_page_spills_total",
+    "host_kv_snapshot_loads": "fp4serve_host_kv_snapshot_loads_total",
+    "host_kv_snapshot_spills": "fp4serve_host_kv_snapshot_spills_total",
+    "host_kv_load_seconds": "fp4serve_host_kv_load_seconds_total",
 }
 # Per engine core, from the vLLM-named series (labelled `engine`).
 _PER_ENGINE = {
@@ -52,6 +59,10 @@ _GAUGES = {
     "kv_usage": "fp4serve_kv_cache_usage_ratio",
     "kv_pages_total": "fp4serve_kv_cache_pages_total",
     "http_in_flight": "fp4serve_http_requests_in_flight",
+    "host_kv_capacity_bytes": "fp4serve_host_kv_capacity_bytes",
+    "host_kv_used_bytes": "fp4serve_host_kv_used_bytes",
+    "host_kv_pages": "fp4serve_host_kv_pages",
+    "host_kv_snapshots": "fp4serve_host_kv_snapshots",
 }
 
 
@@ -183,6 +194,7 @@ def summarize(window: StatsWindow, registries: Iterable[CollectorRegistry], now:
             "hit_tokens": int(hits),
             "hit_rate": round(hits / queried, 4) if queried else None,
         },
+        "host_kv": _host_kv(gauges, c),
         "tokens": {
             "prompt_total": int(c["prompt_tokens"]),
             "generation_total": int(c["generation_tokens"]),
@@ -195,6 +207,16 @@ def summarize(window: StatsWindow, registries: Iterable[CollectorRegistry], now:
             **{key: _percentiles(h.minus(latency_from.histograms.get(key))) for key, h in current.histograms.items()},
         },
     }
+
+
+def _host_kv(gauges: dict[str, float], counters: dict[str, float]) -> dict[str, Any] | None:
+    """The host KV tier: what it holds and what it served (None when --kv-offloading-size is 0)."""
+    if not gauges["host_kv_capacity_bytes"]:
+        return None
+    held = {key.removeprefix("host_kv_"): int(value) for key, value in gauges.items() if key.startswith("host_kv_")}
+    done = {key.removeprefix("host_kv_"): (round(value, 6) if key.endswith("seconds") else int(value))
+            for key, value in counters.items() if key.startswith("host_kv_")}
+    return {**held, **done}
 
 
 def _rate(current: Snapshot, earlier: Snapshot, key: str) -> float:

@@ -92,6 +92,16 @@ export class Dashboard {
     setText("metric-kv-usage", percent(s.kv_cache.usage));
     byId("kv-bar").style.width = Math.min(100, 100 * s.kv_cache.usage).toFixed(1) + "%";
     setText("metric-prefix-hit-rate", percent(s.prefix_cache.hit_rate));
+    const host = s.host_kv; // --kv-offloading-size: what the host tier holds and served
+    byId("tile-host-kv").hidden = !host;
+    if (host) {
+      const mib = (bytes) => (bytes / 1048576).toFixed(bytes < 10485760 ? 1 : 0);
+      setText("metric-host-kv", `${mib(host.used_bytes)} / ${mib(host.capacity_bytes)} MiB`);
+      byId("host-kv-bar").style.width = Math.min(100, (100 * host.used_bytes) / host.capacity_bytes).toFixed(1) + "%";
+      byId("tile-host-kv").title =
+        `${host.pages} pages, ${host.snapshots} snapshots; ${host.hit_tokens} prompt tokens served, ` +
+        `${host.page_loads} pages loaded, ${host.page_spills} spilled`;
+    }
     setText("metric-generation-rate", s.tokens.generation_per_s.toFixed(1));
     setText("metric-generation-tokens", String(s.tokens.generation_total));
     const now = Date.now();

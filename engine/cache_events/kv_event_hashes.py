@@ -45,6 +45,7 @@ class ExternalBlockHashes:
         # vLLM's NONE_HASH: the parent of every first page.
         self.none_hash = sha256_cbor(self.hash_seed) if self.hash_seed is not None else os.urandom(32)
         self._by_internal: dict[bytes, bytes] = {}
+        self._offloaded: dict[bytes, bytes] = {}  # the same, for the pages the host tier holds
 
     def describe(self) -> str:
         seed = f"PYTHONHASHSEED={self.hash_seed}" if self.hash_seed is not None else (
@@ -73,8 +74,21 @@ class ExternalBlockHashes:
         assert external is not None, "a page left the prefix cache that no BlockStored announced"
         return to_wire(external)
 
+    def offload(self, internal: bytes) -> int:
+        """A cached page copied to the host tier (still cached on the device, so its hash is known)."""
+        external = self._by_internal.get(internal)
+        assert external is not None, "the host tier took a page that no BlockStored announced"
+        self._offloaded[internal] = external
+        return to_wire(external)
+
+    def drop_offloaded(self, internal: bytes) -> int:
+        external = self._offloaded.pop(internal, None)
+        assert external is not None, "the host tier dropped a page it never announced"
+        return to_wire(external)
+
     def clear(self) -> None:
         self._by_internal.clear()
+        self._offloaded.clear()
 
     def _chain(self, parent: bytes, request: Request, index: int) -> bytes:
         bs = self.block_size

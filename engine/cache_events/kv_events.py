@@ -4,7 +4,8 @@ replica caches (llm-d's KV-cache indexer, vllm-router's kv_aware policy):
     block manager --(sink calls, in the step)--> KVEventRecorder --(one batch per step)--> ZmqEventPublisher
     (BlockStored when a full page is hashed into           vLLM's block hashes       thread: PUB [topic, seq, payload],
      the prefix cache, BlockRemoved when a cached                                     ROUTER replay from seq N
-     page is reused, AllBlocksCleared on a reset)
+     page is reused, AllBlocksCleared on a reset;
+     medium "CPU" when the host tier takes or drops one)
 
 The structs are vLLM's (vllm/distributed/kv_events.py since its map-encoding change, v0.26): the
 batch is a positional array [ts, events, data_parallel_rank], each event a msgpack map tagged by
@@ -31,6 +32,7 @@ from scheduler.request import Request
 logger = logging.getLogger("fp4serve.engine")
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the accelerator's KV pool (llm-d's "gpu" tier), whatever the device
+MEDIUM_CPU = "CPU"  # vLLM's name for its CPU offloading tier: our host tier (--kv-offloading-size)
 FULL_ATTENTION = "full_attention"  # vLLM's kv_cache_spec_kind for a plain paged KV cache group
 
 
@@ -103,6 +105,15 @@ class KVEventRecorder:
     def block_removed(self, block_hash: bytes) -> None:
         external = self.hashes.remove(block_hash)
         self._events.append(BlockRemoved(block_hashes=[external], medium=MEDIUM_GPU, group_idx=0))
+
+    def host_stored(self, block_hash: bytes) -> None:
+        # As vLLM's offloading connector announces a stored block: the hash alone, no tokens or parent.
+        self._events.append(BlockStored(
+            block_hashes=[self.hashes.offload(block_hash)], parent_block_hash=None, token_ids=[],
+            block_size=self.block_size, lora_id=None, medium=MEDIUM_CPU, lora_name=None))
+
+    def host_removed(self, block_hash: bytes) -> None:
+        self._events.append(BlockRemoved(block_hashes=[self.hashes.drop_offloaded(block_hash)], medium=MEDIUM_CPU))
 
     def all_cleared(self) -> None:
         self.hashes.clear()

@@ -43,6 +43,15 @@ class PrefixCacheFeed:
         if self.inner is not None:
             self.inner.all_cleared()
 
+    def host_stored(self, block_hash: bytes) -> None:
+        # Placement counts the device's pages only (a host hit still costs the copy back).
+        if self.inner is not None:
+            self.inner.host_stored(block_hash)
+
+    def host_removed(self, block_hash: bytes) -> None:
+        if self.inner is not None:
+            self.inner.host_removed(block_hash)
+
     def take(self) -> PrefixCacheDelta | None:
         """The changes since the last take, or None when there were none."""
         if not self._touched and not self._cleared:

@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.core_types import EngineInfo, GrammarCacheStats
+from engine.front.host_tier_metrics import HostTierMetrics
 from engine.front.vllm_metrics import VllmMetrics, vllm_metrics
 from scheduler.scheduler import SchedulerStats
 
@@ -81,6 +82,7 @@ class EngineMetrics:
         # The same measurements under vLLM's names, for the routers that read those
         # (engine/front/vllm_metrics.py): one per engine core, indexed by its rank.
         self.vllm: list[VllmMetrics] = vllm_metrics(r, model_name, info, num_engines)
+        self.host_tier = HostTierMetrics(r, model_name, num_engines)  # --kv-offloading-size
         self.running = Gauge("fp4serve_num_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("fp4serve_num_requests_waiting", "Requests waiting (new or preempted).", registry=r)
         self.kv_usage = Gauge(
@@ -210,6 +212,7 @@ class EngineMetrics:
 
     def observe_scheduler(self, stats: SchedulerStats, engine_index: int = 0) -> None:
         self.vllm[engine_index].observe_scheduler(stats)
+        self.host_tier.observe(stats.host, engine_index)
         last, self._stats[engine_index] = self._stats[engine_index], stats
         # The block manager keeps cumulative counts; counters take the increments.
         self.prefix_queries.inc(stats.prefix_cache_queried_tokens - last.prefix_cache_queried_tokens)
