@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core_types import SampledToken
+from engine.sampled_batch import LogprobLayout, SampledBatch
 from kernels.cpu_elementwise import argmax_rows
 from kernels.cpu_ops import ops_loaded
 from scheduler.request import SamplingParams
@@ -204,10 +205,24 @@ class Sampler:
             return []
         if grammar_mask is not None:
             logits = grammar_mask.apply(logits)  # [B, V] f32, a masked copy
+        return self._launch(logits, states).read()
+
+    def launch(
+        self, logits: torch.Tensor, request_ids: Sequence[str], grammar_mask: GrammarMask | None = None
+    ) -> SampledBatch:
+        """`sample` without the read-back: the ids stay on the device until `SampledBatch.read`.
+        Each request's state (output position, penalty counts) advances now, so the next step
+        can sample before this one is read back."""
+        states = self._states_of(logits, request_ids)
+        if grammar_mask is not None:
+            logits = grammar_mask.apply(logits)
+        return self._launch(logits, states)
+
+    def _launch(self, logits: torch.Tensor, states: list[_RequestState]) -> SampledBatch:
         processed = self._process(logits, states)
         token_ids = self._draw(processed, states)  # [B] int64, device
         self._record(token_ids, states)
-        return self._read_back(logits, token_ids, states)
+        return self._pack(logits, token_ids, states)
 
     def process_logits(self, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
         """The logits greedy rows take the argmax of and random rows divide by temperature:
@@ -316,10 +331,8 @@ class Sampler:
         for s in states:
             s.num_output_tokens += 1
 
-    def _read_back(
-        self, logits: torch.Tensor, token_ids: torch.Tensor, states: list[_RequestState]
-    ) -> list[SampledToken]:
-        num_rows = len(states)
+    def _pack(self, logits: torch.Tensor, token_ids: torch.Tensor, states: list[_RequestState]) -> SampledBatch:
+        """The ids and the logprobs asked for, as one device tensor to read back later."""
         lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         num_top = min(self.vocab_size, max((states[i].params.logprobs or 0 for i in lp_rows), default=0))
         # Everything goes back in one float64 tensor (ids < 2^53 are exact): one sync per step.
@@ -331,19 +344,8 @@ class Sampler:
             if num_top:
                 top_logprobs, top_ids = raw.topk(num_top, dim=-1)  # [L, N], descending
                 parts += [top_ids.double().flatten(), top_logprobs.double().flatten()]
-        host = torch.cat(parts).tolist()
-        ids = [int(t) for t in host[:num_rows]]
-        outputs = [SampledToken(token_id) for token_id in ids]
-        num_lp = len(lp_rows)
-        top_ids_at, top_lps_at = num_rows + num_lp, num_rows + num_lp + num_lp * num_top
-        for j, i in enumerate(lp_rows):
-            n = min(states[i].params.logprobs or 0, num_top)
-            row_ids = host[top_ids_at + j * num_top : top_ids_at + j * num_top + n]
-            row_lps = host[top_lps_at + j * num_top : top_lps_at + j * num_top + n]
-            outputs[i] = SampledToken(
-                ids[i], host[num_rows + j], tuple(int(t) for t in row_ids), tuple(row_lps)
-            )
-        return outputs
+        layout = LogprobLayout(tuple(lp_rows), num_top, tuple(states[i].params.logprobs or 0 for i in lp_rows))
+        return SampledBatch(token_ids, torch.cat(parts) if len(parts) > 1 else parts[0], layout)
 
     def _take_slot(self, prompt_token_ids: Sequence[int]) -> int:
         if not self._free_slots:

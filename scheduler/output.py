@@ -9,6 +9,10 @@ from dataclasses import dataclass
 
 from scheduler.request import SamplingParams
 
+# Async scheduling: a token sampled by the step still in flight. The runner replaces it with that
+# step's sampled id on the device (engine/model_runner.py), so the host never waits for it.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(frozen=True)
 class NewRequestData:
@@ -42,7 +46,7 @@ class StateSave:
 @dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: tuple[int, ...]  # the tokens computed this step, at positions start_pos...
+    token_ids: tuple[int, ...]  # the tokens computed this step, at positions start_pos... (PLACEHOLDER_TOKEN_ID: in flight)
     start_pos: int  # = num_computed_tokens before this step
     block_table: tuple[int, ...]  # pages covering positions [0, start_pos + len(token_ids))
     sample: bool  # the last token's logits are sampled (the request caught up with its tokens)
@@ -77,6 +81,9 @@ class SchedulerOutput:
     finished_request_ids: tuple[str, ...]  # ended since the last step: runner drops their state
     num_preempted: int = 0
     state_saves: tuple[StateSave, ...] = ()  # hybrid models: copied first, before any restore
+    # Async scheduling: the scheduler counted this step's tokens as computed when it scheduled them
+    # and gave each sampling request a placeholder, which `Scheduler.update` fills.
+    async_step: bool = False
 
     @property
     def num_batched_tokens(self) -> int:

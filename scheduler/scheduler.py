@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from scheduler.block_manager import BlockManager
 from scheduler.checkpoint_manager import CheckpointManager
 from scheduler.fair_queue import FairQueue, FairShareState, Policy
-from scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
+from scheduler.output import PLACEHOLDER_TOKEN_ID, NewRequestData, ScheduledRequest, SchedulerOutput
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.slot_manager import SlotManager
 
@@ -143,7 +143,25 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- one step -------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the step in flight is read back (async
+        scheduling): not when a step needs host knowledge of the tokens in flight (drafts, grammar
+        masks, hybrid states and their checkpoints), nor when pages may run short, since preempting
+        a request whose tokens are in flight would recompute tokens nobody knows yet."""
+        if self.drafter is not None or self.slots is not None:
+            return False
+        if any(r.params.structured is not None for r in self.running):
+            return False
+        # Each running request grows by at most one page, plus the pages of the step's prefill.
+        bs = self.config.block_size
+        need = len(self.running) + -(-self.config.max_num_batched_tokens // bs)
+        return self.block_manager.num_free_blocks >= need
+
+    def schedule(self, async_step: bool = False) -> SchedulerOutput:
+        """The next step. `async_step`: its tokens count as computed now and each sampling request
+        gets a placeholder for its token (filled by `update`), so the step after it can be
+        scheduled while it runs; such a step must not preempt a request with tokens in flight
+        (the caller checks `can_schedule_ahead` first)."""
         budget = self.config.max_num_batched_tokens
         cap = self.config.long_prefill_token_threshold or budget  # per request per step
         num_new: dict[str, int] = {}
@@ -154,14 +172,16 @@ class Scheduler:
         self._restores = {}
         speculate = self.drafter is not None and len(self.running) <= self.config.speculative_max_batch
         # Decodes first, then running prefill chunks: a long prompt never stalls decoding.
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        # A request whose placeholders reach its length limit finishes when they are read back.
+        decoding = [r for r in self.running if r.num_tokens_with_placeholders - r.num_computed_tokens == 1
+                    and not (r.num_output_placeholders and r.at_length_limit)]
+        prefilling = [r for r in self.running if r.num_tokens_with_placeholders - r.num_computed_tokens > 1]
         for request in decoding + prefilling:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier this step
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget, cap)
+            n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget, cap)
             drafts = self._propose(request, budget - 1) if speculate and n == 1 else []
             if drafts and self.block_manager.allocate(request, n, num_draft_tokens=len(drafts)):
                 self._drafts[request.request_id] = drafts
@@ -172,6 +192,7 @@ class Scheduler:
                 continue
             while not self.block_manager.allocate(request, n):
                 victim = self._pick_victim(exclude=scheduled)
+                assert not victim.num_output_placeholders, f"{victim.request_id}: preempted with tokens in flight" 
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is request:
@@ -248,8 +269,15 @@ class Scheduler:
             num_preempted=num_preempted,
             # Copies of finished or preempted sequences' states ride with the next step that runs.
             state_saves=self.checkpoints.take_queued() if self.checkpoints is not None and requests else (),
+            async_step=async_step,
         )
         self._finished_ids = []
+        if async_step:
+            for r in scheduled:
+                n = num_new[r.request_id]
+                if r.num_computed_tokens + n == r.num_tokens_with_placeholders:
+                    r.num_output_placeholders += 1
+                r.num_computed_tokens += n
         return out
 
     def _propose(self, request: Request, room: int) -> list[int]:
@@ -304,14 +332,18 @@ class Scheduler:
             self._sent_to_runner.add(request.request_id)
             new_data = NewRequestData(request.params, tuple(request.prompt_token_ids), request.eos_token_ids)
         drafts = self._drafts.get(request.request_id, [])
+        known = request.num_tokens
+        token_ids = tuple(request.token_slice(start, min(start + n, known)))
+        if start + n > known:  # tokens of the step in flight
+            token_ids += (PLACEHOLDER_TOKEN_ID,) * (start + n - max(start, known))
         # Snapshots only of real tokens: a step verifying drafts may leave its state past them.
         saves = () if self.checkpoints is None or drafts else self.checkpoints.saves_for(request, start, start + n)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.token_slice(start, start + n)) + tuple(drafts),
+            token_ids=token_ids + tuple(drafts),
             start_pos=start,
             block_table=tuple(request.block_table),
-            sample=start + n == request.num_tokens,
+            sample=start + n == request.num_tokens_with_placeholders,
             new_request=new_data,
             state_slot=request.state_slot,
             num_draft_tokens=len(drafts),
@@ -338,6 +370,8 @@ class Scheduler:
         touched: list[Request] = []
         if self.checkpoints is not None:  # this step wrote them, whether or not their request lives on
             self.checkpoints.mark_ready([s.checkpoint_id for sr in output.requests for s in sr.checkpoint_saves])
+        if output.async_step:
+            return self._update_async(output, sampled)  # type: ignore[arg-type]
         for sr in output.requests:
             request = self.requests.get(sr.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -360,6 +394,26 @@ class Scheduler:
             else:
                 if sr.num_draft_tokens:
                     self.block_manager.trim(request, request.num_tokens)
+        return touched
+
+    def _update_async(self, output: SchedulerOutput, sampled: dict[str, int] | dict[str, Sequence[int]]) -> list[Request]:
+        """An async step's tokens fill the placeholders it left (its computed tokens were counted
+        when it was scheduled). A request that finished here may already run in the next step:
+        that step's token for it is dropped when it comes back (the request is gone by then), and
+        the KV it writes is of a real token, on pages the next step to reuse them runs after."""
+        touched: list[Request] = []
+        for sr in output.requests:
+            request = self.requests.get(sr.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING or not sr.sample:
+                continue
+            got = sampled[sr.request_id]
+            token = got if isinstance(got, int) else got[0]
+            assert request.num_output_placeholders > 0, f"{sr.request_id}: a token without a placeholder"
+            request.num_output_placeholders -= 1
+            request.output_token_ids.append(token)
+            touched.append(request)
+            if request.check_stop(token):
+                self._finish(request)
         return touched
 
     def finish_request(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> None:
