@@ -72,7 +72,7 @@ class EngineCoreLoop:
     def _run(self, inbox: queue.SimpleQueue[Message]) -> None:
         while True:
             idle = not self.core.has_unfinished()
-            if idle and self._in_flight is not None and not self._complete_in_flight():
+            if idle and not self.drain():
                 return  # a step past every request's end (theirs is dropped), read back before idling
             if idle:  # gauges read zero once drained
                 self.emit(EngineCoreOutputs(stats=self.core.scheduler.stats()))
@@ -161,6 +161,10 @@ class EngineCoreLoop:
         if previous is not None and last is not None:
             self.emit(replace(self.core.update(previous[0], last), step_time_s=t0 - previous[2]))
         return True
+
+    def drain(self) -> bool:
+        """Read back and update the step in flight, if any; False once the engine is dead."""
+        return self._in_flight is None or self._complete_in_flight()
 
     def _complete_in_flight(self) -> bool:
         """Read back and update the step in flight; False once the engine is dead."""

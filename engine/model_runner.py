@@ -284,7 +284,7 @@ class ModelRunner:
 
         if grammar_mask is None and self.drafter is None:
             self._save_step_ends(out)
-            return PendingStep(read)
+            return PendingStep(read, timings)
         # The grammar and the MTP drafter need this step's tokens on the host now.
         result = read()
         sampled = [result.sampled[rid] for rid in ids]

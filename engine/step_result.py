@@ -37,9 +37,13 @@ class PendingStep:
     """A launched step. `result()` reads its sampled ids back (the step's one host sync, waited
     for at most once) and returns what `ModelRunner.execute` would have."""
 
-    def __init__(self, read: Callable[[], StepResult] | StepResult) -> None:
+    def __init__(self, read: Callable[[], StepResult] | StepResult, timings: StepTimings | None = None) -> None:
+        """`read`: the step's result, or what reads it back; `timings`: the launch's host phases
+        (taken from the result when there is one)."""
         self._read = read
         self._result: StepResult | None = read if isinstance(read, StepResult) else None
+        assert timings is not None or self._result is not None, "a deferred step needs its launch timings"
+        self.launch_timings: StepTimings = timings if timings is not None else read.timings  # type: ignore[union-attr]
 
     @property
     def done(self) -> bool:
