@@ -12,7 +12,8 @@ import torch
 
 from engine.attention.backend import AttentionBackend, kv_cache_shape
 from engine.attention.select import choose_backend, flashinfer_import_error, make_backend
-from engine.batch import ForwardBatch, build_forward_batch
+from engine.batch import ForwardBatch
+from engine.input_batch import InputBatch
 from engine.attention.checkpoint_pool import CheckpointPool
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
 from engine.core_types import SampledToken
@@ -182,6 +183,8 @@ class ModelRunner:
         # The last step's sampled ids ([S] int64, device) and each request's row in them: the
         # next step's placeholders are filled from these (async scheduling).
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_num_batched_tokens,
+                                      -(-max_model_len // self.block_size), self.block_size, self.device)
 
     def _num_kv_pages(self) -> int:
         per_page = kv_bytes_per_token(self.model_config, self.kv_dtype, int(self.use_mtp)) * self.block_size
@@ -236,7 +239,7 @@ class ModelRunner:
                     self.structured.add_request(r.request_id, nr.params.structured, nr.eos_token_ids + nr.params.stop_token_ids)
         if out.is_empty:
             return PendingStep(StepResult({}, StepTimings(time.perf_counter() - t0, 0.0, 0.0)))
-        batch = build_forward_batch(out, self.block_size, self.device)
+        batch = self.input_batch.build(out)
         self._fill_placeholders(out, batch)
         if self.checkpoint_pool is not None:
             self._restore_checkpoints(out)
