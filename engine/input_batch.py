@@ -95,9 +95,10 @@ class InputBatch:
             query_lens.append(n)
             seq_lens.append(seq_len)
             table = r.block_table
-            # Pages before the one start_pos falls in hold computed KV: they never change. Those
-            # after may (new pages, rejected drafts' pages trimmed, a preempted request's new ones).
-            first = min(r.start_pos // bs, int(self._num_pages_written[row]))
+            # Pages before the one start_pos falls in hold computed KV: they never change while the
+            # request runs. Those after may (new pages, rejected drafts' pages trimmed); a request
+            # admitted this step (back from preemption too) has a new table.
+            first = 0 if r.resumed else min(r.start_pos // bs, int(self._num_pages_written[row]))
             if len(table) > first:
                 bt[row, first:len(table)] = table[first:]
             self._num_pages_written[row] = len(table)

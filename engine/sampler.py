@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core_types import SampledToken
-from engine.sampled_batch import LogprobLayout, SampledBatch
+from engine.step_result import LogprobLayout, SampledBatch
 from kernels.cpu_elementwise import argmax_rows
 from kernels.cpu_ops import ops_loaded
 from scheduler.request import SamplingParams

@@ -59,6 +59,9 @@ class ScheduledRequest:
     # KV of that page) this request starts from, copied in before the forward.
     restore_checkpoint: int | None = None
     checkpoint_saves: tuple[CheckpointSave, ...] = ()  # positions in (start_pos, seq_len], ascending
+    # Admitted this step (its first step, or its return after preemption): its block table is new,
+    # not an extension of the one it last ran with (engine/input_batch.py rewrites its row).
+    resumed: bool = False
 
     def __post_init__(self) -> None:
         assert self.token_ids, f"{self.request_id}: scheduled with no tokens"

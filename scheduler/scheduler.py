@@ -206,6 +206,7 @@ class Scheduler:
         # New arrivals and resumed requests, oldest first, when nothing was preempted. A request
         # whose grammar still compiles keeps its place and is passed over.
         skipped: list[Request] = []
+        admitted: set[str] = set()
         bs = self.config.block_size
         # Hybrid: the pages this step computes (a prefix in them has no state to restore yet).
         in_flight = {b for r in scheduled for b in r.block_table[r.num_computed_tokens // bs:]} \
@@ -254,6 +255,7 @@ class Scheduler:
             in_flight.update(request.block_table[num_cached // bs:])
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            admitted.add(request.request_id)
             num_new[request.request_id] = n
             scheduled.append(request)
             budget -= n
@@ -262,7 +264,7 @@ class Scheduler:
         # still cost its key a query row.
         self.fair.charge(scheduled, {rid: n + len(self._drafts.get(rid, ())) for rid, n in num_new.items()})
 
-        requests = tuple(self._describe(r, num_new[r.request_id]) for r in scheduled)
+        requests = tuple(self._describe(r, num_new[r.request_id], r.request_id in admitted) for r in scheduled)
         out = SchedulerOutput(
             requests=requests,
             finished_request_ids=tuple(self._finished_ids),
@@ -325,7 +327,7 @@ class Scheduler:
         if self.slots is not None:
             self.slots.free(request)
 
-    def _describe(self, request: Request, n: int) -> ScheduledRequest:
+    def _describe(self, request: Request, n: int, resumed: bool) -> ScheduledRequest:
         start = request.num_computed_tokens
         new_data = None
         if request.request_id not in self._sent_to_runner:
@@ -349,6 +351,7 @@ class Scheduler:
             num_draft_tokens=len(drafts),
             restore_checkpoint=self._restores.get(request.request_id),
             checkpoint_saves=saves,
+            resumed=resumed,
         )
 
     def update(

@@ -65,3 +65,15 @@ def test_draft_rows_and_a_trimmed_table_match_the_pure_builder() -> None:
          ScheduledRequest("b", (20,), 3, (5,), True))
     # Drafts rejected: page 2 went back and "a" now has page 6 there.
     step(ScheduledRequest("a", (14, 15, 16), 7, (7, 3, 6), True, num_draft_tokens=2))
+
+
+def test_a_request_back_from_preemption_has_its_row_rewritten() -> None:
+    """Back with a prefix hit on other pages: the pages before its start are new too."""
+    batch = InputBatch(max_num_seqs=2, max_num_tokens=16, max_pages_per_seq=8, block_size=4, device=CPU)
+
+    def step(*reqs: ScheduledRequest) -> None:
+        out = SchedulerOutput(tuple(reqs), ())
+        assert_same(batch.build(out), build_forward_batch(out, 4, CPU))
+
+    step(ScheduledRequest("a", (1, 2, 3, 4, 5, 6), 0, (7, 3), True, resumed=True))
+    step(ScheduledRequest("a", (8, 9, 10), 4, (9, 3, 5), True, resumed=True))
