@@ -26,7 +26,7 @@ from engine.attention.hybrid_runner import make_checkpoint_pool, make_hybrid_bac
 from engine.weights.loader import load_model, weight_bytes
 from engine.models.decoder import DecoderForCausalLM, use_cpu_ops, use_fused_layers
 from engine.weights.formats.packed_linear import can_pack, pack_float_linears, packed_bytes
-from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
+from engine.prompt_logprobs import PromptLogprobs
 from engine.weights.formats.int4_linear import Int4Linear, cpu_streamed_weights
 from engine.weights.formats.int8_linear import use_cpu_gemv
 from engine.weights.formats.nvfp4 import QuantizationMethod, detect_quantization
@@ -220,6 +220,7 @@ class ModelRunner:
     def _launch(self, out: SchedulerOutput, overlap: bool) -> PendingStep:
         t0 = time.perf_counter()
         for request_id in out.finished_request_ids:
+            self.input_batch.remove_request(request_id)
             self.sampler.remove_request(request_id)
             self.prompt_logprobs.remove_request(request_id)
             if self.drafter is not None:

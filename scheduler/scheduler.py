@@ -192,7 +192,7 @@ class Scheduler:
                 continue
             while not self.block_manager.allocate(request, n):
                 victim = self._pick_victim(exclude=scheduled)
-                assert not victim.num_output_placeholders, f"{victim.request_id}: preempted with tokens in flight" 
+                assert not victim.num_output_placeholders, f"{victim.request_id}: preempted with tokens in flight"
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is request:

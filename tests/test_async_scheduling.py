@@ -16,7 +16,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.core_proc import EngineCoreLoop
-from engine.core_types import AddRequests, EngineCoreOutputs, EngineCoreRequest, Shutdown
+from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, EngineCoreRequest, Shutdown
 from engine.step_result import PendingStep
 from scheduler.output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from scheduler.request import FinishReason, SamplingParams
@@ -187,3 +187,31 @@ def test_async_scheduling_streams_exactly_what_the_synchronous_loop_does(cores: 
 def test_async_scheduling_is_off_by_default_on_cpu(qwen3_ckpt: Path) -> None:
     core = EngineCore(EngineConfig(model=str(qwen3_ckpt), dtype="float32", kv_cache_memory="8MiB"))
     assert not core.async_scheduling
+
+
+def test_an_abort_while_a_step_is_in_flight_frees_its_pages(cores: dict[bool, EngineCore]) -> None:
+    core = cores[True]
+    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    b_done = threading.Event()
+
+    def emit(outputs: EngineCoreOutputs) -> None:
+        for out in outputs.outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.request_id == "a" and len(tokens["a"]) == 3:
+                inbox.put(AbortRequests(("a",)))  # applied between steps, one step in flight
+            if out.request_id == "b" and out.finish_reason is not None:
+                b_done.set()
+
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    now = time.monotonic()
+    inbox.put(AddRequests((EngineCoreRequest("a", (5, 6, 7), greedy, (511,), now),
+                           EngineCoreRequest("b", (8, 9), greedy, (511,), now))))
+    thread = threading.Thread(target=EngineCoreLoop(core, emit).run, args=(inbox,))
+    thread.start()
+    assert b_done.wait(120)
+    inbox.put(Shutdown())
+    thread.join(60)
+    assert 3 <= len(tokens["a"]) < 20 and len(tokens["b"]) == 20
+    assert core.scheduler.block_manager.num_used_blocks == 0 and not core.scheduler.requests
+    core.scheduler.block_manager.check_invariants()

@@ -1,0 +1,77 @@
+"""Sampling with static shapes and no host sync, for a step whose rows all run the same ops: every
+row goes through penalties, temperature, top-k/top-p and min-p (a neutral parameter is an exact
+no-op), and the draw is an exponential race whose noise is a counter-based hash of (seed, output
+position, token id), so a seeded row needs no generator and the whole function can run inside a
+CUDA graph. The processors are engine/sampler.py's, in vLLM's order; greedy rows are the argmax
+of the same processed logits, so their ids are bit-identical to the Sampler's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampler import apply_min_p, apply_penalties, apply_top_k_top_p, greedy_ids
+
+_SAMPLING_EPS = 1e-5  # as engine/sampler.py: temperatures below it sample greedily
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2^31: a 32-bit value times one stays inside int64 (no overflow).
+_MUL1, _MUL2, _MUL3 = 0x7FEB352D, 0x2C1B3C6D, 0x297A2D39
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """One step's per-row parameters, [B] each, on the device (refilled every step)."""
+
+    temperature: torch.Tensor  # f32; < eps: greedy
+    top_k: torch.Tensor  # int64; 0: all
+    top_p: torch.Tensor  # f32; 1.0: all
+    min_p: torch.Tensor  # f32; 0.0: none
+    presence: torch.Tensor  # f32
+    frequency: torch.Tensor  # f32
+    repetition: torch.Tensor  # f32
+    seed: torch.Tensor  # int64: the request's seed, or a fresh draw per step for unseeded rows
+    position: torch.Tensor  # int64: the row's output position (the noise's counter)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) in int64 arithmetic, element-wise."""
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * _MUL1) & _MASK32
+    x = ((x ^ (x >> 15)) * _MUL2) & _MASK32
+    x = ((x ^ (x >> 16)) * _MUL3) & _MASK32
+    return x ^ (x >> 15)
+
+
+def race_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [B, V] f32, a pure function of (seed [B], position [B], token id)."""
+    row = _mix32(_mix32(seed) ^ (seed >> 32) ^ _mix32(position + 0x9E3779B9))  # [B] int64
+    token = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
+    bits = _mix32(row[:, None] ^ _mix32(token * 2 + 1)[None, :])  # [B, V] int64 in [0, 2^32)
+    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), never 0 or 1
+    return -torch.log(u)
+
+
+def sample_static(
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    output_counts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+) -> torch.Tensor:
+    """logits [B, V] f32 (not written); output_counts [B, V] int and prompt_mask [B, V] bool (each
+    row's penalty state, zeros for rows without penalties) -> token ids [B] int64, on the device.
+
+    Greedy rows take the argmax of the penalized logits; the others divide by temperature, keep
+    top-k/top-p and min-p, and take argmax(p / E) with E ~ Exp(1): a draw from p exactly, since
+    the smallest of independent E_i / p_i falls on token i with probability p_i."""
+    x = apply_penalties(logits.float(), output_counts, prompt_mask, params.presence, params.frequency,
+                        params.repetition)  # [B, V] f32
+    greedy = (params.temperature < _SAMPLING_EPS) | (params.top_k == 1)  # as the Sampler's greedy rows
+    greedy_tokens = greedy_ids(x)
+    temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
+    scaled = x / temperature[:, None]
+    scaled = apply_top_k_top_p(scaled, params.top_k, params.top_p)
+    scaled = apply_min_p(scaled, params.min_p)
+    probs = scaled.softmax(dim=-1)
+    drawn = (probs / race_noise(params.seed, params.position, x.shape[1])).argmax(dim=-1)
+    return torch.where(greedy, greedy_tokens, drawn)
