@@ -11,6 +11,7 @@ engine/ is imported inside functions (bench/ layering rule)."""
 from __future__ import annotations
 
 import datetime
+import gc
 import platform
 import tempfile
 import time
@@ -211,12 +212,13 @@ def run_host_step(batch_sizes: Sequence[int], forward_ms: Sequence[float], num_s
             model=path, dtype="float32", max_num_seqs=max_seqs, max_num_batched_tokens=max(2048, max_seqs),
             max_model_len=input_len + warmup + num_steps + 64, kv_cache_memory="256MiB", quantization="none"))
     stub_forward(engine.core.runner)
-    results = []
-    for batch_size in batch_sizes:
-        for ms in forward_ms:
-            for on in (False, True):
-                results.append(measure(engine, batch_size, ms, on, num_steps, warmup, input_len))
-    return results
+    gc.collect()
+    gc.freeze()  # as the engine process does once loaded (engine/core_proc.py); undone after
+    try:
+        return [measure(engine, batch_size, ms, on, num_steps, warmup, input_len)
+                for batch_size in batch_sizes for ms in forward_ms for on in (False, True)]
+    finally:
+        gc.unfreeze()
 
 
 def format_host_step(results: Sequence[HostStep]) -> str:

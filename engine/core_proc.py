@@ -12,6 +12,7 @@ itself, end it with a `dead` message. The same loop runs on a thread of the serv
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import queue
 import signal
@@ -229,6 +230,10 @@ def run_engine_core_proc(
         logger.exception("engine start-up failed")
         conn.send(("failed", type(e).__name__, str(e)))
         return
+    # The model, its modules and the imports are long-lived: out of the collector's sight, a full
+    # collection no longer walks them in the middle of a step (vLLM freezes them the same way).
+    gc.collect()
+    gc.freeze()
     conn.send(("ready", core.info))
     inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
 

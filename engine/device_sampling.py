@@ -55,17 +55,18 @@ def race_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) -> t
 def sample_static(
     logits: torch.Tensor,
     params: SamplingTensors,
-    output_counts: torch.Tensor,
-    prompt_mask: torch.Tensor,
+    penalty_state: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """logits [B, V] f32 (not written); output_counts [B, V] int and prompt_mask [B, V] bool (each
-    row's penalty state, zeros for rows without penalties) -> token ids [B] int64, on the device.
+    """logits [B, V] f32 (not written); penalty_state: output_counts [B, V] int and prompt_mask
+    [B, V] bool (each row's, zeros for rows without penalties; None: no penalties, as when the
+    Sampler applied them already) -> token ids [B] int64, on the device.
 
     Greedy rows take the argmax of the penalized logits; the others divide by temperature, keep
     top-k/top-p and min-p, and take argmax(p / E) with E ~ Exp(1): a draw from p exactly, since
     the smallest of independent E_i / p_i falls on token i with probability p_i."""
-    x = apply_penalties(logits.float(), output_counts, prompt_mask, params.presence, params.frequency,
-                        params.repetition)  # [B, V] f32
+    x = logits.float()  # [B, V] f32
+    if penalty_state is not None:
+        x = apply_penalties(x, *penalty_state, params.presence, params.frequency, params.repetition)
     greedy = (params.temperature < _SAMPLING_EPS) | (params.top_k == 1)  # as the Sampler's greedy rows
     greedy_tokens = greedy_ids(x)
     temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)

@@ -5,6 +5,7 @@ prompt mask. Semantics follow vLLM v1 (processor order, raw logprobs, min-p, pen
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -158,7 +159,10 @@ class Sampler:
     preempted request keeps its state (its outputs survive recompute).
     """
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, static_draw: bool | None = None) -> None:
+        """`static_draw`: random rows draw with engine/device_sampling.py (every row the same ops,
+        noise hashed from (seed, position): no generator, no shapes that depend on the rows);
+        None: on CUDA. Greedy rows are the same argmax either way."""
         assert vocab_size > 0, f"vocab_size must be positive, got {vocab_size}"
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -169,6 +173,8 @@ class Sampler:
         self._free_slots: list[int] = []
         # Reseeded for every seeded row, so a row's noise depends on (seed, position) only.
         self._generator = torch.Generator(device=self.device)
+        self.static_draw = self.device.type == "cuda" if static_draw is None else static_draw
+        self._step_seeds = random.Random(0)  # unseeded rows' noise seeds in the static draw
 
     def add_request(
         self,
@@ -286,12 +292,30 @@ class Sampler:
         random_rows = [i for i, s in enumerate(states) if not s.greedy]
         if not random_rows:
             return greedy_ids(x)
+        if self.static_draw:
+            return self._draw_static(x, states)
         if len(random_rows) == len(states):
             return self._draw_random(x, states)
         token_ids = greedy_ids(x)
         rows = self._tensor(random_rows)
         token_ids[rows] = self._draw_random(x[rows], [states[i] for i in random_rows])
         return token_ids
+
+    def _draw_static(self, x: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
+        """Every row through engine/device_sampling.py (penalties are in x already). Each row's
+        parameters go to the device as one small copy per dtype; no sync."""
+        from engine.device_sampling import SamplingTensors, sample_static  # it imports this module
+
+        floats = self._tensor([[s.params.temperature, s.params.top_p, s.params.min_p] for s in states],
+                              torch.float32)  # [B, 3]
+        ints = self._tensor([[s.params.top_k,
+                              s.params.seed if s.params.seed is not None else self._step_seeds.getrandbits(62),
+                              s.num_output_tokens] for s in states])  # [B, 3] int64
+        zeros = torch.zeros(len(states), dtype=torch.float32, device=self.device)
+        params = SamplingTensors(temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 1], min_p=floats[:, 2],
+                                 presence=zeros, frequency=zeros, repetition=zeros + 1.0, seed=ints[:, 1],
+                                 position=ints[:, 2])
+        return sample_static(x, params)
 
     def _draw_random(self, x: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
         """x [R, V] f32 (not written); temperature -> top-k/top-p -> min-p -> inverse-CDF draw."""

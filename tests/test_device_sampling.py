@@ -42,7 +42,7 @@ def test_greedy_rows_are_bit_identical_to_the_sampler_penalties_included() -> No
         prompt = torch.zeros(len(rows), V, dtype=torch.bool)
         slot = sampler._states["r1"].penalty_slot  # noqa: SLF001 - the Sampler's own penalty state
         counts[1], prompt[1] = sampler._output_counts[slot], sampler._prompt_mask[slot]  # noqa: SLF001
-        got = sample_static(logits, tensors(rows), counts, prompt)
+        got = sample_static(logits, tensors(rows), (counts, prompt))
         want = [t.token_id for t in sampler.sample(logits, ids)]
         assert got.tolist() == want
 
@@ -52,8 +52,7 @@ def test_random_rows_follow_the_processed_distribution() -> None:
     p = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.05)
     num = 20000
     rows = [p] * num
-    drawn = sample_static(logits.expand(num, V), tensors(rows, seeds=list(range(num))),
-                          torch.zeros(num, V, dtype=torch.int32), torch.zeros(num, V, dtype=torch.bool))
+    drawn = sample_static(logits.expand(num, V), tensors(rows, seeds=list(range(num))))
     x = apply_top_k_top_p(logits / 0.7, torch.tensor([12]), torch.tensor([0.9]))
     expected = apply_min_p(x, torch.tensor([0.05])).softmax(-1)[0]
     freq = torch.bincount(drawn, minlength=V).double() / num
@@ -71,3 +70,20 @@ def test_the_noise_is_a_function_of_seed_position_and_token() -> None:
     assert a.mean().item() == pytest.approx(1.0, abs=0.15)  # Exp(1) has mean 1
     u = torch.exp(-race_noise(torch.arange(4000), torch.zeros(4000, dtype=torch.int64), 1)).flatten()
     assert abs(u.mean().item() - 0.5) < 0.02 and math.isclose(float((u < 0.25).float().mean()), 0.25, abs_tol=0.02)
+
+
+def test_the_samplers_static_draw_keeps_greedy_rows_and_reproduces_seeded_ones() -> None:
+    g = torch.Generator().manual_seed(2)
+    rows = {"g": SamplingParams(temperature=0.0, frequency_penalty=0.5), "s": SamplingParams(temperature=0.8, seed=11),
+            "k": SamplingParams(temperature=1.0, top_k=3, seed=5, min_tokens=2), "u": SamplingParams(temperature=1.0)}
+    samplers = [Sampler(V, torch.device("cpu"), static_draw=flag) for flag in (False, True, True)]
+    for sampler in samplers:
+        for rid, p in rows.items():
+            sampler.add_request(rid, p, [1, 2], (0,))
+    for step in range(5):
+        logits = torch.randn(len(rows), V, generator=g)
+        plain, static, again = ([t.token_id for t in s.sample(logits, list(rows))] for s in samplers)
+        assert plain[0] == static[0] == again[0]  # greedy
+        assert static[1:3] == again[1:3]  # seeded: a function of (seed, position)
+        top3 = logits[2].topk(3).indices.tolist()
+        assert static[2] in top3 and (step >= 2 or static[2] != 0)  # top-k; min_tokens masks EOS first
