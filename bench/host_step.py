@@ -201,6 +201,8 @@ def measure(engine: Any, batch_size: int, forward_ms: float, async_scheduling: b
 
 def run_host_step(batch_sizes: Sequence[int], forward_ms: Sequence[float], num_steps: int, warmup: int,
                   input_len: int, hidden_size: int, model: str | None = None) -> list[HostStep]:
+    import torch
+
     from bench.context_curve import write_tiny_model
     from engine.config import EngineConfig
     from engine.front.offline import OfflineEngine
@@ -214,10 +216,16 @@ def run_host_step(batch_sizes: Sequence[int], forward_ms: Sequence[float], num_s
     stub_forward(engine.core.runner)
     gc.collect()
     gc.freeze()  # as the engine process does once loaded (engine/core_proc.py); undone after
+    # One intra-op thread: on a GPU server the host's small tensor ops (indexing, the CPU-side
+    # copies) run on the engine thread alone, and a thread pool's wake-ups would be measured here
+    # as host time that a GPU step does not pay.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         return [measure(engine, batch_size, ms, on, num_steps, warmup, input_len)
                 for batch_size in batch_sizes for ms in forward_ms for on in (False, True)]
     finally:
+        torch.set_num_threads(threads)
         gc.unfreeze()
 
 
