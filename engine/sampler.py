@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core_types import SampledToken
+from engine.device_sampling import (SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p, greedy_ids,
+                                    sample_static)
 from engine.step_result import LogprobLayout, SampledBatch
-from kernels.cpu_elementwise import argmax_rows
-from kernels.cpu_ops import ops_loaded
 from scheduler.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,65 +39,6 @@ def noise_seed(seed: int, position: int) -> int:
     """Generator seed for a seeded request's noise at one output position. Hashed, not added,
     so (seed + 1, pos) and (seed, pos + 1) are unrelated streams: n > 1 uses seed + index."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    output_counts: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
-    repetition: torch.Tensor,
-) -> torch.Tensor:
-    """vLLM's penalties, in its order, out of place.
-
-    logits [P, V] f32; output_counts [P, V] int (this request's sampled tokens); prompt_mask
-    [P, V] bool; presence / frequency / repetition [P] f32. Repetition covers prompt and
-    output tokens (positive logits divided, others multiplied); frequency and presence only
-    count output tokens.
-    """
-    in_output = output_counts > 0
-    rep = repetition[:, None]
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(prompt_mask | in_output, penalized, logits)
-    logits = logits - frequency[:, None] * output_counts.to(logits.dtype)
-    return logits - presence[:, None] * in_output.to(logits.dtype)
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Keep each row's top-k tokens (top_k [R] int, 0 = all), then the smallest prefix of those
-    whose renormalized mass reaches top_p ([R] f32, 1.0 = all; None: no row uses top-p, which
-    skips the softmax); the rest become -inf.
-
-    One descending sort of logits [R, V] f32. NOTE: the cut is a logit threshold, so tokens tied
-    with the last kept one are kept too (as vLLM's top-k).
-    """
-    num_rows, vocab_size = logits.shape
-    sorted_logits = logits.sort(dim=-1, descending=True).values  # [R, V]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)  # [R] int64
-    num_keep = k
-    if top_p is not None:
-        in_top_k = torch.arange(vocab_size, device=logits.device)[None, :] < k[:, None]
-        probs = sorted_logits.masked_fill(~in_top_k, -math.inf).softmax(dim=-1)
-        # Mass strictly before each position: a shifted cumsum stays monotone (cumsum - probs
-        # need not), so the kept set is a prefix and its size is a count.
-        mass_before = torch.cat([probs.new_zeros(num_rows, 1), probs.cumsum(dim=-1)[:, :-1]], dim=-1)
-        keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
-        num_keep = keep.sum(dim=-1)
-    threshold = sorted_logits.gather(1, (num_keep - 1)[:, None])  # [R, 1]
-    return logits.masked_fill(logits < threshold, -math.inf)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p ([R] f32) times the row's top probability.
-
-    In logit space: p_i < min_p * p_max  <=>  l_i < l_max + ln(min_p), so no softmax, and the
-    result does not depend on whether top-k/top-p renormalized the row first.
-    """
-    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
-    return logits.masked_fill(logits < threshold, -math.inf)
 
 
 def draw_inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block_size: int = _CDF_BLOCK) -> torch.Tensor:
@@ -128,14 +69,6 @@ def draw_inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block_size: int = _CD
     inner = probs.gather(1, token.clamp(max=vocab_size - 1)).masked_fill_(token >= vocab_size, 0).cumsum(-1)
     rest = torch.minimum((target - before).clamp(min=0), torch.nextafter(inner[:, -1:], zero))
     return (block * block_size + torch.searchsorted(inner, rest, right=True))[:, 0]
-
-
-def greedy_ids(x: torch.Tensor) -> torch.Tensor:
-    """x [B, V] f32 -> int64 [B], each row's argmax (ties: the lowest id). On CPU, our op where the
-    CPU ops are loaded: torch's argmax over rows does not vectorize (docs/PERF.md "The 32-row step")."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1 and ops_loaded():
-        return argmax_rows(x)
-    return x.argmax(dim=-1)
 
 
 @dataclass(eq=False)
@@ -304,8 +237,6 @@ class Sampler:
     def _draw_static(self, x: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
         """Every row through engine/device_sampling.py (penalties are in x already). Each row's
         parameters go to the device as one small copy per dtype; no sync."""
-        from engine.device_sampling import SamplingTensors, sample_static  # it imports this module
-
         floats = self._tensor([[s.params.temperature, s.params.top_p, s.params.min_p] for s in states],
                               torch.float32)  # [B, 3]
         ints = self._tensor([[s.params.top_k,

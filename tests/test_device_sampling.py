@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from engine.device_sampling import SamplingTensors, race_noise, sample_static
-from engine.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from engine.device_sampling import SamplingTensors, apply_min_p, apply_top_k_top_p, race_noise, sample_static
+from engine.sampler import Sampler
 from scheduler.request import SamplingParams
 
 V = 64
