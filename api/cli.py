@@ -153,6 +153,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "as half the checkpoints allow for one max-model-len context")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="decode without CUDA graphs (graphs are captured at start-up on CUDA otherwise)")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule and prepare each step while the device computes the one before, its sampled "
+                        "ids read back one step late (steps needing host knowledge of the last token: grammars, "
+                        "speculative decoding, hybrid models' states, run synchronously); default: on with CUDA, "
+                        "off on CPU")
     engine.add_argument("--data-parallel-size", "-dp", type=int, default=_engine_default("data_parallel_size"),
                         metavar="N", help="run N engine cores behind this one server, each a process with its own "
                         "GPU (CUDA_VISIBLE_DEVICES narrowed to one each) or, on CPU, its own 1/N of the CPUs, and its "
@@ -308,6 +313,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         engine_process=not args.in_process_engine,
         attention_backend=args.attention_backend,
         device=args.device,

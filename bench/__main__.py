@@ -1,5 +1,5 @@
-"""`python -m bench {serve,plot,compare,offline,profile,soak,context,tiny-model,moe-models,quality,lm-eval,peers,
-agent-replay}`: flags to
+"""`python -m bench {serve,plot,compare,offline,profile,host-step,soak,context,tiny-model,moe-models,quality,lm-eval,
+peers,agent-replay}`: flags to
 configs, runs, tables and files."""
 
 from __future__ import annotations
@@ -168,6 +168,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print torch.profiler's table of the top aten ops (its overhead inflates "
                         "small ops; read it for counts and the big kernels)")
     f.add_argument("--out", help="write results as JSON here")
+
+    h = sub.add_parser("host-step", help="the host's time per decode step with a forward that costs nothing "
+                                         "(real scheduler, batch, sampler, update, detokenizer), and what of it a "
+                                         "simulated forward hides, async scheduling on and off")
+    h.add_argument("--batch-size", type=_ints, default=[1, 16, 64, 256], help="decode batch sizes, e.g. 1,16,64,256")
+    h.add_argument("--forward-ms", type=_rates, default=[0.0, 5.0],
+                   help="simulated device time of each forward, e.g. 0,5 (0: every host millisecond shows)")
+    h.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size, forward time and mode")
+    h.add_argument("--warmup", type=int, default=10, help="decode steps run before the timed ones")
+    h.add_argument("--input-len", type=int, default=32, help="prompt tokens of every request")
+    h.add_argument("--hidden-size", type=int, default=64, help="width of the tiny model written for the run "
+                   "(its weights are never used: the forward is a stub)")
+    h.add_argument("--model", help="a checkpoint folder instead of the tiny model (its vocabulary sets the sampler's "
+                   "work)")
+    h.add_argument("--out", help="write results as JSON here")
 
     k = sub.add_parser("soak", help="mixed valid, invalid and disconnecting clients for a while; then "
                                     "check nothing leaked (exit 1 if anything did)")
@@ -393,11 +408,24 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_host_step(args: argparse.Namespace) -> int:
+    from bench.host_step import format_host_step, host_step_document, run_host_step
+
+    results = run_host_step(args.batch_size, args.forward_ms, args.steps, args.warmup, args.input_len,
+                            args.hidden_size, args.model)
+    print(format_host_step(results))
+    if args.out:
+        config = {k: v for k, v in vars(args).items() if k != "func"}
+        Path(args.out).write_bytes(orjson.dumps(host_step_document(results, config), option=orjson.OPT_INDENT_2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"serve": cmd_serve, "plot": cmd_plot, "compare": cmd_compare,
                 "offline": cmd_offline, "soak": cmd_soak, "context": cmd_context, "tiny-model": cmd_tiny_model,
-                "moe-models": cmd_moe_models, "peers": cmd_peers, "profile": cmd_profile, "quality": cmd_quality,
+                "moe-models": cmd_moe_models, "peers": cmd_peers, "profile": cmd_profile, "host-step": cmd_host_step,
+                "quality": cmd_quality,
                 "lm-eval": cmd_lm_eval, "agent-replay": cmd_agent_replay}
     return commands[args.command](args)
 

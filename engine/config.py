@@ -239,6 +239,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto | flashinfer | cpu | torch
     enforce_eager: bool = False  # decode without CUDA graphs
+    # Schedule and prepare step n+1 while the device computes step n (vLLM's async scheduling);
+    # None: on with CUDA, off on CPU (where the forward runs on the host thread itself).
+    async_scheduling: bool | None = None
     device: str = "auto"  # auto | cpu | cuda
     # auto | none (or None) | nvfp4 | int8: quantize a float checkpoint at load (int8: CPU only);
     # auto: int8 for the built-in SmolLM2 on CPU, else none (engine/weights/dtype_policy.py)

@@ -25,7 +25,8 @@ from engine.core_types import (
 from engine.weights.generation_config import generation_defaults
 from engine.weights.model_path import default_model_name, resolve_model_path
 from engine.attention.host_pool import host_tier_fields
-from engine.model_runner import ModelRunner, StepResult
+from engine.model_runner import ModelRunner
+from engine.step_result import PendingStep, StepResult
 from engine.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
 from engine.structured_output.grammar_cache import DEFAULT_COMPILE_WORKERS
@@ -100,6 +101,7 @@ class EngineCore:
             self.scheduler.block_manager.event_sink = self.prefix_feed
         if self.scheduler.host is not None:  # KV events of the host tier (medium "CPU"), placement's feed
             self.scheduler.host.event_sink = self.scheduler.block_manager.event_sink
+        self.async_scheduling = self._async_scheduling(config, mc)
         if mc.hybrid is not None and not self.scheduler.config.enable_prefix_caching:
             logger.info("prefix caching off for %s (a hybrid model): %s", mc.architecture,
                         "--no-prefix-caching" if not config.enable_prefix_caching else "--num-state-checkpoints 0")
@@ -158,6 +160,20 @@ class EngineCore:
                         "%d sequences run", spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max,
                         spec.max_batch)
         return spec
+
+    def _async_scheduling(self, config: EngineConfig, mc: ModelConfig) -> bool:
+        """Async scheduling where asked (default: with CUDA), except where every step needs the
+        last token on the host: speculative decoding and hybrid models' states."""
+        wanted = config.async_scheduling if config.async_scheduling is not None else self.runner.device.type == "cuda"
+        if not wanted:
+            return False
+        if self.speculative is not None or mc.hybrid is not None:
+            logger.info("async scheduling off: %s needs each step's tokens before the next is scheduled",
+                        "speculative decoding" if self.speculative is not None else "a hybrid model's state")
+            return False
+        logger.info("async scheduling: each step is scheduled while the one before runs; sampled ids are read "
+                    "back one step late")
+        return True
 
     @staticmethod
     def _kv_events(config: EngineConfig) -> KVEvents | None:
@@ -223,11 +239,21 @@ class EngineCore:
 
     # ---- a step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
+        """With async scheduling, the step's tokens count as computed at once and its sampled
+        tokens are placeholders until `update` (so `can_schedule_ahead` may allow the next)."""
+        return self.scheduler.schedule(async_step=self.async_scheduling)
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight is updated."""
+        return self.async_scheduling and self.scheduler.can_schedule_ahead()
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """The forward and sampling."""
+        """The forward and sampling, read back."""
         return self.runner.execute(out)
+
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """The forward and sampling, the read-back deferred to `PendingStep.result`."""
+        return self.runner.launch(out)
 
     def update(self, out: SchedulerOutput, result: StepResult) -> EngineCoreOutputs:
         """Advance the scheduler by the sampled tokens; what each request got this step."""

@@ -1,7 +1,9 @@
 """The engine core's busy loop, and the process that runs it (vLLM v1's EngineCoreProc).
 
 The loop applies the front's messages (new requests, aborts, shutdown), steps while anything is
-unfinished and emits one `EngineCoreOutputs` per step. A failed step ends every live request
+unfinished and emits one `EngineCoreOutputs` per step. With async scheduling (vLLM's
+`async_scheduling`, SGLang's overlap loop) one step stays in flight: step n+1 is scheduled and
+launched before step n is read back and updated. A failed step ends every live request
 with an error and the loop goes on; MAX_CONSECUTIVE_FAILURES in a row, or a crash of the loop
 itself, end it with a `dead` message. The same loop runs on a thread of the server's process
 (in-process mode) or in a process of its own, behind a pipe (engine/client/core_client.py).
@@ -10,6 +12,7 @@ itself, end it with a `dead` message. The same loop runs on a thread of the serv
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import queue
 import signal
@@ -24,6 +27,8 @@ from engine.config import ConfigError, EngineConfig
 from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, FairShareUpdate, Shutdown
 from engine.host.allocator import memory_releaser
 from engine.host.heartbeat import Heartbeat
+from engine.step_result import PendingStep
+from scheduler.output import SchedulerOutput
 from scheduler.scheduler import SchedulerStats
 
 logger = logging.getLogger("fp4serve.engine")
@@ -51,6 +56,8 @@ class EngineCoreLoop:
         self.release_memory = release_memory  # run when the loop idles after work (engine/host/allocator.py)
         self.num_failures = 0  # consecutive failed steps
         self._stepped = False  # since the loop last idled
+        # Async scheduling: the launched step not yet read back, and when its step began.
+        self._in_flight: tuple[SchedulerOutput, PendingStep, float] | None = None
 
     def run(self, inbox: queue.SimpleQueue[Message]) -> None:
         try:
@@ -66,6 +73,8 @@ class EngineCoreLoop:
     def _run(self, inbox: queue.SimpleQueue[Message]) -> None:
         while True:
             idle = not self.core.has_unfinished()
+            if idle and not self.drain():
+                return  # a step past every request's end (theirs is dropped), read back before idling
             if idle:  # gauges read zero once drained
                 self.emit(EngineCoreOutputs(stats=self.core.scheduler.stats()))
                 if self._stepped and self.release_memory is not None:
@@ -95,6 +104,8 @@ class EngineCoreLoop:
 
     def step(self) -> bool:
         """One step, its outputs emitted; False once the engine is dead."""
+        if getattr(self.core, "async_scheduling", False):
+            return self._step_async()
         t0 = time.perf_counter()
         out = self.core.schedule()
         beat = self.heartbeat
@@ -115,6 +126,56 @@ class EngineCoreLoop:
         self.num_failures = 0
         outputs = self.core.update(out, result)
         self.emit(replace(outputs, step_time_s=time.perf_counter() - t0))
+        return True
+
+    def _step_async(self) -> bool:
+        """Schedule and launch step n+1, then read back and update step n (in flight since the last
+        call), so the host's work for n+1 overlaps the device's for n. A step that needs step n's
+        tokens on the host first (`can_schedule_ahead`) waits for them: the synchronous order."""
+        t0 = time.perf_counter()
+        if self._in_flight is not None and not self.core.can_schedule_ahead():
+            if not self._complete_in_flight():
+                return False
+            if not self.core.has_unfinished():
+                return True
+        out = self.core.schedule()
+        if out.is_empty:
+            if self._in_flight is not None:  # each request waits for its tokens in flight
+                return self._complete_in_flight()
+            time.sleep(0.001)  # everything waits for a grammar, or for pages only an abort can free
+            return True
+        beat = self.heartbeat
+        if beat is not None:
+            beat.step_begins(out.requests)
+        self._stepped = True
+        previous, self._in_flight = self._in_flight, None
+        try:
+            pending = self.core.launch(out)
+            last = previous[1].result() if previous is not None else None  # the step's one host sync
+        except Exception as e:
+            return self._step_failed(e)
+        finally:
+            if beat is not None:
+                beat.step_ends()
+        self.num_failures = 0
+        self._in_flight = (out, pending, t0)
+        if previous is not None and last is not None:
+            self.emit(replace(self.core.update(previous[0], last), step_time_s=t0 - previous[2]))
+        return True
+
+    def drain(self) -> bool:
+        """Read back and update the step in flight, if any; False once the engine is dead."""
+        return self._in_flight is None or self._complete_in_flight()
+
+    def _complete_in_flight(self) -> bool:
+        """Read back and update the step in flight; False once the engine is dead."""
+        assert self._in_flight is not None, "no step in flight"
+        (out, pending, t0), self._in_flight = self._in_flight, None
+        try:
+            result = pending.result()
+        except Exception as e:
+            return self._step_failed(e)
+        self.emit(replace(self.core.update(out, result), step_time_s=time.perf_counter() - t0))
         return True
 
     def _step_failed(self, error: Exception) -> bool:
@@ -169,6 +230,10 @@ def run_engine_core_proc(
         logger.exception("engine start-up failed")
         conn.send(("failed", type(e).__name__, str(e)))
         return
+    # The model, its modules and the imports are long-lived: out of the collector's sight, a full
+    # collection no longer walks them in the middle of a step (vLLM freezes them the same way).
+    gc.collect()
+    gc.freeze()
     conn.send(("ready", core.info))
     inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
 

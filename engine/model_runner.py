@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from engine.attention.backend import AttentionBackend, kv_cache_shape
 from engine.attention.select import choose_backend, flashinfer_import_error, make_backend
-from engine.batch import ForwardBatch, build_forward_batch
+from engine.batch import ForwardBatch
+from engine.input_batch import InputBatch
 from engine.attention.checkpoint_pool import CheckpointPool
 from engine.attention.host_pool import HostPool, make_host_pool
 from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
@@ -26,44 +27,24 @@ from engine.attention.hybrid_runner import make_checkpoint_pool, make_hybrid_bac
 from engine.weights.loader import load_model, weight_bytes
 from engine.models.decoder import DecoderForCausalLM, use_cpu_ops, use_fused_layers
 from engine.weights.formats.packed_linear import can_pack, pack_float_linears, packed_bytes
-from engine.prompt_logprobs import PromptLogprobs, PromptLogprobsByRequest
+from engine.prompt_logprobs import PromptLogprobs
 from engine.weights.formats.int4_linear import Int4Linear, cpu_streamed_weights
 from engine.weights.formats.int8_linear import use_cpu_gemv
 from engine.weights.formats.nvfp4 import QuantizationMethod, detect_quantization
 from engine.sampler import Sampler
+from engine.step_result import PendingStep, StepResult, StepTimings
 from engine.spec_decode.config import DEFAULT_MAX_BATCH
 from engine.spec_decode.mtp import MtpDrafter
 from engine.spec_decode.rejection import verify
 from engine.spec_decode.rollback import StateSnapshot
 from engine.structured_output.manager import StructuredOutputs
-from scheduler.output import SchedulerOutput, StateSave
+from scheduler.output import PLACEHOLDER_TOKEN_ID, SchedulerOutput, StateSave
 
 logger = logging.getLogger("fp4serve.runner")
 
 _DEFAULT_CPU_KV_BYTES = 256 << 20  # the demo model (float32) holds 65k tokens: 16 full contexts
 _DEFAULT_GPU_KV_FRACTION = 0.85
 _MIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class StepTimings:
-    prepare: float  # build the batch tensors
-    forward: float  # attention planning, the forward and the logits
-    sample: float
-    draft: float = 0.0  # MTP drafting after the forward (fill + K draft steps); 0 without MTP
-
-
-@dataclass(frozen=True)
-class StepResult:
-    sampled: dict[str, SampledToken]  # request id -> its (first) token, for the requests that sampled
-    timings: StepTimings
-    prompt_logprobs: PromptLogprobsByRequest = field(default_factory=dict)  # the prefill rows that asked
-    # Requests that verified draft tokens: every token they emit this step, in order (sampled
-    # holds the first). Absent for the others.
-    emitted: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)
-    # Hybrid models: verifying requests whose recurrent state was put back to before this step
-    # (a draft was rejected): the scheduler recomputes their tokens (engine/spec_decode/rollback.py).
-    rolled_back: frozenset[str] = frozenset()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -204,6 +185,11 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, self.device)
         self.prompt_logprobs = PromptLogprobs()
         self.structured = structured
+        # The last step's sampled ids ([S] int64, device) and each request's row in them: the
+        # next step's placeholders are filled from these (async scheduling).
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_num_batched_tokens,
+                                      -(-max_model_len // self.block_size), self.block_size, self.device)
 
     def _num_kv_pages(self) -> int:
         per_page = kv_bytes_per_token(self.model_config, self.kv_dtype, int(self.use_mtp)) * self.block_size
@@ -226,10 +212,20 @@ class ModelRunner:
     def attention_backend_name(self) -> str:
         return self.backend.name
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        """One step, read back at once (the synchronous engine loop)."""
+        return self._launch(out, overlap=False).result()
+
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """One step, its read-back deferred (async scheduling): on CUDA this returns while the
+        device still computes, and the next step's placeholders take its ids on the device."""
+        return self._launch(out, overlap=True)
+
+    @torch.inference_mode()
+    def _launch(self, out: SchedulerOutput, overlap: bool) -> PendingStep:
         t0 = time.perf_counter()
         for request_id in out.finished_request_ids:
+            self.input_batch.remove_request(request_id)
             self.sampler.remove_request(request_id)
             self.prompt_logprobs.remove_request(request_id)
             if self.drafter is not None:
@@ -248,8 +244,9 @@ class ModelRunner:
                     # Compiles in the background while this request's prompt runs.
                     self.structured.add_request(r.request_id, nr.params.structured, nr.eos_token_ids + nr.params.stop_token_ids)
         if out.is_empty:
-            return StepResult({}, StepTimings(time.perf_counter() - t0, 0.0, 0.0))
-        batch = build_forward_batch(out, self.block_size, self.device)
+            return PendingStep(StepResult({}, StepTimings(time.perf_counter() - t0, 0.0, 0.0)))
+        batch = self.input_batch.build(out)
+        self._fill_placeholders(out, batch)
         if self.host_pool is not None:  # spills before anything in the step writes their pages and checkpoints
             self.host_pool.spill(out.host_copies)
         if self.checkpoint_pool is not None:
@@ -278,24 +275,57 @@ class ModelRunner:
                 snapshot.restore([r.state_slot for r in rejected if r.state_slot is not None])
                 rolled_back = frozenset(r.request_id for r in rejected)
             sampled_first = {rid: toks[0] for rid, toks in emitted.items()}
+            self._last_sampled = None  # no placeholder follows a verifying step
             t3 = time.perf_counter()
             self._draft(out, batch, hidden, emitted, rolled_back)
             self._save_step_ends(out)
             timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
             # Prefill rows of other requests in this batch may still score prompt tokens.
-            return StepResult(sampled_first, timings, prompt_logprobs, emitted=emitted, rolled_back=rolled_back)
+            return PendingStep(StepResult(sampled_first, timings, prompt_logprobs, emitted=emitted,
+                                          rolled_back=rolled_back))
         grammar_mask = self.structured.mask(ids, self.device) if self.structured is not None and ids else None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not overlap:
             torch.cuda.synchronize(self.device)  # attribute GPU time to the forward
         t2 = time.perf_counter()
-        sampled = self.sampler.sample(logits, ids, grammar_mask) if ids else []
+        launched = self.sampler.launch(logits, ids, grammar_mask) if ids else None
+        self._last_sampled = (launched.token_ids, {rid: i for i, rid in enumerate(ids)}) if launched else None
+        timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+        def read() -> StepResult:
+            sampled = launched.read() if launched is not None else []
+            return StepResult(dict(zip(ids, sampled)), timings, prompt_logprobs)
+
+        if grammar_mask is None and self.drafter is None:
+            self._save_step_ends(out)
+            return PendingStep(read, timings)
+        # The grammar and the MTP drafter need this step's tokens on the host now.
+        result = read()
+        sampled = [result.sampled[rid] for rid in ids]
         if grammar_mask is not None and self.structured is not None:
             self.structured.accept(ids, [tok.token_id for tok in sampled])
         t3 = time.perf_counter()
         self._draft(out, batch, hidden, {rid: (tok,) for rid, tok in zip(ids, sampled)})
         self._save_step_ends(out)
-        timings = StepTimings(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
-        return StepResult(dict(zip(batch.sample_request_ids, sampled)), timings, prompt_logprobs)
+        return PendingStep(replace(result, timings=replace(timings, sample=t3 - t2, draft=time.perf_counter() - t3)))
+
+    def _fill_placeholders(self, out: SchedulerOutput, batch: ForwardBatch) -> None:
+        """Async scheduling: a request's last token may be the one the previous step sampled, not
+        read back yet; it is taken from that step's ids on the device (no host round-trip)."""
+        dst: list[int] = []
+        src: list[int] = []
+        row = 0
+        for r in out.requests:
+            row += r.num_new_tokens
+            if r.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                assert r.num_draft_tokens == 0 and self._last_sampled is not None, f"{r.request_id}: no step to fill from"
+                assert r.token_ids.count(PLACEHOLDER_TOKEN_ID) == 1, f"{r.request_id}: more than one step in flight"
+                dst.append(row - 1)
+                src.append(self._last_sampled[1][r.request_id])
+        if dst:
+            assert self._last_sampled is not None
+            index = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)
+            source = torch.tensor(src, dtype=torch.int64).to(self.device, non_blocking=True)
+            batch.input_ids.index_copy_(0, index, self._last_sampled[0].index_select(0, source))
 
     def _draft(self, out: SchedulerOutput, batch: ForwardBatch, hidden: torch.Tensor,
                emitted: dict[str, tuple[SampledToken, ...]], rolled_back: frozenset[str] = frozenset()) -> None:

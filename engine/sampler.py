@@ -5,6 +5,7 @@ prompt mask. Semantics follow vLLM v1 (processor order, raw logprobs, min-p, pen
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -12,8 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core_types import SampledToken
-from kernels.cpu_elementwise import argmax_rows
-from kernels.cpu_ops import ops_loaded
+from engine.device_sampling import (SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p, greedy_ids,
+                                    sample_static)
+from engine.step_result import LogprobLayout, SampledBatch
 from scheduler.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,65 +39,6 @@ def noise_seed(seed: int, position: int) -> int:
     """Generator seed for a seeded request's noise at one output position. Hashed, not added,
     so (seed + 1, pos) and (seed, pos + 1) are unrelated streams: n > 1 uses seed + index."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    output_counts: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    presence: torch.Tensor,
-    frequency: torch.Tensor,
-    repetition: torch.Tensor,
-) -> torch.Tensor:
-    """vLLM's penalties, in its order, out of place.
-
-    logits [P, V] f32; output_counts [P, V] int (this request's sampled tokens); prompt_mask
-    [P, V] bool; presence / frequency / repetition [P] f32. Repetition covers prompt and
-    output tokens (positive logits divided, others multiplied); frequency and presence only
-    count output tokens.
-    """
-    in_output = output_counts > 0
-    rep = repetition[:, None]
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(prompt_mask | in_output, penalized, logits)
-    logits = logits - frequency[:, None] * output_counts.to(logits.dtype)
-    return logits - presence[:, None] * in_output.to(logits.dtype)
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Keep each row's top-k tokens (top_k [R] int, 0 = all), then the smallest prefix of those
-    whose renormalized mass reaches top_p ([R] f32, 1.0 = all; None: no row uses top-p, which
-    skips the softmax); the rest become -inf.
-
-    One descending sort of logits [R, V] f32. NOTE: the cut is a logit threshold, so tokens tied
-    with the last kept one are kept too (as vLLM's top-k).
-    """
-    num_rows, vocab_size = logits.shape
-    sorted_logits = logits.sort(dim=-1, descending=True).values  # [R, V]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)  # [R] int64
-    num_keep = k
-    if top_p is not None:
-        in_top_k = torch.arange(vocab_size, device=logits.device)[None, :] < k[:, None]
-        probs = sorted_logits.masked_fill(~in_top_k, -math.inf).softmax(dim=-1)
-        # Mass strictly before each position: a shifted cumsum stays monotone (cumsum - probs
-        # need not), so the kept set is a prefix and its size is a count.
-        mass_before = torch.cat([probs.new_zeros(num_rows, 1), probs.cumsum(dim=-1)[:, :-1]], dim=-1)
-        keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
-        num_keep = keep.sum(dim=-1)
-    threshold = sorted_logits.gather(1, (num_keep - 1)[:, None])  # [R, 1]
-    return logits.masked_fill(logits < threshold, -math.inf)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p ([R] f32) times the row's top probability.
-
-    In logit space: p_i < min_p * p_max  <=>  l_i < l_max + ln(min_p), so no softmax, and the
-    result does not depend on whether top-k/top-p renormalized the row first.
-    """
-    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
-    return logits.masked_fill(logits < threshold, -math.inf)
 
 
 def draw_inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block_size: int = _CDF_BLOCK) -> torch.Tensor:
@@ -128,14 +71,6 @@ def draw_inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block_size: int = _CD
     return (block * block_size + torch.searchsorted(inner, rest, right=True))[:, 0]
 
 
-def greedy_ids(x: torch.Tensor) -> torch.Tensor:
-    """x [B, V] f32 -> int64 [B], each row's argmax (ties: the lowest id). On CPU, our op where the
-    CPU ops are loaded: torch's argmax over rows does not vectorize (docs/PERF.md "The 32-row step")."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1 and ops_loaded():
-        return argmax_rows(x)
-    return x.argmax(dim=-1)
-
-
 @dataclass(eq=False)
 class _RequestState:
     """What the sampler remembers of one request between steps (mutable; sampler-owned)."""
@@ -157,7 +92,10 @@ class Sampler:
     preempted request keeps its state (its outputs survive recompute).
     """
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, static_draw: bool | None = None) -> None:
+        """`static_draw`: random rows draw with engine/device_sampling.py (every row the same ops,
+        noise hashed from (seed, position): no generator, no shapes that depend on the rows);
+        None: on CUDA. Greedy rows are the same argmax either way."""
         assert vocab_size > 0, f"vocab_size must be positive, got {vocab_size}"
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -168,6 +106,8 @@ class Sampler:
         self._free_slots: list[int] = []
         # Reseeded for every seeded row, so a row's noise depends on (seed, position) only.
         self._generator = torch.Generator(device=self.device)
+        self.static_draw = self.device.type == "cuda" if static_draw is None else static_draw
+        self._step_seeds = random.Random(0)  # unseeded rows' noise seeds in the static draw
 
     def add_request(
         self,
@@ -204,10 +144,24 @@ class Sampler:
             return []
         if grammar_mask is not None:
             logits = grammar_mask.apply(logits)  # [B, V] f32, a masked copy
+        return self._launch(logits, states).read()
+
+    def launch(
+        self, logits: torch.Tensor, request_ids: Sequence[str], grammar_mask: GrammarMask | None = None
+    ) -> SampledBatch:
+        """`sample` without the read-back: the ids stay on the device until `SampledBatch.read`.
+        Each request's state (output position, penalty counts) advances now, so the next step
+        can sample before this one is read back."""
+        states = self._states_of(logits, request_ids)
+        if grammar_mask is not None:
+            logits = grammar_mask.apply(logits)
+        return self._launch(logits, states)
+
+    def _launch(self, logits: torch.Tensor, states: list[_RequestState]) -> SampledBatch:
         processed = self._process(logits, states)
         token_ids = self._draw(processed, states)  # [B] int64, device
         self._record(token_ids, states)
-        return self._read_back(logits, token_ids, states)
+        return self._pack(logits, token_ids, states)
 
     def process_logits(self, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
         """The logits greedy rows take the argmax of and random rows divide by temperature:
@@ -271,12 +225,28 @@ class Sampler:
         random_rows = [i for i, s in enumerate(states) if not s.greedy]
         if not random_rows:
             return greedy_ids(x)
+        if self.static_draw:
+            return self._draw_static(x, states)
         if len(random_rows) == len(states):
             return self._draw_random(x, states)
         token_ids = greedy_ids(x)
         rows = self._tensor(random_rows)
         token_ids[rows] = self._draw_random(x[rows], [states[i] for i in random_rows])
         return token_ids
+
+    def _draw_static(self, x: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
+        """Every row through engine/device_sampling.py (penalties are in x already). Each row's
+        parameters go to the device as one small copy per dtype; no sync."""
+        floats = self._tensor([[s.params.temperature, s.params.top_p, s.params.min_p] for s in states],
+                              torch.float32)  # [B, 3]
+        ints = self._tensor([[s.params.top_k,
+                              s.params.seed if s.params.seed is not None else self._step_seeds.getrandbits(62),
+                              s.num_output_tokens] for s in states])  # [B, 3] int64
+        zeros = torch.zeros(len(states), dtype=torch.float32, device=self.device)
+        params = SamplingTensors(temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 1], min_p=floats[:, 2],
+                                 presence=zeros, frequency=zeros, repetition=zeros + 1.0, seed=ints[:, 1],
+                                 position=ints[:, 2])
+        return sample_static(x, params)
 
     def _draw_random(self, x: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
         """x [R, V] f32 (not written); temperature -> top-k/top-p -> min-p -> inverse-CDF draw."""
@@ -316,10 +286,8 @@ class Sampler:
         for s in states:
             s.num_output_tokens += 1
 
-    def _read_back(
-        self, logits: torch.Tensor, token_ids: torch.Tensor, states: list[_RequestState]
-    ) -> list[SampledToken]:
-        num_rows = len(states)
+    def _pack(self, logits: torch.Tensor, token_ids: torch.Tensor, states: list[_RequestState]) -> SampledBatch:
+        """The ids and the logprobs asked for, as one device tensor to read back later."""
         lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         num_top = min(self.vocab_size, max((states[i].params.logprobs or 0 for i in lp_rows), default=0))
         # Everything goes back in one float64 tensor (ids < 2^53 are exact): one sync per step.
@@ -331,19 +299,8 @@ class Sampler:
             if num_top:
                 top_logprobs, top_ids = raw.topk(num_top, dim=-1)  # [L, N], descending
                 parts += [top_ids.double().flatten(), top_logprobs.double().flatten()]
-        host = torch.cat(parts).tolist()
-        ids = [int(t) for t in host[:num_rows]]
-        outputs = [SampledToken(token_id) for token_id in ids]
-        num_lp = len(lp_rows)
-        top_ids_at, top_lps_at = num_rows + num_lp, num_rows + num_lp + num_lp * num_top
-        for j, i in enumerate(lp_rows):
-            n = min(states[i].params.logprobs or 0, num_top)
-            row_ids = host[top_ids_at + j * num_top : top_ids_at + j * num_top + n]
-            row_lps = host[top_lps_at + j * num_top : top_lps_at + j * num_top + n]
-            outputs[i] = SampledToken(
-                ids[i], host[num_rows + j], tuple(int(t) for t in row_ids), tuple(row_lps)
-            )
-        return outputs
+        layout = LogprobLayout(tuple(lp_rows), num_top, tuple(states[i].params.logprobs or 0 for i in lp_rows))
+        return SampledBatch(token_ids, torch.cat(parts) if len(parts) > 1 else parts[0], layout)
 
     def _take_slot(self, prompt_token_ids: Sequence[int]) -> int:
         if not self._free_slots:

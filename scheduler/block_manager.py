@@ -151,7 +151,9 @@ class BlockManager:
         for _ in range(max(need, 0)):
             request.block_table.append(self._pop_free())
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, num_computed + num_new_tokens)
+            # Only known tokens: async scheduling computes tokens still in flight (placeholders),
+            # whose pages are offered once those tokens are read back.
+            self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return True
 
     def _pop_free(self) -> int:

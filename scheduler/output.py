@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 from scheduler.request import SamplingParams
 
+# Async scheduling: a token sampled by the step still in flight. The runner replaces it with that
+# step's sampled id on the device (engine/model_runner.py), so the host never waits for it.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(frozen=True)
 class NewRequestData:
@@ -86,7 +90,7 @@ class HostCopies:
 @dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: tuple[int, ...]  # the tokens computed this step, at positions start_pos...
+    token_ids: tuple[int, ...]  # the tokens computed this step, at positions start_pos... (PLACEHOLDER_TOKEN_ID: in flight)
     start_pos: int  # = num_computed_tokens before this step
     block_table: tuple[int, ...]  # pages covering positions [0, start_pos + len(token_ids))
     sample: bool  # the last token's logits are sampled (the request caught up with its tokens)
@@ -99,6 +103,9 @@ class ScheduledRequest:
     # KV of that page) this request starts from, copied in before the forward.
     restore_checkpoint: int | None = None
     checkpoint_saves: tuple[CheckpointSave, ...] = ()  # positions in (start_pos, seq_len], ascending
+    # Admitted this step (its first step, or its return after preemption): its block table is new,
+    # not an extension of the one it last ran with (engine/input_batch.py rewrites its row).
+    resumed: bool = False
 
     def __post_init__(self) -> None:
         assert self.token_ids, f"{self.request_id}: scheduled with no tokens"
@@ -122,6 +129,9 @@ class SchedulerOutput:
     num_preempted: int = 0
     state_saves: tuple[StateSave, ...] = ()  # hybrid models: copied first, before any restore
     host_copies: HostCopies = HostCopies()  # --kv-offloading-size: the host tier's spills and loads
+    # Async scheduling: the scheduler counted this step's tokens as computed when it scheduled them
+    # and gave each sampling request a placeholder, which `Scheduler.update` fills.
+    async_step: bool = False
 
     @property
     def num_batched_tokens(self) -> int:

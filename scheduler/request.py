@@ -143,6 +143,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Async scheduling: tokens sampled by steps still in flight, not yet read back. Such a request
+    # was scheduled as if they were known (the runner takes them from the device), so its
+    # num_computed_tokens already counts them (scheduler/scheduler.py `schedule(async_step=True)`).
+    num_output_placeholders: int = 0
     block_table: list[int] = field(default_factory=list)
     # Chained prefix-cache hashes of this request's full pages, in order (grows lazily).
     block_hashes: list[bytes] = field(default_factory=list)
@@ -183,6 +187,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+
+    @property
+    def at_length_limit(self) -> bool:
+        """Its placeholders already reach max_tokens or the context: no step is left to schedule."""
+        n = self.num_tokens_with_placeholders
+        max_tokens = self.params.max_tokens
+        return n >= self.max_model_len or (max_tokens is not None and n - self.num_prompt_tokens >= max_tokens)
 
     def token_id(self, i: int) -> int:
         n = len(self.prompt_token_ids)

@@ -16,7 +16,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.checkpoint_manager import CheckpointManager
 from scheduler.fair_queue import FairQueue, FairShareState, Policy
 from scheduler.host_tier import HostHit, HostTier, HostTierStats
-from scheduler.output import HostCopies, NewRequestData, ScheduledRequest, SchedulerOutput
+from scheduler.output import PLACEHOLDER_TOKEN_ID, HostCopies, NewRequestData, ScheduledRequest, SchedulerOutput
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.slot_manager import SlotManager
 
@@ -157,7 +157,25 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- one step -------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the step in flight is read back (async
+        scheduling): not when a step needs host knowledge of the tokens in flight (drafts, grammar
+        masks, hybrid states and their checkpoints), nor when pages may run short, since preempting
+        a request whose tokens are in flight would recompute tokens nobody knows yet."""
+        if self.drafter is not None or self.slots is not None:
+            return False
+        if any(r.params.structured is not None for r in self.running):
+            return False
+        # Each running request grows by at most one page, plus the pages of the step's prefill.
+        bs = self.config.block_size
+        need = len(self.running) + -(-self.config.max_num_batched_tokens // bs)
+        return self.block_manager.num_free_blocks >= need
+
+    def schedule(self, async_step: bool = False) -> SchedulerOutput:
+        """The next step. `async_step`: its tokens count as computed now and each sampling request
+        gets a placeholder for its token (filled by `update`), so the step after it can be
+        scheduled while it runs; such a step must not preempt a request with tokens in flight
+        (the caller checks `can_schedule_ahead` first)."""
         budget = self.config.max_num_batched_tokens
         cap = self.config.long_prefill_token_threshold or budget  # per request per step
         num_new: dict[str, int] = {}
@@ -168,14 +186,16 @@ class Scheduler:
         self._restores = {}
         speculate = self.drafter is not None and len(self.running) <= self.config.speculative_max_batch
         # Decodes first, then running prefill chunks: a long prompt never stalls decoding.
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        # A request whose placeholders reach its length limit finishes when they are read back.
+        decoding = [r for r in self.running if r.num_tokens_with_placeholders - r.num_computed_tokens == 1
+                    and not (r.num_output_placeholders and r.at_length_limit)]
+        prefilling = [r for r in self.running if r.num_tokens_with_placeholders - r.num_computed_tokens > 1]
         for request in decoding + prefilling:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier this step
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget, cap)
+            n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget, cap)
             drafts = self._propose(request, budget - 1) if speculate and n == 1 else []
             if drafts and self.block_manager.allocate(request, n, num_draft_tokens=len(drafts)):
                 self._drafts[request.request_id] = drafts
@@ -186,6 +206,7 @@ class Scheduler:
                 continue
             while not self.block_manager.allocate(request, n):
                 victim = self._pick_victim(exclude=scheduled)
+                assert not victim.num_output_placeholders, f"{victim.request_id}: preempted with tokens in flight"
                 self._preempt(victim)
                 num_preempted += 1
                 if victim is request:
@@ -199,6 +220,7 @@ class Scheduler:
         # New arrivals and resumed requests, oldest first, when nothing was preempted. A request
         # whose grammar still compiles keeps its place and is passed over.
         skipped: list[Request] = []
+        admitted: set[str] = set()
         bs = self.config.block_size
         # Hybrid: the pages this step computes (a prefix in them has no state to restore yet).
         in_flight = {b for r in scheduled for b in r.block_table[r.num_computed_tokens // bs:]} \
@@ -259,6 +281,7 @@ class Scheduler:
             in_flight.update(request.block_table[num_cached // bs:])
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            admitted.add(request.request_id)
             num_new[request.request_id] = n
             scheduled.append(request)
             budget -= n
@@ -267,7 +290,7 @@ class Scheduler:
         # still cost its key a query row.
         self.fair.charge(scheduled, {rid: n + len(self._drafts.get(rid, ())) for rid, n in num_new.items()})
 
-        requests = tuple(self._describe(r, num_new[r.request_id]) for r in scheduled)
+        requests = tuple(self._describe(r, num_new[r.request_id], r.request_id in admitted) for r in scheduled)
         out = SchedulerOutput(
             requests=requests,
             finished_request_ids=tuple(self._finished_ids),
@@ -275,8 +298,15 @@ class Scheduler:
             # Copies of finished or preempted sequences' states ride with the next step that runs.
             state_saves=self.checkpoints.take_queued() if self.checkpoints is not None and requests else (),
             host_copies=self._host_copies(bool(requests)),
+            async_step=async_step,
         )
         self._finished_ids = []
+        if async_step:
+            for r in scheduled:
+                n = num_new[r.request_id]
+                if r.num_computed_tokens + n == r.num_tokens_with_placeholders:
+                    r.num_output_placeholders += 1
+                r.num_computed_tokens += n
         return out
 
     def _load_from_host(self, request: Request, num_device_pages: int, num_cached: int, host: HostHit) -> None:
@@ -345,26 +375,31 @@ class Scheduler:
         if self.slots is not None:
             self.slots.free(request)
 
-    def _describe(self, request: Request, n: int) -> ScheduledRequest:
+    def _describe(self, request: Request, n: int, resumed: bool) -> ScheduledRequest:
         start = request.num_computed_tokens
         new_data = None
         if request.request_id not in self._sent_to_runner:
             self._sent_to_runner.add(request.request_id)
             new_data = NewRequestData(request.params, tuple(request.prompt_token_ids), request.eos_token_ids)
         drafts = self._drafts.get(request.request_id, [])
+        known = request.num_tokens
+        token_ids = tuple(request.token_slice(start, min(start + n, known)))
+        if start + n > known:  # tokens of the step in flight
+            token_ids += (PLACEHOLDER_TOKEN_ID,) * (start + n - max(start, known))
         # Snapshots only of real tokens: a step verifying drafts may leave its state past them.
         saves = () if self.checkpoints is None or drafts else self.checkpoints.saves_for(request, start, start + n)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.token_slice(start, start + n)) + tuple(drafts),
+            token_ids=token_ids + tuple(drafts),
             start_pos=start,
             block_table=tuple(request.block_table),
-            sample=start + n == request.num_tokens,
+            sample=start + n == request.num_tokens_with_placeholders,
             new_request=new_data,
             state_slot=request.state_slot,
             num_draft_tokens=len(drafts),
             restore_checkpoint=self._restores.get(request.request_id),
             checkpoint_saves=saves,
+            resumed=resumed,
         )
 
     def update(
@@ -386,6 +421,8 @@ class Scheduler:
         touched: list[Request] = []
         if self.checkpoints is not None:  # this step wrote them, whether or not their request lives on
             self.checkpoints.mark_ready([s.checkpoint_id for sr in output.requests for s in sr.checkpoint_saves])
+        if output.async_step:
+            return self._update_async(output, sampled)  # type: ignore[arg-type]
         for sr in output.requests:
             request = self.requests.get(sr.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -408,6 +445,26 @@ class Scheduler:
             else:
                 if sr.num_draft_tokens:
                     self.block_manager.trim(request, request.num_tokens)
+        return touched
+
+    def _update_async(self, output: SchedulerOutput, sampled: dict[str, int] | dict[str, Sequence[int]]) -> list[Request]:
+        """An async step's tokens fill the placeholders it left (its computed tokens were counted
+        when it was scheduled). A request that finished here may already run in the next step:
+        that step's token for it is dropped when it comes back (the request is gone by then), and
+        the KV it writes is of a real token, on pages the next step to reuse them runs after."""
+        touched: list[Request] = []
+        for sr in output.requests:
+            request = self.requests.get(sr.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING or not sr.sample:
+                continue
+            got = sampled[sr.request_id]
+            token = got if isinstance(got, int) else got[0]
+            assert request.num_output_placeholders > 0, f"{sr.request_id}: a token without a placeholder"
+            request.num_output_placeholders -= 1
+            request.output_token_ids.append(token)
+            touched.append(request)
+            if request.check_stop(token):
+                self._finish(request)
         return touched
 
     def finish_request(self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None) -> None:

@@ -63,14 +63,14 @@ def capture_logits(engine: OfflineEngine) -> dict[str, list[torch.Tensor]]:
     """Record the logits each request samples from, step by step."""
     seen: dict[str, list[torch.Tensor]] = {}
     sampler = engine.core.runner.sampler
-    original = sampler.sample
+    original = sampler.launch  # what the runner calls: sampling, its read-back deferred
 
     def sample(logits: torch.Tensor, request_ids: list[str], *args: Any) -> Any:
         for row, rid in enumerate(request_ids):
             seen.setdefault(rid, []).append(logits[row].clone())
         return original(logits, request_ids, *args)
 
-    sampler.sample = sample  # type: ignore[method-assign]
+    sampler.launch = sample  # type: ignore[method-assign]
     return seen
 
 
