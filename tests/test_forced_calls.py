@@ -327,3 +327,21 @@ def _blocks(reply: Any) -> list[Any]:
     assert all(block.type == "tool_use" for block in reply.content), [block.type for block in reply.content]
     assert reply.stop_reason in ("tool_use", "max_tokens")
     return reply.content
+
+
+# ---- no stall: the compiler's tables exist before the first constrained request --------------------------------
+def test_the_grammar_compiler_is_built_when_the_engine_is(core: EngineCore) -> None:
+    # EngineCore returned (the engine is ready): the tokenizer tables were built while the model
+    # loaded, so no constrained request builds them under the GIL while other streams run.
+    assert core.structured.compiler.wait(timeout=0)
+    assert core.structured.compiler._compiler is not None
+
+
+def test_the_first_grammar_bench_reports_both_gaps(server: InProcessServer) -> None:
+    import asyncio
+
+    from bench.first_grammar import Scenario, format_result, run
+
+    result = asyncio.run(run(Scenario(server.url("/v1"), DEMO_MODEL_NAME, None, stream_tokens=24, constrained_after=4)))
+    assert result["largest_gap_ms_without"] > 0 and result["largest_gap_ms_with_first_constrained"] > 0
+    assert result["constrained_request_s"] > 0 and "largest inter-token gap" in format_result(result)

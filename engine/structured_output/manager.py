@@ -128,6 +128,8 @@ class StructuredOutputs:
         """Raise ParamError unless an ebnf spec's grammar or a regex spec's pattern is valid (no
         tokenizer needed, about a millisecond): lets a caller refuse it before it is queued. The
         other kinds come from the api, which checked their schemas."""
+        if spec.kind not in ("ebnf", "regex"):
+            return  # NOTE: no xgrammar import for them: it takes seconds, on the server's event loop
         import xgrammar
 
         try:
@@ -138,6 +140,12 @@ class StructuredOutputs:
         except RuntimeError as e:
             raise ParamError(f"invalid {'grammar' if spec.kind == 'ebnf' else 'regex'}: {str(e).splitlines()[-1][:300]}",
                              "grammar" if spec.kind == "ebnf" else "regex") from None
+
+    @staticmethod
+    def prepare_checks() -> None:
+        """Import xgrammar now (at start-up, off the event loop): `check` needs it, and importing it
+        holds the GIL for seconds, which would stall every stream of the server's process."""
+        import xgrammar  # noqa: F401
 
     def add_request(self, request_id: str, spec: StructuredOutput, stop_token_ids: Sequence[int]) -> None:
         """The request starts running with the grammar `prepare` started for it (or starts it now,
