@@ -345,3 +345,24 @@ def test_the_first_grammar_bench_reports_both_gaps(server: InProcessServer) -> N
     result = asyncio.run(run(Scenario(server.url("/v1"), DEMO_MODEL_NAME, None, stream_tokens=24, constrained_after=4)))
     assert result["largest_gap_ms_without"] > 0 and result["largest_gap_ms_with_first_constrained"] > 0
     assert result["constrained_request_s"] > 0 and "largest inter-token gap" in format_result(result)
+
+
+# ---- the forced parser, both tool formats (no server) -----------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["qwen3", "qwen3_coder"])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_forced_parser_keeps_a_cut_call_and_never_makes_content(fmt: str, streaming: bool) -> None:
+    from api.parsers.output_parser import OutputParser, assemble
+    from tests.test_tools_e2e import call_text
+
+    tools = chat_tools(ANTHROPIC_TOOLS)
+    whole = call_text(fmt, "set_mode", {"mode": "slow", "level": 3}) + "\n" + call_text(fmt, "now", {})
+    second = whole.index("\n<tool_call>")
+    for cut, names in [(second - 20, ["set_mode"]), (second + 5, ["set_mode"]), (len(whole) - 14, ["set_mode", "now"])]:
+        parser = OutputParser(fmt, None, tools, False, streaming=streaming, forced=True)
+        deltas = [parser.feed(whole[:cut]), parser.finish()]
+        answer = assemble(deltas)
+        assert answer.content is None, f"cut at {cut}: markup as content {answer.content!r}"
+        assert [c.name for c in answer.tool_calls] == names
+        assert parser.finish_reason("length") == "length"
+    unforced = OutputParser(fmt, None, tools, False, streaming=False)
+    assert assemble([unforced.feed(whole[: second - 20]), unforced.finish()]).content  # the contrast: markup as text
