@@ -114,3 +114,25 @@ def test_vllm_errors_are_400s(client: openai.OpenAI, fields: dict[str, Any], wor
         with pytest.raises(openai.BadRequestError) as e:
             call(client, fields)
         assert words in str(e.value.message)
+
+
+RANGED = {"type": "object", "properties": {
+    "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}, "day": {"type": "string", "format": "date"},
+    "id": {"type": "string", "format": "uuid"}, "month": {"type": "integer", "minimum": 1, "maximum": 12},
+    "root": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+    "required": ["code", "day", "id", "month", "root"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("fields", [{"guided_json": RANGED}, {"response_format": {
+    "type": "json_schema", "json_schema": {"name": "ranged", "schema": RANGED}}}], ids=["guided", "response_format"])
+def test_pattern_format_and_ranges_are_enforced(client: openai.OpenAI, fields: dict[str, Any]) -> None:
+    # xgrammar's converter for these keywords, still compact and with bounded numbers.
+    for seed in (3, 4):
+        [choice] = client.chat.completions.create(model=DEMO_MODEL_NAME, messages=MESSAGES, max_tokens=200,
+                                                  temperature=1.0, seed=seed, extra_body={**NO_THINKING, **fields}).choices
+        text = choice.message.content
+        value = json.loads(text)
+        assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", value["code"]) and re.fullmatch(r"\d{4}-\d{2}-\d{2}", value["day"])
+        assert re.fullmatch(r"[0-9a-fA-F]{8}-([0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}", value["id"])
+        assert 1 <= value["month"] <= 12 and 0 < value["root"] <= 1
+        assert text == json.dumps(value, ensure_ascii=False)  # compact: ", " and ": " only

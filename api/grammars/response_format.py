@@ -5,9 +5,11 @@
 A json_schema is enforced as engine/grammars/schema.py's `SchemaGrammar` reads it: types, properties
 and required (in the schema's order, undeclared ones refused, with or without `strict`), items,
 min/maxItems, enum, const, anyOf/oneOf, allOf of one, local $refs, nullable, min/maxLength up to
-32. Not enforced (the output may break them): pattern, format, numeric ranges other than a
-non-negative minimum, multipleOf, uniqueItems, prefixItems, contains, patternProperties,
-propertyNames, min/maxProperties, not, if/then/else, allOf of several, oneOf's exclusivity."""
+32. A schema that uses pattern, format, minimum/maximum or exclusiveMinimum/exclusiveMaximum anywhere
+goes through xgrammar's converter instead (engine/grammars/xgrammar_json.py), which enforces them,
+with the same compact separators and bounded numbers. Not enforced (the output may break them):
+multipleOf, uniqueItems, prefixItems, contains, patternProperties, propertyNames,
+min/maxProperties, not, if/then/else, allOf of several, oneOf's exclusivity."""
 
 from __future__ import annotations
 

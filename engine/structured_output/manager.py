@@ -17,8 +17,8 @@ Which compiler each kind uses (measured by `python -m bench.structured_compile`,
     but the template's newlines; structural tags (JSONSchemaFormat) take any whitespace between
     tokens or none (max_whitespace_cnt), never ", " and ": ", and "required" lets free text sit
     between the calls.
-  What xgrammar's compiler enforces and ours does not (pattern, format, numeric ranges,
-  min/maxProperties) is listed in api/grammars/response_format.py: the output may break those keywords.
+  A json_schema with what xgrammar's converter enforces and ours does not (pattern, format,
+  numeric ranges) goes through xgrammar's converter, our bounds kept (engine/grammars/xgrammar_json.py).
 
 A grammar's end allows only the request's stop tokens (EOS, stop_token_ids), so a request ends
 with finish_reason "stop" exactly when its grammar is complete. A grammar that cannot be built or
