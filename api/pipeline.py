@@ -206,8 +206,9 @@ async def start_chat(request: Request, chat: ChatCompletionRequest, id_prefix: s
         owner = request_owner(request.scope, chat.priority)
         stream = await start_stream(engine, [prompt], params, header.id, owner, request.receive,
                                     request_deadline(request.scope))
-    parsers = [state.parsers.make(chat.tools, chat.tool_choice, chat.calls_in_parallel, opens_reasoning, chat.streaming)
-               for _ in range(params.n)]
+    forced = params.structured is not None and params.structured.kind == "tool_calls"
+    parsers = [state.parsers.make(chat.tools, chat.tool_choice, chat.calls_in_parallel, opens_reasoning, chat.streaming,
+                                  forced) for _ in range(params.n)]
     return Started(header, [prompt], opens_reasoning, stream, Choices(params.n, parsers), chat.streaming, headers)
 
 

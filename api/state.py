@@ -91,7 +91,9 @@ class ServerConfig:
 
 def load_engine(config: EngineConfig) -> AsyncEngine:
     from engine.front.async_engine import AsyncEngine  # torch and the model: only once we serve
+    from engine.structured_output.manager import StructuredOutputs
 
+    StructuredOutputs.prepare_checks()  # not on the event loop, by the first request with a grammar
     return AsyncEngine.from_config(config)
 
 

@@ -33,6 +33,7 @@ from bench.peers import add_arguments as add_peers_arguments
 from bench.peers import cmd_peers
 from bench.moe_models import cmd_moe_models
 from bench.noisy_neighbor import add_arguments as add_noisy_neighbor_arguments
+from bench.first_grammar import add_arguments as add_first_grammar_arguments
 from bench.soak import add_arguments as add_soak_arguments
 from bench.soak import cmd_soak
 from bench.stats import RequestRecord, Slo, summarize
@@ -105,10 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slo", type=Slo.parse, help="goodput objectives: ttft=MS,tpot=MS,e2e=MS")
     s.add_argument("--no-progress", action="store_true", help="no live progress bar (for logs)")
     _add_dataset_flags(s, input_len=1024, num_requests=200)
-    s.add_argument("--scenario", choices=("load", "noisy-neighbor"), default="load",
+    s.add_argument("--scenario", choices=("load", "noisy-neighbor", "first-grammar"), default="load",
                    help="load: the dataset at the chosen load levels; noisy-neighbor: one key floods, another "
-                   "sends short requests, each key's TTFT percentiles (bench/noisy_neighbor.py)")
+                   "sends short requests, each key's TTFT percentiles (bench/noisy_neighbor.py); first-grammar: "
+                   "a plain stream's largest inter-token gap while the server's first constrained request "
+                   "arrives, against its gap alone (bench/first_grammar.py)")
     add_noisy_neighbor_arguments(s)
+    add_first_grammar_arguments(s)
 
     p = sub.add_parser("plot", help="draw PNG charts from result files")
     p.add_argument("results", nargs="+", help="result files of `bench serve --out` (one line per file)")
@@ -276,6 +280,17 @@ def cmd_noisy_neighbor(args: argparse.Namespace, model: str) -> int:
     return 0
 
 
+def cmd_first_grammar(args: argparse.Namespace, model: str) -> int:
+    from bench.first_grammar import format_result, run, scenario_from_args
+
+    result = asyncio.run(run(scenario_from_args(args, model)))
+    print(format_result(result))
+    if args.out:
+        Path(args.out).write_bytes(orjson.dumps({"scenario": "first-grammar", "label": args.label, **result},
+                                                option=orjson.OPT_INDENT_2))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     notes: list[str] = []
     try:
@@ -285,6 +300,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.scenario == "noisy-neighbor":
         return cmd_noisy_neighbor(args, model)
+    if args.scenario == "first-grammar":
+        return cmd_first_grammar(args, model)
     tokenizer = load_tokenizer(args.tokenizer, args.base_url, model, args.api_key)
     if not tokenizer.exact:
         notes.append("no tokenizer (--tokenizer, a local model folder, or the server's "

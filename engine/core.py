@@ -52,8 +52,8 @@ class EngineCore:
         mc = self.model_config
         sampling_defaults = generation_defaults(config.generation_config, path)  # a bad file fails before the load
         max_model_len = config.max_model_len or mc.max_position_embeddings
-        # The tokenizer loads on a constrained request's first compile only (xgrammar needs it).
         self.structured = StructuredOutputs(path, mc.vocab_size, config.grammar_cache_bytes)
+        self.structured.start()  # the grammar compiler's tokenizer tables, built while the model loads
         logger.info("grammar cache: compiled grammars kept up to %.0f MiB (--grammar-cache-bytes), least recently "
                     "used out; %d compile threads, each API key compiling one grammar at a time",
                     config.grammar_cache_bytes / (1 << 20), DEFAULT_COMPILE_WORKERS)
@@ -123,6 +123,7 @@ class EngineCore:
             prefix_caching=self.scheduler.config.enable_prefix_caching,
             sampling_defaults=sampling_defaults,
         )
+        self.structured.compiler.wait()  # ready means no first constrained request stalls the steps
 
     def _drafter(self, spec: SpeculativeConfig | None) -> Drafter | None:
         if spec is None:
@@ -269,8 +270,14 @@ class EngineCore:
         before = {rid: live[rid].num_output_tokens for rid in emitted if rid in live}
         touched = self.scheduler.update(out, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()},
                                         result.rolled_back)
+        grammar_failed = self.structured.take_failed()  # they end with an error, not as if the model stopped
+        for request_id in grammar_failed:
+            self.scheduler.abort_request(request_id)
+            self.structured.remove_request(request_id)
         outputs = []
         for request in touched:
+            if request.request_id in grammar_failed:
+                continue
             # The tokens the scheduler kept: a stop inside the accepted drafts ends the list there.
             toks = emitted[request.request_id][: request.num_output_tokens - before[request.request_id]]
             reason = request.finish_reason if request.is_finished else None
@@ -308,6 +315,9 @@ class EngineCore:
             num_drafts_by_position=drafted,
             num_accepted_by_position=accepted,
             prefix_cache=self.prefix_feed.take() if self.prefix_feed is not None else None,
+            failed_request_ids=tuple(grammar_failed),
+            error=f"its grammar could not be made ({', '.join(sorted(set(grammar_failed.values())))}); see the "
+                  "server log" if grammar_failed else None,
         )
 
     def _unsent_prompt_logprobs(self, result: StepResult) -> dict[str, PromptLogprobsChunk]:

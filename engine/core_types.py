@@ -139,6 +139,8 @@ class GrammarCacheStats:
     hits: int  # cumulative: requests whose grammar was kept or already compiling
     misses: int  # cumulative: requests that started a compile
     evictions: int  # cumulative: kept grammars dropped for the budget, or too large to keep
+    # cumulative, by reason: requests whose grammar could not be made (engine/structured_output/compiler.py)
+    failures: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

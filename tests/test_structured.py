@@ -2,7 +2,7 @@
 151k-token tokenizer): greedy and seeded sampling produce text that matches each grammar exactly
 and stop with "stop" when it is complete; unconstrained requests in the same batch sample the
 same tokens as alone; a preempted request resumes inside its grammar; a grammar that does not
-compile ends only its own request. Plus the pieces: the bitmask of a completed grammar, and the
+compile ends only its own request, with an error. Plus the pieces: the bitmask of a completed grammar, and the
 mask applied to logits against a plain-torch reference."""
 
 from __future__ import annotations
@@ -123,14 +123,19 @@ def test_an_invalid_grammar_is_refused_before_it_is_queued(engine: OfflineEngine
 def test_a_grammar_that_does_not_compile_ends_only_its_own_request(
     engine: OfflineEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The safety net behind validation: a grammar that fails inside the engine harms no one else."""
+    """The safety net behind validation: a grammar that fails inside the engine harms no one else,
+    and its own request ends with an error (never as an empty "stop", which reads as the model's
+    choice), counted by reason."""
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     alone = run(engine, [(PROMPTS[1], greedy)])[0]
     monkeypatch.setattr(StructuredOutputs, "check", staticmethod(lambda grammar: None))
     broken = SamplingParams(max_tokens=8, temperature=0.0, structured=StructuredOutput.ebnf("root ::= undefined_rule"))
     together = run(engine, [(PROMPTS[0], broken), (PROMPTS[1], greedy)])
-    assert together[0].texts == [""] and together[0].finish_reasons == ["stop"]
+    [last] = [out for out in together[0].outputs[0] if out.finish_reason is not None]
+    assert together[0].texts == [""] and last.error is not None and "grammar could not be made (compile)" in last.error
     assert together[1].token_ids == alone.token_ids
+    assert dict(engine.core.structured.stats().failures)["compile"] >= 1
+    assert not engine.has_unfinished()
 
 
 @pytest.mark.parametrize(("grammar", "valid"), [('root ::= "a" [0-9]*', True), ("root ::= undefined_rule", False),

@@ -18,6 +18,7 @@ import secrets
 from typing import Any
 
 import orjson
+import pydantic_core
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -70,10 +71,7 @@ class ContentBlocks:
             return
         self._open = None
         if block["type"] == "tool_use":
-            try:
-                block["input"] = json.loads("".join(self._arguments) or "{}")
-            except ValueError:
-                block["input"] = {}  # a stream cut inside the call: its deltas were sent as they were
+            block["input"] = tool_input("".join(self._arguments))
             self._arguments.clear()
         self.events.append(("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1}))
 
@@ -88,6 +86,20 @@ class ContentBlocks:
     def _delta(self, delta: dict[str, Any]) -> None:
         self.events.append(("content_block_delta",
                             {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}))
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A tool_use block's `input` from its JSON text. A call cut by max_tokens keeps the
+    arguments it had (pydantic-core's partial mode closes what was open, a string cut short
+    included), as its streamed input_json_delta events showed them."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        try:
+            value = pydantic_core.from_json(arguments, allow_partial="trailing-strings")
+        except ValueError:
+            value = {}
+    return value if isinstance(value, dict) else {}
 
 
 def stop_fields(totals: Totals) -> dict[str, Any]:

@@ -5,9 +5,11 @@
 A json_schema is enforced as engine/grammars/schema.py's `SchemaGrammar` reads it: types, properties
 and required (in the schema's order, undeclared ones refused, with or without `strict`), items,
 min/maxItems, enum, const, anyOf/oneOf, allOf of one, local $refs, nullable, min/maxLength up to
-32. Not enforced (the output may break them): pattern, format, numeric ranges other than a
-non-negative minimum, multipleOf, uniqueItems, prefixItems, contains, patternProperties,
-propertyNames, min/maxProperties, not, if/then/else, allOf of several, oneOf's exclusivity."""
+32. A schema that uses pattern, format, minimum/maximum or exclusiveMinimum/exclusiveMaximum anywhere
+goes through xgrammar's converter instead (engine/grammars/xgrammar_json.py), which enforces them,
+with the same compact separators and bounded numbers. Not enforced (the output may break them):
+multipleOf, uniqueItems, prefixItems, contains, patternProperties, propertyNames,
+min/maxProperties, not, if/then/else, allOf of several, oneOf's exclusivity."""
 
 from __future__ import annotations
 
@@ -34,15 +36,18 @@ _LOCAL_REF = re.compile(r"#/(\$defs|definitions)/([^/]+)")
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """A format the output must have ("text" is no format: parse_response_format returns None)."""
+    """A format the output must have ("text" is no format: parse_response_format returns None).
+    regex, grammar and choice come from vLLM's fields (api/grammars/vllm_fields.py)."""
 
-    type: Literal["json_object", "json_schema"]
+    type: Literal["json_object", "json_schema", "regex", "grammar", "choice"]
     schema: dict[str, Any] | bool | None = None  # json_schema only; checked by check_schema
     name: str | None = None
     strict: bool | None = None  # accepted; the grammar enforces the schema either way
+    text: str | None = None  # regex: the pattern; grammar: its EBNF; choice: the EBNF of its literals
 
     def __post_init__(self) -> None:
         assert (self.type == JSON_SCHEMA) == (self.schema is not None), f"{self.type} with schema {self.schema!r}"
+        assert (self.type in ("regex", "grammar", "choice")) == bool(self.text), f"{self.type} with text {self.text!r}"
 
 
 class SchemaError(Exception):
@@ -96,7 +101,14 @@ def refuse_with_tool_choice(fmt: ResponseFormat | None, tool_choice: str | dict[
 def response_format_spec(fmt: ResponseFormat, reasoning: Reasoning = Reasoning.NONE,
                          think: ThinkTags = THINK) -> StructuredOutput:
     """What an output in `fmt` must be: one JSON object (json_object) or one value that fits the
-    schema, with no text before or after it; a think block first as `reasoning` says."""
+    schema, with no text before or after it; a think block first as `reasoning` says. A regex or
+    a grammar binds the whole output: no think block before it."""
+    if fmt.type == "regex":
+        assert fmt.text is not None
+        return StructuredOutput.regex(fmt.text)
+    if fmt.type in ("grammar", "choice"):
+        assert fmt.text is not None
+        return StructuredOutput.ebnf(fmt.text)
     if fmt.type == JSON_OBJECT:
         return StructuredOutput.json_object(reasoning, think)
     return StructuredOutput.json_schema(fmt.schema, reasoning, think)

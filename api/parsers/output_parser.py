@@ -37,6 +37,10 @@ class OutputParser:
     call; later ones are parsed and dropped (they do not become content). `streaming=False`
     (a whole reply): a call is released only once its text closed, and one that never closed
     stays content; streaming, such a call gets nothing more and no `tool_calls` finish.
+    `forced` (a tool_calls grammar binds the output: tool_choice required or named): the output
+    is calls only, so a call cut by max_tokens is kept as it was streamed, arguments so far and
+    `broken_calls` naming it, in whole replies too, and no text ever becomes content (what is
+    not a call yet is the template's markup of one being written).
     """
 
     def __init__(
@@ -49,13 +53,16 @@ class OutputParser:
         *,
         call_id_factory: CallIdFactory = new_call_id,
         streaming: bool = True,
+        forced: bool = False,
     ) -> None:
         self._reasoning: ReasoningParser | None = (
             make_reasoning_parser(reasoning_parser, starts_in_reasoning) if reasoning_parser else None
         )
         self._tools: ToolParser | None = (
-            make_tool_parser(tool_parser, tools, call_id_factory, streaming=streaming) if tool_parser else None
+            make_tool_parser(tool_parser, tools, call_id_factory, streaming=streaming or forced)
+            if tool_parser else None
         )
+        self._forced = forced and self._tools is not None
         self._parallel_tool_calls = parallel_tool_calls
         self._finished = False
 
@@ -99,6 +106,8 @@ class OutputParser:
             tail = self._tools.finish()
             content += tail.content
             calls = coalesce_tool_deltas([*calls, *tail.tool_calls])
+        if self._forced:
+            content = ""
         if not self._parallel_tool_calls:
             calls = tuple(c for c in calls if c.index == 0)
         if not (content or split.reasoning or calls):
@@ -120,14 +129,16 @@ class ParserSettings:
         parallel_tool_calls: bool,
         starts_in_reasoning: bool,
         streaming: bool,
+        forced: bool = False,
     ) -> OutputParser | None:
         """One choice's parser; None when the output is plain text. Tool calls are parsed only
-        when the client offered tools and did not turn them off."""
+        when the client offered tools and did not turn them off. `forced`: a tool_calls grammar
+        binds the output (OutputParser says what changes)."""
         tool_parser = self.tool_parser if tools and tool_choice != "none" else None
         if tool_parser is None and self.reasoning_parser is None:
             return None
         return OutputParser(tool_parser, self.reasoning_parser, tools, starts_in_reasoning, parallel_tool_calls,
-                            streaming=streaming)
+                            streaming=streaming, forced=forced)
 
 
 def resolve_finish_reason(engine_finish_reason: str, tool_calls_made: bool) -> str:

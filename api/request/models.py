@@ -16,7 +16,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from api.errors import bad_request
-from api.grammars.response_format import parse_response_format, refuse_with_tool_choice
+from api.grammars.response_format import ResponseFormat, parse_response_format, refuse_with_tool_choice
+from api.grammars.vllm_fields import parse_vllm_fields
 from api.request.messages import parse_messages, parse_tool_choice, parse_tools
 from api.request.validation import (
     Bool,
@@ -116,8 +117,26 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptionsModel | None = None
     return_token_ids: Bool | None = None
     response_format: Any = None  # api/grammars/response_format.py: a ResponseFormat (or None) once validated
+    # vLLM's structured-output fields (api/grammars/vllm_fields.py): folded into response_format.
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     priority: Int | None = Field(None, ge=-(1 << 31), le=(1 << 31) - 1)  # vLLM's: lower is served first
     speculative_decoding: Bool | None = None  # false: this request never drafts (extra body field)
+
+    def output_format(self) -> ResponseFormat | None:
+        """response_format, or what vLLM's structured_outputs / guided_* ask for (not both)."""
+        response_format = parse_response_format(self.response_format)
+        vllm = parse_vllm_fields(self.structured_outputs, {"guided_json": self.guided_json,
+                                                            "guided_regex": self.guided_regex,
+                                                            "guided_choice": self.guided_choice,
+                                                            "guided_grammar": self.guided_grammar})
+        if response_format is not None and vllm is not None:
+            raise bad_request("response_format cannot be combined with structured_outputs or guided_*; use one",
+                              "response_format")
+        return response_format or vllm
 
     # ---- the server's limits, as validators ----------------------------------------------------
     @field_validator("n")
@@ -205,7 +224,7 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
         """The nested shapes and the rules across fields, once every field has its type."""
         tools = parse_tools(self.tools)
         tool_choice = parse_tool_choice(self.tool_choice, tools)
-        response_format = parse_response_format(self.response_format)
+        response_format = self.output_format()
         refuse_with_tool_choice(response_format, tool_choice)
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
@@ -282,7 +301,7 @@ class CompletionRequestModel(SamplingRequest):
     def _normalised(self) -> CompletionRequestModel:
         if self.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
-        response_format = parse_response_format(self.response_format)
+        response_format = self.output_format()
         if self.max_tokens == 0 and not self.echo:
             raise bad_request("max_tokens must be at least 1, got 0 (0 is taken with echo only)", "max_tokens")
         return self.model_copy(update={"prompt": parse_prompts(self.prompt), "response_format": response_format})

@@ -291,7 +291,7 @@ class AsyncEngine:
         if step.step_time_s is not None:
             self._num_steps += 1
         if step.error is not None:
-            logger.error("engine step failed; failing %d in-flight requests", len(step.failed_request_ids))
+            logger.error("the engine ended %d requests with an error: %s", len(step.failed_request_ids), step.error)
         try:
             outputs, finished_by_stop = self.output_processor.process(step, index)
         except Exception as e:

@@ -175,6 +175,11 @@ class EngineMetrics:
             "fp4serve_grammar_cache_evictions", "Compiled grammars dropped for the budget (or too large to keep).",
             registry=r,
         )
+        self.grammar_failures = Counter(
+            "fp4serve_grammar_failures", "Constrained requests ended with an error because their grammar could not "
+            "be made, by reason: tokenizer (the compiler's tables), build (our EBNF of the spec), compile "
+            "(xgrammar refused it).", ["reason"], registry=r,
+        )
         self._grammar = [_NO_GRAMMARS] * num_engines  # each core's last report
 
     def observe_grammar_cache(self, stats: GrammarCacheStats, engine_index: int = 0) -> None:
@@ -183,6 +188,10 @@ class EngineMetrics:
         self.grammar_cache_hits.inc(stats.hits - last.hits)
         self.grammar_cache_misses.inc(stats.misses - last.misses)
         self.grammar_cache_evictions.inc(stats.evictions - last.evictions)
+        before = dict(last.failures)
+        for reason, count in stats.failures:
+            if count > before.get(reason, 0):
+                self.grammar_failures.labels(reason=reason).inc(count - before.get(reason, 0))
 
     def on_core_lost(self, engine_index: int) -> None:
         """Engine core `engine_index` was lost: its grammar cache went with it, and its successor

@@ -1,6 +1,7 @@
 """Our own EBNF rules for the structured outputs whose guarantees xgrammar's converters do not give
 (engine/structured_output/manager.py says which and why): JSON values of a schema (schema.py) and forced tool
-calls (tools.py). `ebnf` is the one entry: a spec in, grammar text out."""
+calls (tools.py); a schema with `pattern`, `format` or numeric ranges through xgrammar's converter,
+with our bounds kept (xgrammar_json.py). `ebnf` is the one entry: a spec in, grammar text out."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 from engine.grammars.schema import Rules, SchemaGrammar
 from engine.grammars.tools import tool_call_grammar
+from engine.grammars.xgrammar_json import needs_xgrammar, xgrammar_value
 from scheduler.structured_output import StructuredOutput
 
 
@@ -23,7 +25,10 @@ def ebnf(spec: StructuredOutput) -> str:
         value = rules.base("json_object")
     elif spec.kind == "json_schema":
         schema = json.loads(spec.text)
-        value = SchemaGrammar(rules, schema).value(schema if isinstance(schema, dict) else {}, 0)
+        if needs_xgrammar(schema):
+            value = xgrammar_value(rules, schema)
+        else:
+            value = SchemaGrammar(rules, schema).value(schema if isinstance(schema, dict) else {}, 0)
     else:
         raise ValueError(f"no EBNF for a {spec.kind} spec")
     return rules.with_reasoning(value, spec.reasoning, spec.think)

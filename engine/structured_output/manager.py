@@ -17,12 +17,14 @@ Which compiler each kind uses (measured by `python -m bench.structured_compile`,
     but the template's newlines; structural tags (JSONSchemaFormat) take any whitespace between
     tokens or none (max_whitespace_cnt), never ", " and ": ", and "required" lets free text sit
     between the calls.
-  What xgrammar's compiler enforces and ours does not (pattern, format, numeric ranges,
-  min/maxProperties) is listed in api/grammars/response_format.py: the output may break those keywords.
+  A json_schema with what xgrammar's converter enforces and ours does not (pattern, format,
+  numeric ranges) goes through xgrammar's converter, our bounds kept (engine/grammars/xgrammar_json.py).
 
 A grammar's end allows only the request's stop tokens (EOS, stop_token_ids), so a request ends
-with finish_reason "stop" exactly when its grammar is complete. xgrammar is imported on first use:
-a server that never constrains pays nothing.
+with finish_reason "stop" exactly when its grammar is complete. A grammar that cannot be built or
+compiled is never left out silently: its request ends with an error (`take_failed`), a log line and
+fp4serve_grammar_failures_total by reason. The compiler's tokenizer tables are built at start-up,
+off the engine's thread (engine/structured_output/compiler.py).
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from engine.core_types import GrammarCacheStats
+from engine.structured_output.compiler import Compiler, GrammarFailed
 from engine.structured_output.grammar_cache import (
     DEFAULT_COMPILE_WORKERS,
     DEFAULT_GRAMMAR_CACHE_BYTES,
@@ -45,9 +47,6 @@ from engine.structured_output.grammar_cache import (
 )
 from scheduler.request import ParamError
 from scheduler.structured_output import StructuredOutput
-
-if TYPE_CHECKING:
-    import xgrammar
 
 logger = logging.getLogger("fp4serve.structured")
 
@@ -95,7 +94,7 @@ class _Constrained:
     compiled: Future[Any]  # -> xgrammar.CompiledGrammar
     stop_token_ids: tuple[int, ...]
     matcher: Any = None  # xgrammar.GrammarMatcher, made when the request first samples
-    failed: bool = False  # its grammar did not compile: only stop tokens are allowed
+    failed: bool = False  # its grammar could not be made: the request ends with an error (take_failed)
 
 
 class StructuredOutputs:
@@ -107,19 +106,19 @@ class StructuredOutputs:
     def __init__(self, tokenizer: Any, vocab_size: int, cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
                  compile_workers: int = DEFAULT_COMPILE_WORKERS) -> None:
         """`tokenizer`: the checkpoint's transformers tokenizer, or its folder (loaded on the first
-        compile, so an engine that never constrains never loads it); `vocab_size`: the model's
-        (padded) logits width, which may exceed the tokenizer's; `cache_bytes`: the budget of
-        compiled grammars kept (--grammar-cache-bytes)."""
+        compile, or by `start`); `vocab_size`: the model's (padded) logits width, which may exceed
+        the tokenizer's; `cache_bytes`: the budget of compiled grammars kept (--grammar-cache-bytes)."""
         assert vocab_size > 0, f"vocab_size {vocab_size}"
         self.vocab_size = vocab_size
-        self._tokenizer = tokenizer
-        self._compiler: xgrammar.GrammarCompiler | None = None  # built on first compile, by a worker
-        self._compiler_lock = threading.Lock()  # the first compiles may start on two workers at once
+        self.compiler = Compiler(tokenizer, vocab_size)
         # NOTE: a lambda, so that the compile step can be replaced on an instance (tests slow it down).
         self._cache = GrammarCache(lambda spec: self._compile_now(spec), cache_bytes, compile_workers)
         self._used = False  # whether any grammar was asked for: stats() is None until then
         self._held: dict[str, Future[Any]] = {}  # request id -> the grammar it holds, from prepare to remove
         self._requests: dict[str, _Constrained] = {}
+        self._failed: dict[str, str] = {}  # request id -> why its grammar could not be made, until taken
+        self._num_failed: dict[str, int] = {}  # cumulative, by reason: requests whose grammar could not be made
+        self._failed_lock = threading.Lock()  # NOTE: mask() may run on the runner's thread, take_failed() on the loop's
         # [rows, words] int32, cpu (pinned for an async copy when the logits are on a GPU)
         self._host_bitmask = torch.empty(0, bitmask_words(vocab_size), dtype=torch.int32)
 
@@ -129,6 +128,8 @@ class StructuredOutputs:
         """Raise ParamError unless an ebnf spec's grammar or a regex spec's pattern is valid (no
         tokenizer needed, about a millisecond): lets a caller refuse it before it is queued. The
         other kinds come from the api, which checked their schemas."""
+        if spec.kind not in ("ebnf", "regex"):
+            return  # NOTE: no xgrammar import for them: it takes seconds, on the server's event loop
         import xgrammar
 
         try:
@@ -139,6 +140,12 @@ class StructuredOutputs:
         except RuntimeError as e:
             raise ParamError(f"invalid {'grammar' if spec.kind == 'ebnf' else 'regex'}: {str(e).splitlines()[-1][:300]}",
                              "grammar" if spec.kind == "ebnf" else "regex") from None
+
+    @staticmethod
+    def prepare_checks() -> None:
+        """Import xgrammar now (at start-up, off the event loop): `check` needs it, and importing it
+        holds the GIL for seconds, which would stall every stream of the server's process."""
+        import xgrammar  # noqa: F401
 
     def add_request(self, request_id: str, spec: StructuredOutput, stop_token_ids: Sequence[int]) -> None:
         """The request starts running with the grammar `prepare` started for it (or starts it now,
@@ -156,9 +163,24 @@ class StructuredOutputs:
         if held is not None:
             self._cache.release(held)
 
+    def start(self) -> None:
+        """Build the compiler's tokenizer tables now, on a thread of their own (at start-up)."""
+        self.compiler.start()
+
+    def take_failed(self) -> dict[str, str]:
+        """The requests whose grammar could not be built or compiled since the last call, with the
+        reason: each must end with an error, not as if the model had stopped."""
+        with self._failed_lock:
+            failed, self._failed = self._failed, {}
+        return failed
+
     def stats(self) -> GrammarCacheStats | None:
         """The compiled-grammar cache; None while no request has been constrained."""
-        return self._cache.stats() if self._used else None
+        if not self._used:
+            return None
+        with self._failed_lock:
+            failures = tuple(sorted(self._num_failed.items()))
+        return replace(self._cache.stats(), failures=failures)
 
     def is_terminated(self, request_id: str) -> bool:
         """Whether the request's grammar is complete and a stop token was accepted after it (or
@@ -217,26 +239,9 @@ class StructuredOutputs:
         return future
 
     def _compile_now(self, spec: StructuredOutput) -> Any:
-        """On a worker thread: the compiler (built once, ~2 s for a 150k vocabulary) compiles
-        (which compiler for which kind: the module docstring)."""
-        import xgrammar
-
-        with self._compiler_lock:
-            if self._compiler is None:
-                tokenizer = self._tokenizer
-                if isinstance(tokenizer, (str, Path)):
-                    from transformers import AutoTokenizer
-
-                    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-                # One thread per compile: the machine's cores belong to the model. xgrammar's own
-                # cache is off (it would be a second, unmetered copy): GrammarCache keeps them.
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        if spec.kind == "regex":
-            return self._compiler.compile_regex(spec.text)
-        from engine.grammars import ebnf
-
-        return self._compiler.compile_grammar(ebnf(spec))
+        """On a worker thread: the compiler (its tables built at start-up, or now) compiles (which
+        compiler for which kind: the module docstring); GrammarFailed with its reason otherwise."""
+        return self.compiler.compile(spec)
 
     def _matcher(self, request_id: str, state: _Constrained) -> Any:
         if state.matcher is None and not state.failed:
@@ -244,11 +249,16 @@ class StructuredOutputs:
 
             try:
                 compiled = state.compiled.result()
-            except Exception:
-                # NOTE: failing the step would fail every request in the batch; this request
-                # alone ends at once ("stop", no text). check() keeps bad grammars out earlier.
-                logger.exception("%s: its grammar did not compile; the request ends", request_id)
+            except Exception as e:
+                # NOTE: failing the step would fail every request in the batch; this request alone
+                # ends, with an error (take_failed): never as if the model chose to say nothing.
+                reason = e.reason if isinstance(e, GrammarFailed) else "compile"
+                logger.error("%s: its grammar could not be made (%s); the request ends with an error", request_id, e,
+                             exc_info=not isinstance(e, GrammarFailed))
                 state.failed = True
+                with self._failed_lock:
+                    self._failed[request_id] = reason
+                    self._num_failed[reason] = self._num_failed.get(reason, 0) + 1
                 return None
             state.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=list(state.stop_token_ids))
         return state.matcher

@@ -1,0 +1,121 @@
+"""`Compiler`: xgrammar's GrammarCompiler for one tokenizer, and what building it needs (the
+checkpoint's tokenizer, xgrammar's `TokenizerInfo`), started at start-up on a thread of its own; and
+`GrammarFailed`, a grammar that could not be built or compiled, with its reason.
+
+NOTE: loading the tokenizer and building `TokenizerInfo` run in Python under the GIL (seconds for a
+150k vocabulary, docs/PERF.md): built on the first constrained request, they would stall every
+stream in flight for that long. `start` runs them while the model loads instead; a compile that
+comes before they are done waits for them, never builds them a second time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from scheduler.structured_output import StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar
+
+logger = logging.getLogger("fp4serve.structured")
+
+
+class GrammarFailed(RuntimeError):
+    """A request's grammar could not be made. `reason`: "tokenizer" (the compiler's tables could
+    not be built), "build" (our EBNF for the spec: engine/grammars/) or "compile" (xgrammar refused
+    the grammar); it labels fp4serve_grammar_failures_total."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+class Compiler:
+    """Thread-safe: `compile` runs on GrammarCache's pool threads, `start` on the engine's."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        """`tokenizer`: a transformers tokenizer, or the checkpoint folder to load one from;
+        `vocab_size`: the model's (padded) logits width."""
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._lock = threading.Lock()  # one build, whoever asks first
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._error: GrammarFailed | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Build the compiler's tables now, on a thread (the start-up's, while the model loads)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._quietly_built, name="fp4serve-grammar-tables", daemon=True)
+            self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for `start`'s build; whether it is over (built or failed)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return self._compiler is not None or self._error is not None
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        """`spec` compiled (xgrammar.CompiledGrammar); GrammarFailed with its reason otherwise.
+        Which compiler each kind uses: engine/structured_output/manager.py."""
+        compiler = self._built()
+        if spec.kind == "regex":
+            try:
+                return compiler.compile_regex(spec.text)
+            except Exception as e:
+                raise GrammarFailed("compile", _last_line(e)) from e
+        from engine.grammars import ebnf
+
+        try:
+            text = ebnf(spec)
+        except Exception as e:
+            raise GrammarFailed("build", f"{type(e).__name__}: {_last_line(e)}") from e
+        try:
+            return compiler.compile_grammar(text)
+        except Exception as e:
+            raise GrammarFailed("compile", _last_line(e)) from e
+
+    def _quietly_built(self) -> None:
+        try:
+            self._built()
+        except GrammarFailed:
+            pass  # logged by _built; each constrained request fails with it
+
+    def _built(self) -> xgrammar.GrammarCompiler:
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._compiler is None:
+                try:
+                    self._compiler = self._build()
+                except Exception as e:
+                    logger.exception("the grammar compiler could not be built: constrained requests will fail")
+                    self._error = GrammarFailed("tokenizer", f"{type(e).__name__}: {_last_line(e)}")
+                    raise self._error from e
+            return self._compiler
+
+    def _build(self) -> xgrammar.GrammarCompiler:
+        import xgrammar
+
+        started = time.perf_counter()
+        tokenizer = self._tokenizer
+        if isinstance(tokenizer, (str, Path)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size)
+        logger.info("grammar compiler ready: tokenizer tables of %d tokens built in %.2f s", self._vocab_size,
+                    time.perf_counter() - started)
+        # One thread per compile: the machine's cores belong to the model. xgrammar's own cache is
+        # off (it would be a second, unmetered copy): GrammarCache keeps compiled grammars.
+        return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def _last_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[-1][:300] if lines else type(error).__name__
