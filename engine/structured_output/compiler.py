@@ -10,6 +10,7 @@ comes before they are done waits for them, never builds them a second time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -105,15 +106,26 @@ class Compiler:
         started = time.perf_counter()
         tokenizer = self._tokenizer
         if isinstance(tokenizer, (str, Path)):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size)
+            info = _tokenizer_info(str(Path(tokenizer).resolve()), self._vocab_size)
+        else:
+            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size)
         logger.info("grammar compiler ready: tokenizer tables of %d tokens built in %.2f s", self._vocab_size,
                     time.perf_counter() - started)
         # One thread per compile: the machine's cores belong to the model. xgrammar's own cache is
         # off (it would be a second, unmetered copy): GrammarCache keeps compiled grammars.
         return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+# NOTE: one process may build several engines on one checkpoint (tests, benchmarks, a restart in
+# process): the tables are a pure function of the tokenizer files, so they are built once per
+# process and shared read-only, never seconds of GIL-bound work again per engine.
+@functools.lru_cache(maxsize=4)
+def _tokenizer_info(folder: str, vocab_size: int) -> xgrammar.TokenizerInfo:
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
 
 
 def _last_line(error: BaseException) -> str:
