@@ -35,11 +35,16 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/fp4serve serve
 
+# Two pytest-xdist workers, each given whole files (--dist loadfile) so a module's server starts once
+# and shared fixtures stay in one process; `make test PYTEST_WORKERS=0` runs in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_PARALLEL)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest $(PYTEST_PARALLEL) -m "not slow"
 
 $(LMEVAL_VENV)/bin/lm_eval: $(STAMP)
 	$(PY) -m venv $(LMEVAL_VENV)

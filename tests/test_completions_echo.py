@@ -13,6 +13,8 @@ import torch
 from tests.server_utils import RunningServer, running_server
 from tests.test_prompt_logprobs import reference
 
+pytestmark = pytest.mark.slow  # a real server in a subprocess: `make test-fast` skips it
+
 PROMPT = "w5 w17 w300 w42 w8 w99 w3 w250 w7 w11"
 IDS = [int(w[1:]) for w in PROMPT.split()]
 

@@ -29,7 +29,9 @@ def cli_bin() -> Path:
     return install_clis() / "node_modules" / ".bin"
 
 
-@pytest.fixture(scope="module")
+# One server for every test of this folder (it idles to the end of the session): the model tests
+# only read, and each CLI test clears the proxy and reads only the log lines after its own start.
+@pytest.fixture(scope="session")
 def served_agent(agent_model: Path) -> Iterator[AgentServer]:
     with agent_server(agent_model) as server:
         yield server

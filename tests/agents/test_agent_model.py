@@ -9,7 +9,6 @@ same way."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +66,8 @@ def after_result(request_text: str, name: str, arguments: dict[str, str], result
 
 
 @pytest.fixture(scope="module")
-def served(agent_model: Path) -> Iterator[AgentServer]:
-    with agent_server(agent_model) as server:
-        yield server
+def served(served_agent: AgentServer) -> AgentServer:
+    return served_agent  # shared with tests/agents/test_clis.py (tests/agents/conftest.py)
 
 
 @pytest.fixture(scope="module")
