@@ -425,6 +425,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_agent(args: argparse.Namespace) -> int:
+    """agent-replay: one agent and its users, or with --sessions many agents taking turns."""
+    if args.sessions:
+        from bench.agent_sessions import cmd_sessions
+        from bench.server_process import load_snapshot
+
+        return cmd_sessions(args, load_snapshot())
+    return cmd_agent_replay(args)
+
+
 def cmd_host_step(args: argparse.Namespace) -> int:
     from bench.host_step import format_host_step, host_step_document, run_host_step
 
@@ -443,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "offline": cmd_offline, "soak": cmd_soak, "context": cmd_context, "tiny-model": cmd_tiny_model,
                 "moe-models": cmd_moe_models, "peers": cmd_peers, "profile": cmd_profile, "host-step": cmd_host_step,
                 "quality": cmd_quality,
-                "lm-eval": cmd_lm_eval, "agent-replay": cmd_agent_replay}
+                "lm-eval": cmd_lm_eval, "agent-replay": cmd_agent}
     return commands[args.command](args)
 
 

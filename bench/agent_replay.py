@@ -143,11 +143,8 @@ def _served_name(base_url: str, given: str | None) -> str:
 def cmd_agent_replay(args: argparse.Namespace) -> int:
     scenario = dict(system_len=args.system_len, turns=args.turns, turn_len=args.turn_len,
                     output_len=args.output_len, users=args.users, seed=args.seed)
+    assert not args.sessions, "bench/__main__.py sends --sessions to bench/agent_sessions.py"
     before = load_snapshot()
-    if args.sessions:
-        from bench.agent_sessions import cmd_sessions
-
-        return cmd_sessions(args, before)
     if args.base_url:
         base = args.base_url.rstrip("/")
         results = replay({"server": base}, _served_name(base, args.served_model), **scenario)
