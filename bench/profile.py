@@ -93,7 +93,7 @@ def _hooked(engine: OfflineEngine, timer: _SelfTimer) -> Iterator[None]:
         patch(runner.backend, "attend_qkv", "attention")
     patch(runner.backend, "plan", "attention plan")
     patch(runner.model, "compute_logits", "lm_head")
-    patch(runner.sampler, "sample", "sampling")
+    patch(runner.sampler, "launch", "sampling")  # what the runner calls (its read-back is deferred)
     compiled = getattr(runner, "compiled", None)
     if compiled is not None:
         patch(compiled, "forward", "compiled forward")

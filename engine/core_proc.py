@@ -21,15 +21,17 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ConfigError, EngineConfig
 from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, FairShareUpdate, Shutdown
 from engine.host.allocator import memory_releaser
 from engine.host.heartbeat import Heartbeat
-from engine.step_result import PendingStep
 from scheduler.output import SchedulerOutput
 from scheduler.scheduler import SchedulerStats
+
+if TYPE_CHECKING:  # NOTE: at run time it would bring torch into the API process before the model loads
+    from engine.step_result import PendingStep
 
 logger = logging.getLogger("fp4serve.engine")
 

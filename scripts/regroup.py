@@ -179,7 +179,7 @@ MOVES: dict[str, str] = {
 
 # Modules that stay where they are, on purpose (anything else that is not moved is listed).
 STAY: tuple[str, ...] = (
-    "engine/__init__.py", "engine/config.py", "engine/errors.py", "engine/hybrid_config.py", "engine/moe_config.py",
+    "engine/__init__.py", "engine/config.py", "engine/errors.py",
     "engine/core_types.py", "engine/core.py", "engine/core_proc.py", "engine/model_runner.py", "engine/batch.py",
     "engine/sampler.py", "engine/cuda_graph.py", "engine/prompt_logprobs.py",
     "engine/attention/*", "engine/models/*", "engine/spec_decode/*",

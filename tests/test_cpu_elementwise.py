@@ -102,10 +102,10 @@ def test_argmax_rows_equals_torch_argmax_with_ties_nan_and_infinities(shape: tup
 
 
 def test_greedy_sampling_takes_the_argmax_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import sampler
+    from engine import device_sampling, sampler
 
     calls = []
-    monkeypatch.setattr(sampler, "argmax_rows", lambda x: calls.append(x.shape) or argmax_rows(x))
+    monkeypatch.setattr(device_sampling, "argmax_rows", lambda x: calls.append(x.shape) or argmax_rows(x))
     x = torch.randn(4, 300)
     assert torch.equal(sampler.greedy_ids(x), x.argmax(dim=-1)) and calls == [(4, 300)]
     assert torch.equal(sampler.greedy_ids(x.double()), x.double().argmax(dim=-1)) and len(calls) == 1

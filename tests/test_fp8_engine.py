@@ -133,13 +133,13 @@ def _requantized_logits(path: Path, scheme: str | None, max_tokens: int = 4, **o
     """Every sampled row's logits over two prompts' greedy decoding (each step's rows in turn)."""
     engine = make_engine(path, quantization=scheme, **overrides)
     seen: list[torch.Tensor] = []
-    sample = engine.core.runner.sampler.sample
+    sample = engine.core.runner.sampler.launch  # what the runner calls
 
     def record(logits: torch.Tensor, *args: Any) -> Any:
         seen.append(logits.clone())
         return sample(logits, *args)
 
-    engine.core.runner.sampler.sample = record  # type: ignore[method-assign]
+    engine.core.runner.sampler.launch = record  # type: ignore[method-assign]
     engine.generate(prompts()[1:3], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return torch.cat(seen)
 
