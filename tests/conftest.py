@@ -28,6 +28,13 @@ def pytest_configure(config: pytest.Config) -> None:
     if missing:
         raise pytest.UsageError(f"declared test dependencies are not installed: {', '.join(missing)}; "
                                 "run `pip install -e '.[test]'`")
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        # The controller of `pytest -n N` (make test): the CPU ops compile here, once, before the
+        # workers start; otherwise the first worker to need them compiles while the others wait on
+        # its lock (engine/host/cache_folder.py), on a fresh machine for a minute or more.
+        from engine.host.cpu_kernels import load_cpu_ops
+
+        load_cpu_ops()
 
 
 def missing_test_dependencies(pyproject: Path) -> list[str]:
