@@ -21,7 +21,7 @@ from bench.step_floor import StepFloor
 
 BLOCK_SIZE = 16  # the engine's default KV page
 WARMUP_STEPS = 3  # untimed decode steps per point: allocator, kernel selection, Triton compiles
-VERIFY_DRAFTS = 3  # draft tokens per request in a timed verify step (issue 39's MTP figure)
+VERIFY_DRAFTS = 3  # draft tokens per request in a timed verify step (the MTP figure: verify against plain)
 VERIFY_MAX_BATCH = 16  # verify steps are timed at batch sizes up to this
 
 

@@ -1,7 +1,7 @@
 """Kernel benchmark: the NVFP4 linear (as the dispatch runs it per M, and each of its paths) against
 cuBLAS bf16 on the same values, on Qwen3-8B's and Qwen3.6-27B's linear shapes: time, GB/s, the
 fraction of this device's copy bandwidth (measured in the same run), speed against bf16, and
-pass/fail against issue 39's targets. JSON and a text table.
+pass/fail against the GPU targets (docs/PERF.md). JSON and a text table.
 
     python -m bench.kernels --sweep [--out kernels.json]        # M = 1, 16, 64, 256, both models
     python -m bench.kernels --m 1 8 --shapes 8b/o               # a few points
@@ -37,7 +37,7 @@ SWEEP_M = (1, 16, 64, 256)
 # younger than --sweep-budget-s: each new tile shape is a compile, and the device run has about
 # 90 s for this step.
 SWEEP_SHAPES = ("8b/o", "8b/gate_up", "27b/down")
-# Issue 39's targets: NVFP4's speed over cuBLAS bf16, by M (the largest key <= M applies).
+# The GPU targets: NVFP4's speed over cuBLAS bf16, by M (the largest key <= M applies).
 TARGETS = {1: 2.5, 16: 2.0, 64: 1.3, 128: 1.0}
 _FLUSH_BYTES = 256 << 20
 _COPY_BYTES = 1 << 30

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check: one prepared run on a lent H100/H200 that has no network (docs/gpu.md).
 #
-#   bash scripts/gpu_check.sh [STEP ...]        # default: issue 39's steps, in order of value, in 9 minutes
+#   bash scripts/gpu_check.sh [STEP ...]        # default: the GPU targets' steps, in order of value, in 9 minutes
 #   DEADLINE_S=900 bash scripts/gpu_check.sh    # skip steps that would not end by then (default 540 s)
 #   REHEARSE=1 bash scripts/gpu_check.sh        # the same steps on this CPU machine: tiny shapes, no installs
 #
 # Steps: tests (tests/gpu), smoke (bench.gpu_smoke: the served smoke test), bench-8b (bench.gpu on
 # Qwen3-8B's shapes), kernels (bench.kernels --sweep), bench-hybrid and bench-moe (bench.gpu on
 # Qwen3.6-27B's and Qwen3-Coder-30B-A3B's shapes, 4 layers, NVFP4), targets (bench.gpu_targets: the
-# verdict of the JSON reports against issue 39's targets; always runs, in a second). smoke is not in
+# verdict of the JSON reports against the GPU targets; always runs, in a second). smoke is not in
 # the default list: name it to run it.
 #
 # Needs, in the repo root: .gpu/ (`fp4serve bundle --out .gpu --arch sm_90a --model ...`) and .whl/
@@ -144,7 +144,7 @@ for s in "${STEPS[@]}"; do
         *) note "unknown step '$s' (kernels bench-8b bench-8b-peer bench-hybrid bench-moe tests smoke targets)" ;;
     esac
 done
-# The verdict of whatever reports exist, against issue 39's targets (never skipped: it reads files).
+# The verdict of whatever reports exist, against the GPU targets (never skipped: it reads files).
 "$PY" -m bench.gpu_targets "$OUT" >"$WORK/targets.log" 2>&1
 tail -n 1 "$WORK/targets.log" | tee -a "$SUMMARY"
 cat "$WORK/targets.log" >&2
