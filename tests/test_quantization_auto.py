@@ -77,7 +77,8 @@ def test_a_second_start_reads_the_cached_times_instead_of_measuring(caplog: pyte
         assert resolve_quantization("auto", None, CPU, "auto", SMOLLM2, CountingTimer({"int4": 1, "int8": 9, DENSE: 9})) \
             == "int8"
     assert len(timer.calls) == 1
-    assert "read from" in caplog.text and "measured on this CPU" not in caplog.text
+    assert "measured on this CPU at 20" in caplog.text and ", read from " in caplog.text
+    assert "measured on this CPU in" not in caplog.text
     other = LinearShapes(((96, 64), (64, 64), (256, 64), (64, 128)), 2, (1000, 64))
     resolve_quantization("auto", None, CPU, "auto", other, timer)  # other shapes: their own measurement
     assert len(timer.calls) == 2
@@ -112,3 +113,12 @@ def test_the_real_measurement_times_every_candidate_on_a_tiny_model(qwen3_ckpt: 
     cached = measured_formats(shapes, AUTO_CANDIDATES, dense, no_second_measurement)
     fastest = min(AUTO_CANDIDATES, key=lambda k: cached.times[k].one_row_ms)
     assert cached.from_cache and chosen == (None if fastest == DENSE else fastest)
+
+
+def test_an_unreadable_cached_file_is_measured_again(tmp_path: Path) -> None:
+    timer = CountingTimer({"int4": 6.2, "int8": 4.1, DENSE: 5.5})
+    first = measured_formats(SMOLLM2, AUTO_CANDIDATES, torch.bfloat16, timer)
+    times_file = first.folder / "format_times.json"
+    times_file.write_text("{" + " " * (times_file.stat().st_size - 1))  # same size, not JSON
+    again = measured_formats(SMOLLM2, AUTO_CANDIDATES, torch.bfloat16, timer)
+    assert not again.from_cache and again.times == first.times and len(timer.calls) == 2

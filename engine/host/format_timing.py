@@ -6,6 +6,7 @@ fixed time budget; the figures cached per CPU, torch, compiled ops and shapes in
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import logging
@@ -73,6 +74,7 @@ class MeasuredFormats:
     times: FormatTimes
     folder: Path  # where the figures are cached
     from_cache: bool
+    measured_at: str  # UTC, to the minute
 
 
 def _step_linears(kind: str, shapes: LinearShapes, dense_dtype: torch.dtype, int8_head: Int8Linear
@@ -186,10 +188,13 @@ def measured_formats(shapes: LinearShapes, candidates: tuple[str, ...], dense_dt
     folder = cache_root() / "quantization-auto" / f"times-{timing_key(shapes, candidates, dense_dtype)}"
     measured: list[FormatTimes] = []
 
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
     def build(staging: Path) -> None:
         times = timer(shapes, candidates, dense_dtype)
         measured.append(times)
-        (staging / _TIMES_FILE).write_text(json.dumps({k: asdict(t) for k, t in times.items()}, indent=2) + "\n")
+        record = {"measured_at": now, "times": {k: asdict(t) for k, t in times.items()}}
+        (staging / _TIMES_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
     try:
         folder = build_once(folder, build)
@@ -198,6 +203,12 @@ def measured_formats(shapes: LinearShapes, candidates: tuple[str, ...], dense_dt
         if not measured:
             measured.append(timer(shapes, candidates, dense_dtype))
     if measured:
-        return MeasuredFormats(measured[0], folder, from_cache=False)
-    raw = json.loads((folder / _TIMES_FILE).read_text())
-    return MeasuredFormats({k: FormatTiming(**v) for k, v in raw.items()}, folder, from_cache=True)
+        return MeasuredFormats(measured[0], folder, from_cache=False, measured_at=now)
+    try:
+        raw = json.loads((folder / _TIMES_FILE).read_text())
+        times = {k: FormatTiming(**v) for k, v in raw["times"].items()}
+        assert set(times) == set(candidates), "the key covers the candidates"
+        return MeasuredFormats(times, folder, from_cache=True, measured_at=str(raw["measured_at"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # written by another version
+        logger.warning("quantization auto: %s is unreadable (%s); measuring again", folder / _TIMES_FILE, e)
+        return MeasuredFormats(timer(shapes, candidates, dense_dtype), folder, from_cache=False, measured_at=now)

@@ -142,8 +142,10 @@ def _fastest_measured(shapes: LinearShapes, dtype: str, timer: FormatTimer) -> s
     names = {INT4: "int4", INT8: "int8", DENSE: str(dense_dtype).removeprefix("torch.").replace("bfloat16", "bf16")}
     others = ", ".join(f"{names[k]} {times[k].one_row_ms:.2f}" for k in AUTO_CANDIDATES if k != chosen)
     few = ", ".join(f"{names[k]} {times[k].few_rows_ms:.2f}" for k in AUTO_CANDIDATES)
-    where = (f"read from {measured.folder}" if measured.from_cache else
-             f"measured on this CPU in {time.perf_counter() - start:.1f} s, cached in {measured.folder}")
+    if measured.from_cache:
+        where = f"measured on this CPU at {measured.measured_at}, read from {measured.folder}"
+    else:
+        where = f"measured on this CPU in {time.perf_counter() - start:.1f} s, cached in {measured.folder}"
     logger.info("quantization auto: %s for the built-in %s (a step's linears at 1 row: %.2f ms vs %s; at %d rows: "
                 "%s; %s); --quantization int4/int8/none sets it", names[chosen], DEFAULT_MODEL_NAME,
                 times[chosen].one_row_ms, others, FEW_ROWS, few, where)
