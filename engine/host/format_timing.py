@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import math
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -184,11 +185,11 @@ def timing_key(shapes: LinearShapes, candidates: tuple[str, ...], dense_dtype: t
 
 def measured_formats(shapes: LinearShapes, candidates: tuple[str, ...], dense_dtype: torch.dtype,
                      timer: FormatTimer = time_formats) -> MeasuredFormats:
-    """The candidates' times from the cache folder, or measured by `timer` and cached there."""
+    """The candidates' times from the cache folder, or measured by `timer` and cached there (again
+    when the cached file cannot be read: written by another version, or damaged)."""
     folder = cache_root() / "quantization-auto" / f"times-{timing_key(shapes, candidates, dense_dtype)}"
-    measured: list[FormatTimes] = []
-
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    measured: list[FormatTimes] = []
 
     def build(staging: Path) -> None:
         times = timer(shapes, candidates, dense_dtype)
@@ -196,19 +197,24 @@ def measured_formats(shapes: LinearShapes, candidates: tuple[str, ...], dense_dt
         record = {"measured_at": now, "times": {k: asdict(t) for k, t in times.items()}}
         (staging / _TIMES_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
-    try:
-        folder = build_once(folder, build)
-    except OSError as e:  # a read-only cache: the figures serve this start only
-        logger.warning("quantization auto: could not cache the measured times in %s (%s)", folder, e)
-        if not measured:
-            measured.append(timer(shapes, candidates, dense_dtype))
-    if measured:
-        return MeasuredFormats(measured[0], folder, from_cache=False, measured_at=now)
-    try:
-        raw = json.loads((folder / _TIMES_FILE).read_text())
-        times = {k: FormatTiming(**v) for k, v in raw["times"].items()}
-        assert set(times) == set(candidates), "the key covers the candidates"
-        return MeasuredFormats(times, folder, from_cache=True, measured_at=str(raw["measured_at"]))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # written by another version
-        logger.warning("quantization auto: %s is unreadable (%s); measuring again", folder / _TIMES_FILE, e)
-        return MeasuredFormats(timer(shapes, candidates, dense_dtype), folder, from_cache=False, measured_at=now)
+    for _ in range(2):  # the second pass rebuilds a folder the first could not read
+        try:
+            folder = build_once(folder, build)
+        except OSError as e:  # a read-only cache: the figures serve this start only
+            logger.warning("quantization auto: could not cache the measured times in %s (%s)", folder, e)
+            if not measured:
+                measured.append(timer(shapes, candidates, dense_dtype))
+        if measured:
+            return MeasuredFormats(measured[0], folder, from_cache=False, measured_at=now)
+        try:
+            raw = json.loads((folder / _TIMES_FILE).read_text())
+            times = {k: FormatTiming(**v) for k, v in raw["times"].items()}
+            if set(times) == set(candidates):
+                return MeasuredFormats(times, folder, from_cache=True, measured_at=str(raw["measured_at"]))
+            why = f"its candidates are {sorted(times)}"
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            why = f"{type(e).__name__}: {e}"
+        logger.warning("quantization auto: %s is unreadable (%s); measuring again", folder / _TIMES_FILE, why)
+        shutil.rmtree(folder, ignore_errors=True)
+    # Still there after removing it (another user's cache): measured for this start only.
+    return MeasuredFormats(timer(shapes, candidates, dense_dtype), folder, from_cache=False, measured_at=now)

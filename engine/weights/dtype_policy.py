@@ -146,9 +146,10 @@ def _fastest_measured(shapes: LinearShapes, dtype: str, timer: FormatTimer) -> s
         where = f"measured on this CPU at {measured.measured_at}, read from {measured.folder}"
     else:
         where = f"measured on this CPU in {time.perf_counter() - start:.1f} s, cached in {measured.folder}"
-    logger.info("quantization auto: %s for the built-in %s (a step's linears at 1 row: %.2f ms vs %s; at %d rows: "
-                "%s; %s); --quantization int4/int8/none sets it", names[chosen], DEFAULT_MODEL_NAME,
-                times[chosen].one_row_ms, others, FEW_ROWS, few, where)
+    threads = torch.get_num_threads()
+    logger.info("quantization auto: %s for the built-in %s (a step's linears on %d thread%s at 1 row: %.2f ms vs %s; "
+                "at %d rows: %s; %s); --quantization int4/int8/none sets it", names[chosen], DEFAULT_MODEL_NAME,
+                threads, "" if threads == 1 else "s", times[chosen].one_row_ms, others, FEW_ROWS, few, where)
     return None if chosen == DENSE else chosen
 
 
