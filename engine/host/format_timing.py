@@ -6,6 +6,7 @@ fixed time budget; the figures cached per CPU, torch, compiled ops and shapes in
 
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import json
@@ -97,7 +98,7 @@ def _step_linears(kind: str, shapes: LinearShapes, dense_dtype: torch.dtype, int
             layer = [Int8Linear(torch.full((n, k), 3, dtype=torch.int8), torch.full((n,), 0.01, dtype=dtype), None)
                      for n, k in shapes.layer]
         nbytes = sum(m.weight_nbytes for m in layer)
-        copies = [layer] + [[_clone(m) for m in layer] for _ in range(_num_copies(nbytes, shapes) - 1)]
+        copies = [layer] + [copy.deepcopy(layer) for _ in range(_num_copies(nbytes, shapes) - 1)]
         return [[m.quantized_mm for m in c] for c in copies], int8_head.quantized_mm, dtype
     assert kind == DENSE, f"unknown candidate {kind}"
     packed = can_pack(dense_dtype, torch.device("cpu"))  # as pack_float_linears runs a bf16 model
@@ -122,13 +123,6 @@ def _step_linears(kind: str, shapes: LinearShapes, dense_dtype: torch.dtype, int
 
 def _num_copies(layer_bytes: int, shapes: LinearShapes) -> int:
     return max(1, min(shapes.num_layers, math.ceil(STREAMED_BYTES / max(layer_bytes, 1))))
-
-
-def _clone(m: Int4Linear | Int8Linear) -> Int4Linear | Int8Linear:
-    copy = object.__new__(type(m))
-    copy.__dict__.update(m.__dict__)
-    copy._buffers = {name: None if b is None else b.clone() for name, b in m._buffers.items()}
-    return copy
 
 
 def _one_pass(copies: list[list[Callable[[Tensor], Tensor]]], head: Callable[[Tensor], Tensor], x: Tensor,
@@ -163,13 +157,13 @@ def time_formats(shapes: LinearShapes, candidates: tuple[str, ...], dense_dtype:
             inputs[kind, rows] = torch.randn(rows, shapes.head[1]).to(dtype), xs
     best: dict[tuple[str, int], float] = {key: math.inf for key in inputs}
     with torch.inference_mode():
-        for kind, (copies, head, _) in built.items():  # a first, untimed pass: oneDNN primitives, page faults
+        for kind, (copies, head_mm, _) in built.items():  # a first, untimed pass: oneDNN primitives, page faults
             for rows in (1, FEW_ROWS):
-                _one_pass(copies, head, *inputs[kind, rows], shapes.num_layers)
+                _one_pass(copies, head_mm, *inputs[kind, rows], shapes.num_layers)
         for repeat in range(_MAX_REPEATS):
             for (kind, rows), (x, xs) in inputs.items():
-                copies, head, _ = built[kind]
-                best[kind, rows] = min(best[kind, rows], _one_pass(copies, head, x, xs, shapes.num_layers))
+                copies, head_mm, _ = built[kind]
+                best[kind, rows] = min(best[kind, rows], _one_pass(copies, head_mm, x, xs, shapes.num_layers))
             if time.perf_counter() > deadline and repeat + 1 >= MIN_REPEATS:
                 break
     return {kind: FormatTiming(best[kind, 1] * 1e3, best[kind, FEW_ROWS] * 1e3) for kind in candidates}
