@@ -5,7 +5,8 @@
 # build (float32 and bfloat16) and transformers serve, two rounds (the second in reverse order),
 # on a quiet machine: builds the peers once in ~/.cache/fp4serve-peers ($FP4SERVE_PEERS), then
 # writes $(PEERS_OUT)/peers.json, peers.md (the CPU flags, the best configuration of each peer,
-# fp4serve's ratio) and peers.png.
+# fp4serve's ratio, each server's cold prefill: time to first token of a fresh ~1k- and ~4.5k-token
+# prompt) and peers.png.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp4serve-installed

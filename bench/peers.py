@@ -1,7 +1,7 @@
 """`python -m bench peers`: the peer command table, and the run that starts each server in turn,
-warms it, measures it with `bench serve` at each level, stops it, and writes JSON, a markdown
-table and a bar chart with the commands, versions, the CPU's flags and the machine's load around
-each server. `--setup` builds the peers first (bench/peers_setup.py); `--rounds 2` measures every
+warms it, measures its cold prefill (bench/peers_prefill.py) and `bench serve` at each level, stops
+it, and writes JSON, a markdown table and a bar chart with the commands, versions, the CPU's flags
+and the machine's load around each server. `--setup` builds the peers first (bench/peers_setup.py); `--rounds 2` measures every
 server twice, the second round in reverse order; the summary keeps the best configuration of each
 peer and fp4serve's ratio to the best of them."""
 
@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 import orjson
 
+from bench.peers_prefill import DEFAULT_PREFILL_LENS, format_prefill, measure_cold_prefill, prefill_prompts, \
+    prefill_tokenizer
 from bench.peers_setup import default_peers_dir, peer_paths, setup_peers
 from bench.peers_table import format_summary, format_table, load_text, rows_of, summarize
 from bench.report import load_results
@@ -65,6 +67,9 @@ class Peer:
     note: str = ""
     ready_path: str = "/v1/models"  # answers 200 once the server can take requests
     model: str = ""  # the model name to send (a template); "" asks GET /v1/models
+    # The cold prefill's own launch, where `argv`'s context is too short for its prompts per request
+    # (llama-server splits -c over its -np slots); (): it runs on `argv`'s server before the levels.
+    prefill_argv: tuple[str, ...] = ()
 
     @property
     def peer(self) -> str:
@@ -73,16 +78,24 @@ class Peer:
     def model_name(self, values: Mapping[str, str]) -> str | None:
         return self.model.format(**values) or None
 
-    def render(self, values: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
-        """The concrete argv and extra environment."""
-        return ([a.format(**values) for a in self.argv],
-                {k: v.format(**values) for k, v in self.env.items()})
+    def render(self, values: Mapping[str, str], prefill: bool = False) -> tuple[list[str], dict[str, str]]:
+        """The concrete argv (of the prefill's own launch with `prefill`) and extra environment."""
+        argv = self.prefill_argv if prefill else self.argv
+        return [a.format(**values) for a in argv], {k: v.format(**values) for k, v in self.env.items()}
 
 
-_LLAMA_SERVER = ("{llama_bin}/llama-server", "-m", "{gguf}", "--host", "127.0.0.1", "--port", "{port}",
-                 "-np", "32", "-cb", "-c", "8192", "-t", "{threads}")
+
+
+def _llama_server(slots: int) -> tuple[str, ...]:
+    """llama-server's command with `slots` parallel slots; they split -c's 8192 tokens of context."""
+    return ("{llama_bin}/llama-server", "-m", "{gguf}", "--host", "127.0.0.1", "--port", "{port}",
+            "-np", str(slots), "-cb", "-c", "8192", "-t", "{threads}")
+
+
+_LLAMA_SERVER = _llama_server(32)
+_LLAMA_SERVER_ONE_SLOT = _llama_server(1)  # the cold prefill's: one request gets all 8192 tokens
 _VLLM = ("{venv_vllm}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "{hf}",
-         "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "2048", "--max-num-seqs", "64")
+         "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "8192", "--max-num-seqs", "64")
 _VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-{last_cpu}", "VLLM_TARGET_DEVICE": "cpu"}
 _VLLM_VERSION = ("{venv_vllm}/bin/python", "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))")
 _LLAMA_PY_ENV = {"LLAMA_CPP_LIB_PATH": "{llama_bin}", "MTMD_CPP_LIB": "{llama_bin}",
@@ -91,7 +104,7 @@ _LLAMA_PY_ENV = {"LLAMA_CPP_LIB_PATH": "{llama_bin}", "MTMD_CPP_LIB": "{llama_bi
 PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("fp4serve",
          ("{python}", "-m", "api.cli", "serve", "--port", "{port}", "--host", "127.0.0.1",
-          "--max-num-seqs", "64", "--kv-cache-memory", "512MiB", "--max-model-len", "2048"),
+          "--max-num-seqs", "64", "--kv-cache-memory", "512MiB", "--max-model-len", "8192"),
          version_argv=("{python}", "-c", "import importlib.metadata as m, subprocess; "
                        "rev = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], "
                        "capture_output=True, text=True).stdout.strip(); "
@@ -99,15 +112,16 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
          note="the default model (SmolLM2-135M-Instruct from its GGUF) with the default policy (--quantization auto): "
               "int4 weights, an int8 lm_head, bf16 activations, dense bf16 copies from 8 rows on a CPU with native bf16"),
     Peer("llama-server", _LLAMA_SERVER, env={"LD_LIBRARY_PATH": "{llama_bin}"},
-         version_argv=("{llama_bin}/llama-server", "--version"),
+         version_argv=("{llama_bin}/llama-server", "--version"), prefill_argv=_LLAMA_SERVER_ONE_SLOT,
          note="llama.cpp as vendored by llama-cpp-python 0.3.36; the GGUF's Q4_1 weights, repacked at load "
               "for the CPU's kernels (its default)"),
     Peer("llama-server-no-repack", (*_LLAMA_SERVER, "--no-repack"), family="llama-server",
          env={"LD_LIBRARY_PATH": "{llama_bin}"}, version_argv=("{llama_bin}/llama-server", "--version"),
+         prefill_argv=(*_LLAMA_SERVER_ONE_SLOT, "--no-repack"),
          note="as llama-server, the Q4_1 weights as stored (--no-repack)"),
     Peer("llama-cpp-python",
          ("{venv_llamacpp}/bin/python", "-m", "llama_cpp.server", "--model", "{gguf}",
-          "--host", "127.0.0.1", "--port", "{port}", "--n_ctx", "2048",
+          "--host", "127.0.0.1", "--port", "{port}", "--n_ctx", "8192",
           "--n_threads", "{threads}", "--n_threads_batch", "{threads}",
           # NOTE: by default a new request interrupts the one being answered (which then ends
           # empty); off, requests wait their turn.
@@ -182,6 +196,7 @@ def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], o
     argv, env = peer.render(values)
     base_url = f"http://127.0.0.1:{values['port']}/v1"
     tag = peer.name if args.rounds == 1 else f"{peer.name}-r{round_no}"  # file names of this measurement
+    prompts = prefill_prompts(args.prefill_lens, prefill_tokenizer(args.tokenizer or args.hf), args.seed + 1000 * round_no)
     record: dict[str, object] = {
         "server": peer.name, "peer": peer.peer, "round": round_no, "command": shlex.join(argv), "env": env,
         "note": peer.note,
@@ -203,6 +218,9 @@ def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], o
             record["warm_up_answer"] = warm_up(base_url, peer.model_name(values))
             print(f"   up in {record['startup_s']}s; warm-up answer: "
                   f"{record['warm_up_answer']!r}", file=sys.stderr, flush=True)
+            if args.prefill_lens and not peer.prefill_argv:
+                record["prefill"] = measure_cold_prefill(base_url, peer.model_name(values) or _model_id(base_url),
+                                                         prompts, args.prefill_timeout)
             for streams, n in zip(args.concurrency, args.num_requests):
                 path = out_dir / f"{tag}-c{streams}.json"
                 cmd = bench_argv(values, streams, n, args, peer, path)
@@ -224,6 +242,25 @@ def measure_peer(peer: Peer, args: argparse.Namespace, values: dict[str, str], o
         raise
     finally:
         record.setdefault("load_after", load_snapshot())
+    if args.prefill_lens and peer.prefill_argv:
+        prefill_on_its_own_server(peer, args, values, out_dir / f"{tag}.prefill.server.log", record, prompts)
+
+
+def prefill_on_its_own_server(peer: Peer, args: argparse.Namespace, values: dict[str, str], server_log: Path,
+                              record: dict[str, object], prompts: list[tuple[int, str]]) -> None:
+    """The cold prefill in a launch of `peer.prefill_argv`: start, wait, warm, measure, stop."""
+    argv, env = peer.render(values, prefill=True)
+    base_url = f"http://127.0.0.1:{values['port']}/v1"
+    record["prefill_command"] = shlex.join(argv)
+    try:
+        with running(argv, env, server_log) as proc:
+            wait_ready(proc, f"http://127.0.0.1:{values['port']}{peer.ready_path}", args.startup_timeout, server_log)
+            warm_up(base_url, peer.model_name(values))
+            record["prefill"] = measure_cold_prefill(base_url, peer.model_name(values) or _model_id(base_url),
+                                                     prompts, args.prefill_timeout)
+    except ServerFailed as e:
+        record["prefill_error"] = str(e)
+        print(f"error: {peer.name} (cold prefill): {e}", file=sys.stderr, flush=True)
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -317,17 +354,26 @@ def cmd_peers(args: argparse.Namespace) -> int:
           f"{args.input_len} prompt tokens, {args.output_len} output tokens, streams "
           f"{','.join(map(str, args.concurrency))}; {args.rounds} round(s), every other one in reverse order.", "",
           "Best configuration of each peer, output tok/s:", "", format_summary(summary), "",
-          "Every server:", "", table, "", "Commands:", ""]
+          "Every server:", "", table, ""]
+    if args.prefill_lens:
+        md += ["Cold prefill: time to first token of a fresh prompt (a one-token answer's latency, one request "
+               "at a time; the prompt tokens each server counted in brackets):", "",
+               format_prefill(servers, args.prefill_lens), ""]
+    md += ["Commands:", ""]
     md += [f"- {s['server']}, round {s['round']} ({s['version']}, load {load_text(s, 'load_before')} before, "
            f"{load_text(s, 'load_after')} after): `{s['command']}`"
            + (f" (env: {' '.join(f'{k}={v}' for k, v in s['env'].items())})" if s["env"] else "")
            + (f" — failed: {str(s['error']).splitlines()[0]}" if s["error"] else "")
+           + (f"; cold prefill on its own launch: `{s['prefill_command']}`" if s.get("prefill_command") else "")
+           + (f" — failed: {str(s['prefill_error']).splitlines()[0]}" if s.get("prefill_error") else "")
            for s in servers]
     if notes:
         md += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     (out_dir / "peers.md").write_text("\n".join(md) + "\n")
     print(table)
     print(format_summary(summary))
+    if args.prefill_lens:
+        print(format_prefill(servers, args.prefill_lens))
     if rows:
         from bench.plot import plot_throughput_bars  # matplotlib only when there is a chart
 
@@ -371,6 +417,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU threads of llama.cpp-based servers (default: every core)")
     p.add_argument("--port", type=int, default=8790, help="port of the first server (then +1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--prefill-lens", type=_ints, default=list(DEFAULT_PREFILL_LENS),
+                   help="prompt tokens of each cold prefill measured per server, time to first token of a fresh "
+                   "prompt (default %(default)s; '' measures none)")
+    p.add_argument("--prefill-timeout", type=float, default=900.0, help="seconds one cold prefill may take")
     p.add_argument("--tokenizer", help="tokenizer folder for the prompts (default: --hf-model)")
     p.add_argument("--eos-ids", type=_ints, default=list(SMOLLM2_EOS_IDS),
                    help="token ids banned by logit_bias on servers without ignore_eos")

@@ -22,6 +22,7 @@ from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_re
 from engine.weights.dtype_policy import int8_dense_from_rows, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization
 from engine.attention.hybrid_backend import HybridBackend
 from engine.host.cpu_kernels import load_cpu_ops
+from engine.host.format_timing import LinearShapes
 from engine.host.huge_pages import move_to_huge_pages
 from engine.attention.hybrid_runner import make_checkpoint_pool, make_hybrid_backend, make_state_pool
 from engine.weights.loader import load_model, weight_bytes
@@ -74,7 +75,11 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
-        quantization = resolve_quantization(config.quantization, config.model, self.device, config.dtype)
+        # On CPU the compiled ops load first: int4 linears built at load take our op's layout when it
+        # is there, and --quantization auto times the formats with the kernels the model will run.
+        cpu_ops_error = load_cpu_ops() if self.device.type == "cpu" else None
+        quantization = resolve_quantization(config.quantization, config.model, self.device, config.dtype,
+                                            LinearShapes.of(model_config))
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device, quantization)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
@@ -87,8 +92,6 @@ class ModelRunner:
             logger.info("quantization: %s", self.quantization.describe())
         self.use_mtp = config.speculative_method == "mtp"
         mtp_path = Path(config.speculative_model).expanduser() if config.speculative_model else None
-        # On CPU the compiled ops load first: int4 linears built at load take our op's layout when it is there.
-        cpu_ops_error = load_cpu_ops() if self.device.type == "cpu" else None
         self.model = load_model(model_path, model_config, self.dtype, self.device, max_model_len, self.quantization,
                                 mtp=self.use_mtp, mtp_path=mtp_path)
         if self.device.type == "cuda":

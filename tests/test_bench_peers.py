@@ -1,6 +1,7 @@
 """bench/peers.py without real peers: the command table, and `bench peers` end to end against a
-fake OpenAI-compatible server script started as a peer (readiness, warm-up, both levels through
-`bench serve`, the table, the chart, the EOS check), a peer that dies and one that never
+fake OpenAI-compatible server script started as a peer (readiness, warm-up, the cold prefill on
+the same server or on a launch of its own, both levels through `bench serve`, the table, the
+chart, the EOS check), a peer that dies and one that never
 answers, and that every server's whole process group is gone afterwards."""
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ async def chat(request):
     body = await request.json()
     n = body["max_tokens"] - (0 if body.get("ignore_eos") or body.get("logit_bias") else 1)
     if not body.get("stream"):
+        words = len(body["messages"][-1]["content"].split())
         return JSONResponse({"choices": [{"message": {"role": "assistant", "content": "Paris"},
-                                          "finish_reason": "length", "index": 0}]})
+                                          "finish_reason": "length", "index": 0}],
+                             "usage": {"prompt_tokens": words, "completion_tokens": 1}})
     with open(pid_file + ".streams", "a") as f:  # the test waits on this, not on the clock
         f.write(f"{body['max_tokens']}\n")
     async def events():
@@ -183,7 +186,8 @@ def test_peers_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     fake = ("{python}", str(script), "{port}", str(tmp_path / "{port}.pid"))
     monkeypatch.setitem(PEERS, "fake", Peer("fake", fake, version_argv=("{python}", "-c",
                                                                         "print('fake 1.0')")))
-    monkeypatch.setitem(PEERS, "fake-eos", Peer("fake-eos", fake, ignore_eos=False))
+    # Its cold prefill runs on a launch of its own (as llama-server's, with one slot).
+    monkeypatch.setitem(PEERS, "fake-eos", Peer("fake-eos", fake, ignore_eos=False, prefill_argv=fake))
     monkeypatch.setitem(PEERS, "dies", Peer("dies", ("{python}", "-c", "raise SystemExit(3)")))
     monkeypatch.setitem(PEERS, "mute", Peer("mute", ("{python}", "-c",
                                                      "import time; time.sleep(60)")))
@@ -206,6 +210,14 @@ def test_peers_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert "exited with 3" in by_name["dies"]["error"]
     assert "no answer" in by_name["mute"]["error"]
     assert by_name["fake"]["warm_up_answer"] == "Paris"
+    # Cold prefill at each default length, the prompt as long as asked (one word a token without a
+    # tokenizer here); on fake-eos's own launch, after its levels' server stopped.
+    for name in ("fake", "fake-eos"):
+        prefill = by_name[name]["prefill"]
+        assert [(m["target_tokens"], m["prompt_tokens"]) for m in prefill] == [(1024, 1024), (4608, 4608)]
+        assert all(m["ttft_s"] > 0 for m in prefill)
+    assert "prefill_command" not in by_name["fake"] and "fake.py" in by_name["fake-eos"]["prefill_command"]
+    assert (out / "fake-eos-r1.prefill.server.log").exists() and "prefill" not in by_name["dies"]
     for s in doc["servers"]:
         assert {"load1", "cpu_busy"} <= set(s["load_before"]) and "load_after" in s
     rows = {(r["server"], r["streams"]): r for r in doc["rows"] if r["round"] == 1}
@@ -219,6 +231,8 @@ def test_peers_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert "| fake | 1 | fake 1.0 | 2 |" in md and "| fake | 2 | fake 1.0 | 2 |" in md
     assert "dies" in md and "exited with 3" in md and "CPU: " in md and "Best configuration of each peer" in md
     assert "- fake, round 1 (fake 1.0, load " in md
+    assert "Cold prefill: time to first token" in md and "| fake | 2 | " in md.split("Cold prefill")[1]
+    assert "~4608 tokens: TTFT (s)" in md and "; cold prefill on its own launch: `" in md
     assert (out / "peers.png").stat().st_size > 1000
     for port in (base, base + 3):  # fake and fake-eos: their children went with them
         assert not any(_alive(int(pid)) for pid in (tmp_path / f"{port}.pid").read_text().split())

@@ -1,15 +1,18 @@
 """Which dtype and weight format the model runs in under `--dtype auto` / `--quantization auto`:
 the checkpoint's, except where the device is measurably faster at another for a measured, small
-quality cost (docs/PERF.md "Weight formats and dtype on CPU" has the figures)."""
+quality cost (docs/PERF.md "Weight formats and dtype on CPU" has the figures); the built-in model's
+CPU format by a timing taken on the CPU at hand (engine/host/format_timing.py)."""
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
 
 from engine.config import ConfigError
+from engine.host.format_timing import DENSE, FEW_ROWS, FormatTimer, LinearShapes, measured_formats, time_formats
 from engine.weights.formats.nvfp4 import INT4, INT8
 from engine.weights.model_source import DEFAULT_MODEL_NAME, default_model
 
@@ -24,6 +27,9 @@ AUTO_INT8_DENSE_FROM_ROWS = 16
 # it the dense copy is float32 and the crossover lies between 16 and 32 rows (AVX2 kernels forced).
 AUTO_INT4_DENSE_FROM_ROWS = 8
 AUTO_INT4_DENSE_FROM_ROWS_NO_BF16 = 16
+
+# What auto may choose for the built-in model, in order of preference on a tie (DENSE: its float weights).
+AUTO_CANDIDATES = (INT4, INT8, DENSE)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPUINFO = Path("/proc/cpuinfo")
@@ -92,15 +98,18 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) 
 
 
 def resolve_quantization(requested: str | None, model: str | None, device: torch.device,
-                         dtype: str = "auto") -> str | None:
+                         dtype: str = "auto", shapes: LinearShapes | None = None,
+                         timer: FormatTimer = time_formats) -> str | None:
     """EngineConfig.quantization -> the scheme quantized at load (None: the checkpoint as it is);
-    `model` and `dtype` are EngineConfig's.
+    `model` and `dtype` are EngineConfig's, `shapes` the model's linears (LinearShapes.of).
 
-    auto: the built-in SmolLM2 runs int4 on a CPU with AVX512 (unless --dtype asks for float32 or
-    float16 activations). Its weights come from a Q4_1 GGUF, and int4 in groups of 32 finds that
-    same grid again (its lm_head, Q8_0 in the GGUF, runs int8): perplexity +0.21% against float32,
-    less than int8 per channel's +0.55%, and the fastest step measured at one row. Without AVX512
-    torch's int4 kernel is slow, so such a CPU runs int8. Any other checkpoint runs as it is."""
+    auto: the built-in SmolLM2 on a CPU (unless --dtype asks for float32 or float16 activations)
+    runs whichever of int4, int8 and its float weights ran a decode step's linears fastest at one
+    row on this CPU, as measured at start-up (engine/host/format_timing.py, `timer`) and cached for
+    later starts. All three keep its quality: its weights come from a Q4_1 GGUF, int4 in groups of
+    32 finds that same grid again (perplexity +0.21% against float32), int8 per channel +0.55%.
+    Without `shapes` (no model at hand) the CPU's flags decide: int4 with AVX512, else int8. Any
+    other checkpoint runs as it is; an explicit scheme is never overridden."""
     if requested in (None, "none"):
         return None
     if requested != "auto":
@@ -108,17 +117,40 @@ def resolve_quantization(requested: str | None, model: str | None, device: torch
             logger.warning("--quantization int8 with --dtype %s: torch's int8 kernel is 10x slower and more with "
                            "%s activations than with bfloat16 ones (--dtype auto)", dtype, dtype)
         return requested
-    if device.type == "cpu" and dtype in ("auto", "bfloat16") and (model or default_model()) == DEFAULT_MODEL_NAME:
-        if int4_kernel_is_fast():
-            logger.info("quantization auto: the built-in %s runs int4 on this AVX512 CPU: its Q4_1 GGUF's own "
-                        "4-bit grid, the lm_head int8, the fastest format measured at one row; --quantization none "
-                        "keeps it float", DEFAULT_MODEL_NAME)
-            return INT4
-        logger.info("quantization auto: the built-in %s runs int8 on this CPU (torch's int4 kernel has no fast "
-                    "path without AVX512, here %s); --quantization none keeps it float", DEFAULT_MODEL_NAME,
-                    torch.backends.cpu.get_cpu_capability())
-        return INT8
-    return None
+    if device.type != "cpu" or dtype not in ("auto", "bfloat16") or (model or default_model()) != DEFAULT_MODEL_NAME:
+        return None
+    if shapes is not None:
+        return _fastest_measured(shapes, dtype, timer)
+    if int4_kernel_is_fast():
+        logger.info("quantization auto: the built-in %s runs int4 on this AVX512 CPU: its Q4_1 GGUF's own "
+                    "4-bit grid, the lm_head int8, the fastest format measured at one row; --quantization none "
+                    "keeps it float", DEFAULT_MODEL_NAME)
+        return INT4
+    logger.info("quantization auto: the built-in %s runs int8 on this CPU (torch's int4 kernel has no fast "
+                "path without AVX512, here %s); --quantization none keeps it float", DEFAULT_MODEL_NAME,
+                torch.backends.cpu.get_cpu_capability())
+    return INT8
+
+
+def _fastest_measured(shapes: LinearShapes, dtype: str, timer: FormatTimer) -> str | None:
+    """The candidate whose step linears took least at one row (ties: the first of int4, int8, float)."""
+    dense_dtype = torch.bfloat16 if dtype == "bfloat16" or cpu_has_native_bf16() else torch.float32  # resolve_dtype's
+    start = time.perf_counter()
+    measured = measured_formats(shapes, AUTO_CANDIDATES, dense_dtype, timer)
+    times = measured.times
+    chosen = min(AUTO_CANDIDATES, key=lambda kind: times[kind].one_row_ms)
+    names = {INT4: "int4", INT8: "int8", DENSE: str(dense_dtype).removeprefix("torch.").replace("bfloat16", "bf16")}
+    others = ", ".join(f"{names[k]} {times[k].one_row_ms:.2f}" for k in AUTO_CANDIDATES if k != chosen)
+    few = ", ".join(f"{names[k]} {times[k].few_rows_ms:.2f}" for k in AUTO_CANDIDATES)
+    if measured.from_cache:
+        where = f"measured on this CPU at {measured.measured_at}, read from {measured.folder}"
+    else:
+        where = f"measured on this CPU in {time.perf_counter() - start:.1f} s, cached in {measured.folder}"
+    threads = torch.get_num_threads()
+    logger.info("quantization auto: %s for the built-in %s (a step's linears on %d thread%s at 1 row: %.2f ms vs %s; "
+                "at %d rows: %s; %s); --quantization int4/int8/none sets it", names[chosen], DEFAULT_MODEL_NAME,
+                threads, "" if threads == 1 else "s", times[chosen].one_row_ms, others, FEW_ROWS, few, where)
+    return None if chosen == DENSE else chosen
 
 
 def int8_dense_from_rows(requested: str | None, scheme: str | None) -> int:
