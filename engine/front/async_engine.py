@@ -230,7 +230,7 @@ class AsyncEngine:
                 if isinstance(out, EngineRestartingError):
                     if not started:
                         raise out  # nothing sent yet: the API answers 503 + Retry-After
-                    out = RequestOutput(request_id, 0, (), "", "abort", 0, 0, error=str(out))
+                    out = RequestOutput(request_id, 0, (), "", "abort", 0, 0, error=str(out), restarting=True)
                 if not started and self.router is not None:
                     self.router.started(request_id)
                 started = True
