@@ -89,6 +89,7 @@ class EngineCore:
         )
         if self.kv_events is not None:
             self.scheduler.block_manager.event_sink = self.kv_events.recorder
+            self.kv_events.started()
             if not self.scheduler.config.enable_prefix_caching:
                 logger.warning("KV events: prefix caching is off, so no page ever enters the cache and no "
                                "BlockStored event will be sent")

@@ -242,6 +242,14 @@ class KVEvents:
                     config.endpoint, "bound" if _binds(config.endpoint) else "connected", config.topic, replay,
                     self.hashes.describe())
 
+    def started(self) -> None:
+        """The engine has loaded and its cache is empty: AllBlocksCleared, so a router that tracked
+        the engine this one replaces (a restart, or an earlier server at this endpoint) forgets its
+        pages. Sent after the load, not at bind: a subscriber of the lost engine reconnects by then,
+        and PUB drops what it sends before that."""
+        self.recorder.all_cleared()
+        self.flush()
+
     def flush(self) -> None:
         """Publish what the step recorded (nothing when it recorded nothing)."""
         events = self.recorder.take()
