@@ -133,6 +133,14 @@ class AsyncEngine:
 
         return cls(clients=[InprocClient(EngineCore(config.for_rank(rank))) for rank in range(size)])
 
+    @staticmethod
+    def abandon_loads() -> int:
+        """The server stops while `from_config` loads: kill the engine processes being loaded, so
+        the load fails now rather than after the model is in. How many were killed."""
+        from engine.client.core_client import kill_loading_engines
+
+        return kill_loading_engines()
+
     @property
     def client(self) -> CoreClient:
         """The engine core's client (with data parallel, core 0's)."""
