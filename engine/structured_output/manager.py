@@ -128,6 +128,14 @@ class StructuredOutputs:
         """Raise ParamError unless an ebnf spec's grammar or a regex spec's pattern is valid (no
         tokenizer needed, about a millisecond): lets a caller refuse it before it is queued. The
         other kinds come from the api, which checked their schemas."""
+        if spec.kind == "structural_tag":
+            from engine.grammars.structural_tag import structural_tag_ebnf
+
+            try:
+                structural_tag_ebnf(spec.text)
+            except ValueError as e:
+                raise ParamError(str(e), "structural_tag") from None
+            return
         if spec.kind not in ("ebnf", "regex"):
             return  # NOTE: no xgrammar import for them: it takes seconds, on the server's event loop
         import xgrammar
