@@ -5,6 +5,8 @@ one matcher per constrained request, builds the token bitmask of a step's constr
 
 Which compiler each kind uses (measured by `python -m bench.structured_compile`, docs/PERF.md):
 - regex and ebnf: xgrammar's own (`compile_regex`, `compile_grammar`): nothing of ours to add.
+- structural_tag (vLLM's field): xgrammar's own builder, its grammar text compiled as an ebnf's
+  (engine/grammars/structural_tag.py).
 - json_object, json_schema and tool_calls: our rules (engine/grammars/), for three guarantees
   xgrammar 0.2.8's JSON-schema compiler and structural tags do not give. Compile times were the
   same within noise on the Qwen vocabulary, and so were masks except in a length-bounded string,
