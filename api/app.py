@@ -70,10 +70,10 @@ def build_app(
         try:
             yield
         finally:
-            state.begin_shutdown()
             if not loading.done():
-                # NOTE: the loader thread cannot be interrupted; the process exit waits for it.
+                state.abandon_load()  # the engine processes being loaded are killed, the load fails
                 loading.cancel()
+            state.begin_shutdown()
             await state.close()
 
     # Outermost first: count and watch the client, log what is refused (the framing's refusals included),

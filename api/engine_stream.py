@@ -1,7 +1,8 @@
 """`EngineStream`: the engine outputs of one HTTP request, as (prompt index, output). Every
 prompt's engine stream is pumped by a task of its own into one queue, so several prompts merge in
 the order their outputs were made; each wait for the next output ends at the request's deadline
-(api/transport/deadline.py); an output carrying an engine error is raised as `EngineFailed`."""
+(api/transport/deadline.py); an output carrying an engine error is raised as `EngineFailed`, or as
+`EngineLost` when the engine process holding the request was lost and a new one is starting."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from api.transport.deadline import Deadline
-from api.errors import APIError
+from api.errors import RESTARTING_RETRY_AFTER_S, APIError
 from engine.front.outputs import RequestOutput
 
 Item = tuple[int, RequestOutput]  # (prompt index, output)
@@ -23,6 +24,20 @@ class EngineFailed(APIError):
     def __init__(self, reason: str) -> None:
         super().__init__(500, f"generation failed: {reason}", code="engine_error")
         self.reason = reason
+
+
+class EngineLost(EngineFailed):
+    """The engine process holding the request was lost after its first output, and a new one is
+    starting: like a refusal before any output (api/errors.py `handle_engine_restarting`), a 503
+    with Retry-After that the SDKs retry, not a 500. A stream whose 200 is sent gets it in-band."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.status = 503
+        self.message = reason
+        self.code = "engine_restarting"
+        self.type = "unavailable_error"
+        self.headers = {"Retry-After": str(RESTARTING_RETRY_AFTER_S)}
 
 
 class EngineStream:
@@ -61,7 +76,7 @@ class EngineStream:
         """The next output, None at the end; EngineFailed for an output that carries an error."""
         item = self._held.popleft() if self._held else await self._take()
         if item is not None and item[1].error is not None:
-            raise EngineFailed(item[1].error)
+            raise (EngineLost if item[1].restarting else EngineFailed)(item[1].error)
         return item
 
     async def _take(self) -> Item | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -150,12 +151,18 @@ class ServerState:
     async def load(self) -> None:
         logger.info("loading %s; /health answers 503 until it is ready", self.config.engine.model or "the default model")
         try:
-            engine = await asyncio.to_thread(self._loader, self.config.engine)
+            engine = await _in_daemon_thread(self._loader, self.config.engine)
+            if self.phase == "stopping":  # the server stopped while it loaded: nobody will serve it
+                await engine.shutdown()
+                return
             self.parsers = _resolve_parsers(self.config, engine.tokenizer.chat_template)
             await engine.start(self.config.queue, on_dead=self._engine_died,
                                max_output_tokens=self.config.limits.max_output_tokens)
             engine.input_processor.max_tokens_policy = self.config.max_tokens_policy
         except Exception as e:
+            if self.phase == "stopping":  # the shutdown killed the engine being loaded (`abandon_load`)
+                logger.info("loading stopped by the shutdown (%s)", e)
+                return
             self._fail(e)
             return
         self.engine = engine
@@ -214,6 +221,17 @@ class ServerState:
                      "attention_backend": info.attention_backend, "dtype": info.dtype,
                      "max_model_len": info.max_model_len, "kv_capacity_tokens": info.kv_capacity_tokens}
 
+    def abandon_load(self) -> None:
+        """The server stops before the engine is ready: kill the engine processes being loaded, so
+        the exit does not wait for the model (an in-process load cannot be stopped, but runs on a
+        daemon thread, which the exit does not wait for)."""
+        self.begin_shutdown()
+        from engine.front.async_engine import AsyncEngine
+
+        if killed := AsyncEngine.abandon_loads():
+            logger.info("stopped while loading: killed %d engine process%s being loaded", killed,
+                        "" if killed == 1 else "es")
+
     def begin_shutdown(self) -> None:
         if self.phase in ("loading", "ready"):
             self.phase = "stopping"
@@ -223,6 +241,34 @@ class ServerState:
         if self.engine is not None:
             await self.engine.shutdown()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def _in_daemon_thread(fn: Callable[[EngineConfig], AsyncEngine], config: EngineConfig) -> AsyncEngine:
+    """`fn(config)` on a daemon thread: unlike asyncio.to_thread's, the process exit never waits
+    for it (a load the shutdown abandoned)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[AsyncEngine] = loop.create_future()
+
+    def settle(result: AsyncEngine | None, error: BaseException | None) -> None:
+        if done.done():  # the load task was cancelled meanwhile
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = fn(config), None
+        except BaseException as e:
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed: the server has gone
+            pass
+
+    threading.Thread(target=run, name="fp4serve-load", daemon=True).start()
+    return await done
 
 
 def _resolve_parsers(config: ServerConfig, chat_template: str | None) -> ParserSettings:

@@ -89,6 +89,13 @@ class EngineCore:
         )
         if self.kv_events is not None:
             self.scheduler.block_manager.event_sink = self.kv_events.recorder
+            if self.scheduler.checkpoints is not None:  # a hybrid: only pages a state snapshot needs are told
+                from engine.cache_events.snapshot_gate import SnapshotGate
+
+                gate = SnapshotGate(self.kv_events.recorder)
+                self.scheduler.block_manager.event_sink = gate
+                self.scheduler.checkpoints.page_sink = gate
+            self.kv_events.started()
             if not self.scheduler.config.enable_prefix_caching:
                 logger.warning("KV events: prefix caching is off, so no page ever enters the cache and no "
                                "BlockStored event will be sent")

@@ -31,6 +31,7 @@ import enum
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from scheduler.block_manager import ROOT_HASH, BlockManager
 from scheduler.host_tier import HostTier
@@ -85,6 +86,18 @@ class Checkpoint:
         return len(self.chain)
 
 
+class SnapshotPageSink(Protocol):
+    """Told when a cached page starts or stops being needed by a checkpoint: a prefix hit on a
+    hybrid reaches only as far as a snapshot's pages, so routers are told of those pages alone
+    (engine/cache_events/snapshot_gate.py). Absent (None) unless KV events are on."""
+
+    def pages_kept(self, block_hashes: list[bytes]) -> None:
+        """These pages (a chain's, in order) are now needed by a checkpoint; none was before."""
+
+    def pages_released(self, block_hashes: list[bytes]) -> None:
+        """No checkpoint needs these pages any more."""
+
+
 class CheckpointManager:
     def __init__(self, num_checkpoints: int, blocks: BlockManager, grid_bits: int) -> None:
         assert num_checkpoints > 0, "need at least one checkpoint"
@@ -105,6 +118,7 @@ class CheckpointManager:
         self.num_evicted = 0  # cumulative: dropped to make room
         self.num_invalidated = 0  # cumulative: dropped because a page they needed was evicted
         self.host: HostTier | None = None  # --kv-offloading-size: where dropped checkpoints spill
+        self.page_sink: SnapshotPageSink | None = None  # set by the engine core when KV events are on
         blocks.listener = self
 
     # ---- queries -----------------------------------------------------------------------------
@@ -242,8 +256,11 @@ class CheckpointManager:
             return None
         ck = Checkpoint(checkpoint_id, chain, tail, state, protected)
         self._by_parent.setdefault(ck.parent, {})[tail] = ck
+        kept = [h for h in chain if h not in self._users]
         for h in chain:
             self._users.setdefault(h, set()).add(ck)
+        if kept and self.page_sink is not None:
+            self.page_sink.pages_kept(kept)
         (self._protected if protected else self._probation)[ck] = None
         if state is CheckpointState.PENDING:
             self._pending[checkpoint_id] = ck
@@ -279,13 +296,17 @@ class CheckpointManager:
         if ck.state is CheckpointState.QUEUED:
             self._queued = [(c, s) for c, s in self._queued if c is not ck]
         self._pending.pop(ck.checkpoint_id, None)
+        released = []
         for h in ck.chain:
             users = self._users[h]
             users.discard(ck)
             if not users:
                 del self._users[h]
+                released.append(h)
                 if demote:
                     self.blocks.demote(h)
+        if released and self.page_sink is not None:
+            self.page_sink.pages_released(released)
         heapq.heappush(self._free, ck.checkpoint_id)
 
     def check_invariants(self) -> None:

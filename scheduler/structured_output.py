@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Kind = Literal["json_object", "json_schema", "regex", "ebnf", "tool_calls"]
-KINDS: tuple[Kind, ...] = ("json_object", "json_schema", "regex", "ebnf", "tool_calls")
+Kind = Literal["json_object", "json_schema", "regex", "ebnf", "structural_tag", "tool_calls"]
+KINDS: tuple[Kind, ...] = ("json_object", "json_schema", "regex", "ebnf", "structural_tag", "tool_calls")
 ToolFormat = Literal["qwen3", "qwen3_coder"]  # the --tool-parser formats a grammar can bind
 # How a Qwen3-Coder parameter's raw text is read back (api/parsers/schema_types.py decides it per
 # parameter, so the grammar and the parser always agree).
@@ -66,7 +66,8 @@ class StructuredOutput:
     the same grammar (the cache's key)."""
 
     kind: Kind
-    # json_schema: the schema as canonical JSON text; regex: the pattern; ebnf: the grammar text.
+    # json_schema: the schema as canonical JSON text; regex: the pattern; ebnf: the grammar text;
+    # structural_tag: xgrammar's structural tag as JSON text.
     # Kept out of the repr: a schema or grammar runs to kilobytes.
     text: str = field(default="", repr=False)
     tools: tuple[ToolSpec, ...] = field(default=(), repr=False)  # tool_calls: the functions a call may name
@@ -77,10 +78,10 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, f"unknown structured output kind {self.kind!r}"
-        assert (self.kind in ("json_schema", "regex", "ebnf")) == bool(self.text), f"{self.kind} with text {self.text[:40]!r}"
+        assert (self.kind in ("json_schema", "regex", "ebnf", "structural_tag")) == bool(self.text), f"{self.kind} with text {self.text[:40]!r}"
         assert (self.kind == "tool_calls") == bool(self.tools) == (self.tool_format is not None), (
             f"{self.kind}: tools {len(self.tools)}, format {self.tool_format}")
-        assert self.kind not in ("regex", "ebnf") or self.reasoning is Reasoning.NONE, f"{self.kind} takes no think prefix"
+        assert self.kind not in ("regex", "ebnf", "structural_tag") or self.reasoning is Reasoning.NONE, f"{self.kind} takes no think prefix"
 
     @staticmethod
     def json_object(reasoning: Reasoning = Reasoning.NONE, think: ThinkTags = THINK) -> StructuredOutput:
@@ -100,6 +101,12 @@ class StructuredOutput:
     def ebnf(grammar: str) -> StructuredOutput:
         """EBNF in xgrammar's dialect, taken as it is."""
         return StructuredOutput("ebnf", grammar)
+
+    @staticmethod
+    def structural_tag(text: str) -> StructuredOutput:
+        """xgrammar's structural tag (JSON text, its current form or vLLM's older `structures` /
+        `triggers` one), taken as it is: the engine turns it into a grammar."""
+        return StructuredOutput("structural_tag", text)
 
     @staticmethod
     def tool_calls(tools: tuple[ToolSpec, ...], tool_format: ToolFormat, parallel: bool,

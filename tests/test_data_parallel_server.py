@@ -139,6 +139,23 @@ def test_the_samples_of_one_request_share_a_core(server: RunningServer) -> None:
     assert answer.usage.prompt_tokens_details.cached_tokens == 32  # samples 1, 2 reuse sample 0's pages
 
 
+def test_metrics_also_serve_each_vllm_series_summed_over_the_cores(server: RunningServer) -> None:
+    """The Gateway API Inference Extension's endpoint picker reads engine-less series."""
+    text = httpx.get(server.url("/metrics"), timeout=10).text
+    whole = f'{{model_name="{MODEL}"}}'
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prefix_cache_hits_total",
+                 "vllm:request_success_total"):
+        labels = {"finished_reason": "length"} if name == "vllm:request_success_total" else {}
+        extra = "".join(f'{k}="{v}",' for k, v in labels.items())
+        assert metric(text, f'{name}{{{extra}model_name="{MODEL}"}}') == sum(per_core(server, name, **labels)), name
+    # Both cores have the same pages: the whole server's usage is their mean.
+    usage = [metric(text, f'vllm:kv_cache_usage_perc{{engine="{core}",model_name="{MODEL}"}}') for core in "01"]
+    assert metric(text, f"vllm:kv_cache_usage_perc{whole}") == sum(usage) / 2
+    assert metric(text, f'vllm:time_to_first_token_seconds_count{whole}') == sum(
+        metric(text, f'vllm:time_to_first_token_seconds_count{{engine="{core}",model_name="{MODEL}"}}')
+        for core in "01") > 0
+
+
 def test_a_conversations_next_turn_goes_to_the_core_holding_its_prefix(server: RunningServer) -> None:
     client = server.openai()
     opening = prompt_for(40) + list(range(200, 240))

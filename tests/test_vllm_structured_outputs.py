@@ -2,8 +2,8 @@
 against a real server (hypercorn on 127.0.0.1, in this process) on the demo's random-weight Qwen3:
 `structured_outputs` {choice, regex, json, grammar, json_object} and the older guided_choice,
 guided_regex, guided_json and guided_grammar, on /v1/chat/completions and /v1/completions, and
-vLLM's errors (several kinds at once, none, structural_tag, a bad regex or grammar, with
-response_format). The random model left alone writes free text, so each output that matches is
+vLLM's errors (several kinds at once, none, a bad regex or grammar, with response_format);
+structural_tag is tests/test_vllm_structural_tag.py's. The random model left alone writes free text, so each output that matches is
 the grammar's doing."""
 
 from __future__ import annotations
@@ -100,7 +100,6 @@ def test_json_object_is_one_object(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(("fields", "words"), [
     ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "only use one kind of structured outputs constraint"),
     ({"structured_outputs": {}}, "must use one kind of structured outputs constraint"),
-    ({"structured_outputs": {"structural_tag": "{}"}}, "structural_tag is not supported"),
     ({"guided_choice": ["a"], "guided_regex": "b"}, "only use one kind"),
     ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "cannot be combined"),
     ({"guided_choice": []}, "non-empty list of strings"),

@@ -39,15 +39,16 @@ class ResponseFormat:
     """A format the output must have ("text" is no format: parse_response_format returns None).
     regex, grammar and choice come from vLLM's fields (api/grammars/vllm_fields.py)."""
 
-    type: Literal["json_object", "json_schema", "regex", "grammar", "choice"]
+    type: Literal["json_object", "json_schema", "regex", "grammar", "choice", "structural_tag"]
     schema: dict[str, Any] | bool | None = None  # json_schema only; checked by check_schema
     name: str | None = None
     strict: bool | None = None  # accepted; the grammar enforces the schema either way
-    text: str | None = None  # regex: the pattern; grammar: its EBNF; choice: the EBNF of its literals
+    text: str | None = None  # regex: the pattern; grammar: its EBNF; choice: the EBNF of its literals;
+    # structural_tag: its JSON text
 
     def __post_init__(self) -> None:
         assert (self.type == JSON_SCHEMA) == (self.schema is not None), f"{self.type} with schema {self.schema!r}"
-        assert (self.type in ("regex", "grammar", "choice")) == bool(self.text), f"{self.type} with text {self.text!r}"
+        assert (self.type in ("regex", "grammar", "choice", "structural_tag")) == bool(self.text), f"{self.type} with text {self.text!r}"
 
 
 class SchemaError(Exception):
@@ -109,6 +110,9 @@ def response_format_spec(fmt: ResponseFormat, reasoning: Reasoning = Reasoning.N
     if fmt.type in ("grammar", "choice"):
         assert fmt.text is not None
         return StructuredOutput.ebnf(fmt.text)
+    if fmt.type == "structural_tag":
+        assert fmt.text is not None
+        return StructuredOutput.structural_tag(fmt.text)
     if fmt.type == JSON_OBJECT:
         return StructuredOutput.json_object(reasoning, think)
     return StructuredOutput.json_schema(fmt.schema, reasoning, think)

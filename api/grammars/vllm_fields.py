@@ -1,8 +1,9 @@
 """vLLM's structured-output request fields on /v1/chat/completions and /v1/completions, as a
 `ResponseFormat`: `structured_outputs` ({"json" | "regex" | "choice" | "grammar" | "json_object" |
 "structural_tag": ...}, exactly one) and the older `guided_json`, `guided_regex`, `guided_choice`,
-`guided_grammar`. Their errors follow vLLM's wording; a regex or a grammar is checked by the engine
-(engine/structured_output/manager.py `check`: 400 naming `regex` or `grammar`)."""
+`guided_grammar`. Their errors follow vLLM's wording; a regex, a grammar or a structural tag is
+checked by the engine (engine/structured_output/manager.py `check`: 400 naming `regex`, `grammar`
+or `structural_tag`)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,13 @@ def parse_vllm_fields(structured_outputs: Any, guided: dict[str, Any]) -> Respon
             raise bad_request("choice must be a non-empty list of strings", param)
         # One literal per choice: json.dumps writes the escapes xgrammar's EBNF strings read.
         return ResponseFormat("choice", text="root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
-    raise bad_request("structural_tag is not supported by this server; use json, regex, choice or grammar", param)
+    # structural_tag: xgrammar's JSON (a string, as vLLM takes it, or the object itself); the engine
+    # checks it (engine/grammars/structural_tag.py: 400 naming structural_tag).
+    if isinstance(value, dict):
+        value = json.dumps(value, ensure_ascii=False)
+    if not isinstance(value, str) or not value.strip():
+        raise bad_request("structural_tag must be xgrammar's structural tag as JSON text", param)
+    return ResponseFormat("structural_tag", text=value)
 
 
 def _json(value: Any, param: str) -> ResponseFormat:

@@ -95,16 +95,22 @@ class KVEventRecorder:
             run = [i for _, i in group]
             parent = self.hashes.parent_of(request, run[0])
             tokens = request.token_slice(run[0] * bs, (run[-1] + 1) * bs)
-            stored = self.hashes.store(request, run)
-            self._events.append(BlockStored(
-                block_hashes=stored, parent_block_hash=parent, token_ids=list(tokens), block_size=bs,
-                lora_id=None, medium=MEDIUM_GPU, lora_name=None, extra_keys=[None] * len(run),
-                group_idx=0, kv_cache_spec_kind=FULL_ATTENTION,
-            ))
+            self.stored(self.hashes.store(request, run), parent, list(tokens))
+
+    def stored(self, block_hashes: list[int], parent: int | None, token_ids: list[int]) -> None:
+        """BlockStored of consecutive pages (wire hashes, each chained on the one before it)."""
+        self._events.append(BlockStored(
+            block_hashes=block_hashes, parent_block_hash=parent, token_ids=token_ids, block_size=self.block_size,
+            lora_id=None, medium=MEDIUM_GPU, lora_name=None, extra_keys=[None] * len(block_hashes),
+            group_idx=0, kv_cache_spec_kind=FULL_ATTENTION,
+        ))
 
     def block_removed(self, block_hash: bytes) -> None:
-        external = self.hashes.remove(block_hash)
-        self._events.append(BlockRemoved(block_hashes=[external], medium=MEDIUM_GPU, group_idx=0))
+        self.removed([self.hashes.remove(block_hash)])
+
+    def removed(self, block_hashes: list[int]) -> None:
+        """BlockRemoved of these pages (wire hashes)."""
+        self._events.append(BlockRemoved(block_hashes=block_hashes, medium=MEDIUM_GPU, group_idx=0))
 
     def host_stored(self, block_hash: bytes) -> None:
         # As vLLM's offloading connector announces a stored block: the hash alone, no tokens or parent.
@@ -241,6 +247,14 @@ class KVEvents:
         logger.info("KV events: publishing to %s (%s, topic %r)%s; block hashes: %s",
                     config.endpoint, "bound" if _binds(config.endpoint) else "connected", config.topic, replay,
                     self.hashes.describe())
+
+    def started(self) -> None:
+        """The engine has loaded and its cache is empty: AllBlocksCleared, so a router that tracked
+        the engine this one replaces (a restart, or an earlier server at this endpoint) forgets its
+        pages. Sent after the load, not at bind: a subscriber of the lost engine reconnects by then,
+        and PUB drops what it sends before that."""
+        self.recorder.all_cleared()
+        self.flush()
 
     def flush(self) -> None:
         """Publish what the step recorded (nothing when it recorded nothing)."""

@@ -136,6 +136,20 @@ def visible_gpus() -> list[str]:
         return []
 
 
+ENGINE_PROCESS_NAME = "fp4serve-engine"  # each engine process's name; a data-parallel core's adds -<rank>
+
+
+def kill_loading_engines() -> int:
+    """SIGKILL every engine process of this process (the server stopped while they loaded): their
+    `wait_ready` then fails at once instead of waiting out the load. How many there were."""
+    engines = [p for p in multiprocessing.active_children() if p.name.startswith(ENGINE_PROCESS_NAME)]
+    for process in engines:
+        process.kill()
+    for process in engines:
+        process.join(5)
+    return len(engines)
+
+
 def run_pinned_engine_core(config: EngineConfig, device: CoreDevice, conn: Any, heartbeat_slots: Any,
                            carried: SchedulerStats | None) -> None:
     """The main of one data-parallel engine process: its device, then engine/core_proc.py's main."""
@@ -199,11 +213,11 @@ class MPClient:
         if device is None:
             self._proc = ctx.Process(target=run_engine_core_proc,
                                      args=(config, child_conn, self.heartbeat.slots, carried),
-                                     name="fp4serve-engine", daemon=True)
+                                     name=ENGINE_PROCESS_NAME, daemon=True)
         else:
             self._proc = ctx.Process(target=run_pinned_engine_core,
                                      args=(config, device, child_conn, self.heartbeat.slots, carried),
-                                     name=f"fp4serve-engine-{device.rank}", daemon=True)
+                                     name=f"{ENGINE_PROCESS_NAME}-{device.rank}", daemon=True)
         self._proc.start()
         child_conn.close()
         self.name = "engine core" if device is None else f"engine core {device.rank}"

@@ -133,6 +133,14 @@ class AsyncEngine:
 
         return cls(clients=[InprocClient(EngineCore(config.for_rank(rank))) for rank in range(size)])
 
+    @staticmethod
+    def abandon_loads() -> int:
+        """The server stops while `from_config` loads: kill the engine processes being loaded, so
+        the load fails now rather than after the model is in. How many were killed."""
+        from engine.client.core_client import kill_loading_engines
+
+        return kill_loading_engines()
+
     @property
     def client(self) -> CoreClient:
         """The engine core's client (with data parallel, core 0's)."""
@@ -230,7 +238,7 @@ class AsyncEngine:
                 if isinstance(out, EngineRestartingError):
                     if not started:
                         raise out  # nothing sent yet: the API answers 503 + Retry-After
-                    out = RequestOutput(request_id, 0, (), "", "abort", 0, 0, error=str(out))
+                    out = RequestOutput(request_id, 0, (), "", "abort", 0, 0, error=str(out), restarting=True)
                 if not started and self.router is not None:
                     self.router.started(request_id)
                 started = True

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.core_types import EngineInfo, GrammarCacheStats
 from engine.front.host_tier_metrics import HostTierMetrics
-from engine.front.vllm_metrics import VllmMetrics, vllm_metrics
+from engine.front.vllm_metrics import EngineAggregateRegistry, VllmMetrics, vllm_metrics
 from scheduler.scheduler import SchedulerStats
 
 _NO_GRAMMARS = GrammarCacheStats(0, 0, 0, 0, 0, 0, 0, 0, 0)  # a core before its first constrained request
@@ -76,7 +76,8 @@ class EngineMetrics:
     def __init__(self, model_name: str, info: EngineInfo | None = None, num_engines: int = 1) -> None:
         """`info`: the engine's (the vLLM-named series describe its KV cache); the page's tests pass none.
         `num_engines`: engine cores (--data-parallel-size)."""
-        self.registry = CollectorRegistry()
+        # With several cores, each vLLM series also comes summed over them, without `engine`.
+        self.registry: CollectorRegistry = EngineAggregateRegistry(num_engines, self._pages_by_engine)
         self.key_registry = CollectorRegistry()  # NOTE: names API keys and their usage: admin keys only
         r, k = self.registry, self.key_registry
         # The same measurements under vLLM's names, for the routers that read those
@@ -218,6 +219,10 @@ class EngineMetrics:
         for pos, (d, a) in enumerate(zip(drafted, accepted)):
             self.spec_draft_by_position.labels(position=str(pos)).inc(d)
             self.spec_accepted_by_position.labels(position=str(pos)).inc(a)
+
+    def _pages_by_engine(self) -> dict[str, int]:
+        """Each core's KV pages, by its `engine` label, from its last report."""
+        return {str(i): stats.num_blocks for i, stats in enumerate(self._stats)}
 
     def observe_scheduler(self, stats: SchedulerStats, engine_index: int = 0) -> None:
         self.vllm[engine_index].observe_scheduler(stats)

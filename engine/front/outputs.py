@@ -48,6 +48,9 @@ class RequestOutput:
     # first None (nothing scores it)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     error: str | None = None  # set when the engine failed this request
+    # With `error`: the engine process holding the request was lost and a new one is starting, so
+    # the same request may be sent again (api/ answers 503 + Retry-After, not 500).
+    restarting: bool = False
 
     @property
     def finished(self) -> bool:

@@ -5,7 +5,9 @@ kv_cache_usage_perc; the production-stack router: the older gpu_cache_usage_perc
 
 Every series carries `model_name` (the served name) and `engine` (the engine core's index: "0",
 or with --data-parallel-size N one series per core, "0" to "N-1", as vLLM labels its data-parallel
-engines; `vllm_metrics` makes them).
+engines; `vllm_metrics` makes them). With N > 1, `EngineAggregateRegistry` adds to each `vllm:`
+family that has an `engine` label one series without it, for the whole server: the endpoint picker
+of the Gateway API Inference Extension reads the engine-less series of one server.
 Two names vLLM has since retired are kept for the routers that still read them:
 `vllm:gpu_cache_usage_perc` (now kv_cache_usage_perc) and `vllm:time_per_output_token_seconds`
 (now inter_token_latency_seconds). Not exposed, for want of the data in this process: the queue
@@ -15,9 +17,12 @@ and prefill phase times (the core does not report when a request is first schedu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
 
 from engine.core_types import EngineInfo
 from scheduler.scheduler import SchedulerStats
@@ -31,6 +36,10 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISHED_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason names, each series made at start
+# Ratios of KV pages: their aggregate is the pages used over the pages of all the cores, so each
+# core's value weighs by its pages (a mean of the ratios would be wrong when the cores differ in size).
+PAGE_RATIOS = frozenset({"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"})
+ENGINE_LABEL = "engine"
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -168,3 +177,49 @@ def vllm_metrics(registry: CollectorRegistry, model_name: str, info: EngineInfo 
     first = VllmMetrics(registry, model_name, info)
     return [first, *(VllmMetrics(registry, model_name, info, engine_index=i, families=first.families)
                      for i in range(1, num_engines))]
+
+
+class EngineAggregateRegistry(CollectorRegistry):
+    """A registry that, with several engine cores, serves each `vllm:` family with an `engine` label
+    together with its aggregate over the cores: the same series without `engine`. Counters, counts
+    and gauges are summed, histogram buckets merged (summed by bound), `_created` the earliest,
+    info gauges (`*_info`, always 1) kept at 1, and the KV-page ratios (PAGE_RATIOS) weighed by
+    each core's pages (`pages()`: engine label -> KV pages). One family per name, as the exposition
+    format needs: the aggregate samples follow the per-core ones in the same family."""
+
+    def __init__(self, num_engines: int, pages: Callable[[], dict[str, int]]) -> None:
+        super().__init__()
+        self.num_engines = num_engines
+        self._pages = pages
+
+    def collect(self) -> Iterable[Metric]:
+        for family in super().collect():
+            if self.num_engines > 1 and family.name.startswith("vllm:") and any(
+                    ENGINE_LABEL in s.labels for s in family.samples):
+                family.samples = [*family.samples, *self._aggregate(family)]
+            yield family
+
+    def _aggregate(self, family: Metric) -> list[Sample]:
+        """The engine-less samples of `family`, in the order their series first appear."""
+        groups: dict[tuple[str, tuple[tuple[str, str], ...]], list[Sample]] = {}
+        for sample in family.samples:
+            if ENGINE_LABEL not in sample.labels:
+                continue
+            rest = tuple(sorted((k, v) for k, v in sample.labels.items() if k != ENGINE_LABEL))
+            groups.setdefault((sample.name, rest), []).append(sample)
+        pages = self._pages() if family.name in PAGE_RATIOS else {}
+        out = []
+        for (name, rest), samples in groups.items():
+            values = [s.value for s in samples]
+            if name.endswith("_created"):
+                value = min(values)
+            elif family.name.endswith("_info"):
+                value = max(values)
+            elif pages:
+                weights = [pages.get(s.labels[ENGINE_LABEL], 0) for s in samples]
+                total = sum(weights)
+                value = sum(v * w for v, w in zip(values, weights)) / total if total else 0.0
+            else:
+                value = sum(values)
+            out.append(Sample(name, dict(rest), value))
+        return out

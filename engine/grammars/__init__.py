@@ -1,6 +1,6 @@
 """Our own EBNF rules for the structured outputs whose guarantees xgrammar's converters do not give
 (engine/structured_output/manager.py says which and why): JSON values of a schema (schema.py) and forced tool
-calls (tools.py); a schema with `pattern`, `format` or numeric ranges through xgrammar's converter,
+calls (tools.py); vLLM's `structural_tag` through xgrammar's own builder (structural_tag.py); a schema with `pattern`, `format` or numeric ranges through xgrammar's converter,
 with our bounds kept (xgrammar_json.py). `ebnf` is the one entry: a spec in, grammar text out."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from engine.grammars.schema import Rules, SchemaGrammar
+from engine.grammars.structural_tag import structural_tag_ebnf
 from engine.grammars.tools import tool_call_grammar
 from engine.grammars.xgrammar_json import needs_xgrammar, xgrammar_value
 from scheduler.structured_output import StructuredOutput
@@ -18,6 +19,8 @@ def ebnf(spec: StructuredOutput) -> str:
     xgrammar compiles the pattern itself)."""
     if spec.kind == "ebnf":
         return spec.text
+    if spec.kind == "structural_tag":
+        return structural_tag_ebnf(spec.text)
     if spec.kind == "tool_calls":
         return tool_call_grammar(spec)
     rules = Rules()

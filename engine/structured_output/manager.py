@@ -5,6 +5,8 @@ one matcher per constrained request, builds the token bitmask of a step's constr
 
 Which compiler each kind uses (measured by `python -m bench.structured_compile`, docs/PERF.md):
 - regex and ebnf: xgrammar's own (`compile_regex`, `compile_grammar`): nothing of ours to add.
+- structural_tag (vLLM's field): xgrammar's own builder, its grammar text compiled as an ebnf's
+  (engine/grammars/structural_tag.py).
 - json_object, json_schema and tool_calls: our rules (engine/grammars/), for three guarantees
   xgrammar 0.2.8's JSON-schema compiler and structural tags do not give. Compile times were the
   same within noise on the Qwen vocabulary, and so were masks except in a length-bounded string,
@@ -128,6 +130,14 @@ class StructuredOutputs:
         """Raise ParamError unless an ebnf spec's grammar or a regex spec's pattern is valid (no
         tokenizer needed, about a millisecond): lets a caller refuse it before it is queued. The
         other kinds come from the api, which checked their schemas."""
+        if spec.kind == "structural_tag":
+            from engine.grammars.structural_tag import structural_tag_ebnf
+
+            try:
+                structural_tag_ebnf(spec.text)
+            except ValueError as e:
+                raise ParamError(str(e), "structural_tag") from None
+            return
         if spec.kind not in ("ebnf", "regex"):
             return  # NOTE: no xgrammar import for them: it takes seconds, on the server's event loop
         import xgrammar
