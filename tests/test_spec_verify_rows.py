@@ -7,16 +7,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine.config import EngineConfig
 from engine.front.offline import OfflineEngine
+from engine.host.cpu_kernels import load_cpu_ops
 from engine.models.decoder import DecoderLayer
 from engine.weights import dtype_policy
 from scheduler.request import SamplingParams
 from tests.factories import make_checkpoint
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 1, 250] * 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops() -> None:
+    assert load_cpu_ops() is None, "the CPU ops must build here (g++ and torch's headers)"
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +89,35 @@ def test_greedy_output_is_the_same_with_and_without_speculation_on_int4(checkpoi
     spec_engine.core.scheduler.drafter = drafter
     assert [r.token_ids[0] for r in spec_engine.generate(prompts, params)] == plain
     assert max(drafted) == k  # full verify steps ran
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 128), (6, 6, 40)], ids=["gqa3-d64", "gqa2-d128", "mha-d40"])
+def test_verify_rows_attend_in_one_pass_with_the_bits_each_row_gets_alone(dtype: torch.dtype,
+                                                                          heads: tuple[int, int, int]) -> None:
+    """The attention op takes a request's k + 1 rows in one pass over its keys (kernels/
+    cpu_attention.cpp attend_rows); row j, which sees one key more than row j - 1, gets exactly what
+    a one-row step at its position gets (its keys past its own count weigh 0)."""
+    from kernels.cpu_attention import paged_attention, paged_attention_ref
+    from tests.test_cpu_attention import make_batch
+
+    num_heads, num_kv_heads, head_dim = heads
+    g = torch.Generator().manual_seed(head_dim)
+    query_lens, seq_lens = [8, 5, 1], [70, 16, 33]
+    batch = make_batch(query_lens, seq_lens, block_size=16, num_pages=16)
+    cache = torch.randn(16, 2, 16, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    meta = (batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
+    together = paged_attention(q, cache, *meta, 0.125)
+    tol = 2e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(together.float(), paged_attention_ref(q, cache, *meta, 0.125).float(), rtol=tol, atol=tol)
+    qo = batch.qo_indptr.tolist()
+    for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        pages = batch.kv_indices[batch.kv_indptr[i]:batch.kv_indptr[i + 1]]
+        for j in range(q_len):
+            keys = seq_len - q_len + 1 + j  # what a one-row step at this position sees
+            n = -(-keys // 16)
+            alone = paged_attention(q[qo[i] + j:qo[i] + j + 1], cache, torch.tensor([0, 1], dtype=torch.int32),
+                                    torch.tensor([0, n], dtype=torch.int32), pages[:n].contiguous(),
+                                    torch.tensor([keys - (n - 1) * 16], dtype=torch.int32), 0.125)
+            assert torch.equal(alone[0], together[qo[i] + j]), (i, j)
