@@ -1,7 +1,11 @@
 """`python -m bench.spec_decode`: the code-edit workload (the prompt holds a source file and asks
 for it back with one change) at several concurrencies, with and without n-gram speculative
 decoding, back to back in one process, through the offline engine (engine core + processors, no
-HTTP). Greedy, so both runs must produce the same text: the script checks it."""
+HTTP). Greedy, so both runs must produce the same text: the script checks it.
+
+`--step-rows 1,2,4,8`: instead, the cost of one step by its rows: a request verifying k drafts (a
+drafter that always proposes k tokens) runs k + 1 rows through the model each step; ms per step,
+wall and process CPU, against the one-row step of the same engine."""
 
 from __future__ import annotations
 
@@ -68,6 +72,37 @@ def run(
     }
 
 
+def step_ms_by_rows(engine: Any, rows: list[int], num_steps: int, context: int) -> list[dict[str, Any]]:
+    """ms per engine step of one request verifying rows - 1 drafts each step, after `context` prompt
+    tokens. The engine must speculate with at least max(rows) - 1 tokens; its drafter is replaced by
+    one that always proposes rows - 1 tokens (the last token again: mostly rejected, which costs
+    the same forward as accepted drafts)."""
+    from scheduler.request import SamplingParams
+
+    scheduler = engine.core.scheduler
+    vocab = engine.core.runner.model_config.vocab_size
+    results = []
+    for n in rows:
+        scheduler.drafter = lambda request_id, tokens, k, n=n: [tokens[-1]] * (n - 1)
+        total = (num_steps + 8) * n  # never done early, even with every draft accepted
+        params = SamplingParams(max_tokens=total, min_tokens=total, ignore_eos=True, temperature=0.0)
+        prompt = [(13 * j) % (vocab - 1) + 1 for j in range(context)]
+        request_id = engine.add_request(prompt, params)
+        while not engine.step():  # the prefill, until the first token
+            pass
+        for _ in range(3):
+            engine.step()
+        best_wall, best_cpu = float("inf"), float("inf")
+        for _ in range(num_steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            engine.step()
+            best_wall = min(best_wall, time.perf_counter() - t0)
+            best_cpu = min(best_cpu, time.process_time() - c0)
+        engine.abort(request_id)
+        results.append({"rows": n, "step_ms": round(best_wall * 1e3, 3), "cpu_ms": round(best_cpu * 1e3, 3)})
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default=None, help="checkpoint folder; default: the demo model")
@@ -75,10 +110,33 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per request at most")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K for the n-gram run")
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache size")
+    p.add_argument("--step-rows", default=None,
+                   help="comma-separated rows per step (1 + drafts): time steps by rows instead")
+    p.add_argument("--steps", type=int, default=20, help="with --step-rows: timed steps per row count (the fastest counts)")
+    p.add_argument("--context", type=int, default=256, help="with --step-rows: prompt tokens before the steps")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the engine's); 1 gives steadier figures on a busy machine")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     from engine.config import EngineConfig
     from engine.front.offline import OfflineEngine
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.step_rows:
+        rows = [int(x) for x in args.step_rows.split(",")]
+        config = EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory, speculative_method="ngram",
+                              num_speculative_tokens=max(max(rows) - 1, 1), speculative_max_batch=64)
+        table = step_ms_by_rows(OfflineEngine.from_config(config), rows, args.steps, args.context)
+        one = table[0]
+        for r in table:
+            print(f"rows={r['rows']} step_ms={r['step_ms']:8.2f} cpu_ms={r['cpu_ms']:8.2f} "
+                  f"x one row: {r['step_ms'] / one['step_ms']:.2f} (cpu {r['cpu_ms'] / one['cpu_ms']:.2f})", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(table, indent=1))
+        return
 
     rows = []
     for method in (None, "ngram"):

@@ -201,22 +201,35 @@ inline void softmax_inplace(float* s, int64_t n) {
   for (int64_t t = nv; t < n; ++t) s[t] *= 1.f / sum;
 }
 
-// One query row, KV heads [h0, h1): their query heads attend over the row's n_keys visible keys.
-// The keys, then the values, are read page by page, each page's rows once for all those heads (a
-// page's K or V half is one contiguous block), the next page prefetched while this one is used.
-// scores: scratch of (h1 - h0) * G * n_keys floats; acc and qf: (h1 - h0) * G * D floats each.
+// Query rows [0, nrows) of one request (rows `q_stride` / `out_stride` apart; row j sees the
+// request's first n_keys - (nrows - 1 - j) keys, causal), KV heads [h0, h1): their query heads
+// attend over the keys. The keys, then the values, are read page by page, each page's rows once
+// for all those heads and rows (a verify step's k + 1 rows or a short chunk share one pass), the
+// next page prefetched while this one is used. A row's keys past its own count get weight 0 after
+// its softmax (they are this request's keys, written before the call: finite), so each row's
+// numbers are bit for bit those it gets alone.
+// Scratch: scores (h1 - h0) * nrows * G * n_keys floats; acc and qf (h1 - h0) * nrows * G * D
+// floats each; qb as many QT (the rows' query heads gathered, head-major then row then group).
 template <int64_t NV, typename QT, typename CT>
-void attend_row(const QT* q_row, QT* out_row, const CT* cache, const Meta& m, int64_t request, int64_t h0, int64_t h1,
-                int64_t n_keys, float scale, float* scores, float* acc, float* qf) {
+void attend_rows(const QT* q0, int64_t q_stride, QT* out0, int64_t out_stride, int64_t nrows, const CT* cache,
+                 const Meta& m, int64_t request, int64_t h0, int64_t h1, int64_t n_keys, float scale, float* scores,
+                 float* acc, float* qf, QT* qb) {
   const int64_t G = m.group, D = m.head_dim, bs = m.block_size, rs = m.row_stride;
-  const int64_t heads = (h1 - h0) * G, n = n_keys;
+  const int64_t per_head = nrows * G, heads = (h1 - h0) * per_head, n = n_keys;
   const int64_t span = bs * rs * static_cast<int64_t>(sizeof(CT));  // one page's K or V half, bytes
   // bf16 queries and keys at a width of whole 512-bit vectors: the dot products in bf16 pairs.
   constexpr bool kBf16Dots = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16> && NV > 0 &&
                              NV % 2 == 0 && Vec::size() == 16;
-  if constexpr (!kBf16Dots) {
-    for (int64_t j = 0; j < heads * D; ++j) qf[j] = to_float(q_row[h0 * G * D + j]) * scale;
-  }
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t j = 0; j < nrows; ++j) {
+      const QT* src = q0 + j * q_stride + h * G * D;
+      const int64_t at = ((h - h0) * nrows + j) * G * D;
+      if constexpr (kBf16Dots) {
+        std::copy(src, src + G * D, qb + at);
+      } else {
+        for (int64_t e = 0; e < G * D; ++e) qf[at + e] = to_float(src[e]) * scale;
+      }
+    }
   const int32_t* pages = m.kv_indices + m.kv_indptr[request];
   const int64_t num_pages = (n + bs - 1) / bs;
   for (int64_t p = 0; p < num_pages; ++p) {
@@ -226,11 +239,11 @@ void attend_row(const QT* q_row, QT* out_row, const CT* cache, const Meta& m, in
     prefetch_span<_MM_HINT_T1>(page_rows(cache, pages, m, p, 1), span);  // this page's values, for the second pass
     const int64_t t0 = p * bs, count = std::min(n, t0 + bs) - t0;
     for (int64_t h = h0; h < h1; ++h) {
-      const int64_t first = (h - h0) * G;
-      for_head_blocks<NV>(G, [&](int64_t g0, auto nb) {
+      const int64_t first = (h - h0) * per_head;
+      for_head_blocks<NV>(per_head, [&](int64_t g0, auto nb) {
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
         if constexpr (kBf16Dots) {
-          score_rows_bf16<NV / 2, decltype(nb)::value>(q_row + (h * G + g0) * D, rows + h * D, rs, count, D, scale,
+          score_rows_bf16<NV / 2, decltype(nb)::value>(qb + (first + g0) * D, rows + h * D, rs, count, D, scale,
                                                        scores + (first + g0) * n + t0, n);
           return;
         }
@@ -240,81 +253,102 @@ void attend_row(const QT* q_row, QT* out_row, const CT* cache, const Meta& m, in
       });
     }
   }
-  for (int64_t b = 0; b < heads; ++b) softmax_inplace(scores + b * n, n);
+  for (int64_t b = 0; b < heads; ++b) {
+    const int64_t seen = n - (nrows - 1 - (b / G) % nrows);  // row (b / G) % nrows
+    softmax_inplace(scores + b * n, seen);
+    std::fill(scores + b * n + seen, scores + (b + 1) * n, 0.f);
+  }
   std::fill(acc, acc + heads * D, 0.f);
   for (int64_t p = 0; p < num_pages; ++p) {
     const CT* rows = page_rows(cache, pages, m, p, 1);
     if (p + 1 < num_pages) prefetch_span(page_rows(cache, pages, m, p + 1, 1), span);
     const int64_t t0 = p * bs, count = std::min(n, t0 + bs) - t0;
     for (int64_t h = h0; h < h1; ++h) {
-      const int64_t first = (h - h0) * G;
-      for_head_blocks<NV>(G, [&](int64_t g0, auto nb) {
+      const int64_t first = (h - h0) * per_head;
+      for_head_blocks<NV>(per_head, [&](int64_t g0, auto nb) {
         add_weighted_rows<NV, decltype(nb)::value>(scores + (first + g0) * n + t0, rows + h * D, rs, count, D,
                                                    acc + (first + g0) * D, n);
       });
     }
   }
-  for (int64_t j = 0; j < heads * D; ++j) out_row[h0 * G * D + j] = from_float<QT>(acc[j]);
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t j = 0; j < nrows; ++j) {
+      const float* a = acc + ((h - h0) * nrows + j) * G * D;
+      QT* dst = out0 + j * out_stride + h * G * D;
+      for (int64_t e = 0; e < G * D; ++e) dst[e] = from_float<QT>(a[e]);
+    }
 }
+
+// Query rows of one request that share a pass over its keys (attend_rows): at most this many.
+constexpr int64_t kMaxRowsPerPass = 16;
 
 template <typename QT, typename CT>
 void run_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& kv_cache, const Meta& m, float scale) {
-  const int64_t num_rows = q.size(0);
   const QT* qp = q.data_ptr<QT>();
   QT* op = out.data_ptr<QT>();
   const CT* cache = kv_cache.data_ptr<CT>();
   const int64_t q_row_stride = q.stride(0), out_row_stride = out.stride(0);
-  // Which request each query row belongs to, and how many keys it sees.
-  std::vector<int64_t> row_request(num_rows), row_keys(num_rows);
-  int64_t total_keys = 0, max_keys = 0;
+  // Passes: a request's query rows, up to kMaxRowsPerPass at a time, with the keys its last row
+  // sees (its earlier rows see one fewer each).
+  struct Pass {
+    int64_t request, first_row, num_rows, keys;
+  };
+  std::vector<Pass> passes;
+  int64_t total_keys = 0, max_keys = 0, max_rows = 1;
   for (int64_t i = 0; i < m.num_requests; ++i) {
     const int64_t q0 = m.qo_indptr[i], q1 = m.qo_indptr[i + 1];
     const int64_t num_pages = m.kv_indptr[i + 1] - m.kv_indptr[i];
     const int64_t seq_len = num_pages == 0 ? 0 : (num_pages - 1) * m.block_size + m.kv_last_page_len[i];
-    for (int64_t r = q0; r < q1; ++r) {
-      row_request[r] = i;
-      row_keys[r] = seq_len - (q1 - r) + 1;
-      TORCH_CHECK(row_keys[r] >= 1, "paged_attention: request ", i, " has fewer keys than query rows");
-      total_keys += row_keys[r];
-      max_keys = std::max(max_keys, row_keys[r]);
+    TORCH_CHECK(q1 == q0 || seq_len - (q1 - q0) + 1 >= 1, "paged_attention: request ", i,
+                " has fewer keys than query rows");
+    for (int64_t r = q0; r < q1; r += kMaxRowsPerPass) {
+      const int64_t rows = std::min(kMaxRowsPerPass, q1 - r), keys = seq_len - (q1 - (r + rows));
+      passes.push_back({i, r, rows, keys});
+      total_keys += rows * keys;
+      max_keys = std::max(max_keys, keys);
+      max_rows = std::max(max_rows, rows);
     }
   }
   const int64_t macs = total_keys * m.num_kv_heads * m.group * m.head_dim * 2;
   const bool serial = macs < kSerialMacs;
-  // A work item is a query row with all its KV heads (a page's rows are read once for all of them);
-  // with fewer rows than a few per thread, a row's KV heads are split over the threads instead.
-  const int64_t splits = !serial && num_rows < 4 * at::get_num_threads() ? m.num_kv_heads : 1;
-  const int64_t heads_per_item = m.num_kv_heads / splits, items = num_rows * splits;
+  const int64_t num_passes = static_cast<int64_t>(passes.size());
+  // A work item is a pass with all its KV heads (a page's rows are read once for all of them);
+  // with fewer passes than a few per thread, a pass's KV heads are split over the threads instead.
+  const int64_t splits = !serial && num_passes < 4 * at::get_num_threads() ? m.num_kv_heads : 1;
+  const int64_t heads_per_item = m.num_kv_heads / splits, items = num_passes * splits;
   constexpr int64_t W = Vec::size();
   const int64_t nv = m.head_dim % W == 0 ? m.head_dim / W : 0;
   auto work = [&](int64_t begin, int64_t end) {
-    const int64_t width = heads_per_item * m.group;
+    const int64_t width = heads_per_item * m.group * max_rows;
     std::vector<float> scores(width * max_keys), acc(width * m.head_dim), qf(width * m.head_dim);
+    std::vector<QT> qb(width * m.head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / splits, h0 = (item % splits) * heads_per_item, h1 = h0 + heads_per_item;
-      const int64_t r_next = (item + 1) / splits;
-      if (item + 1 < end && r_next != r) {  // the next row's first pages into L2 while this one is computed
-        const int32_t* pages = m.kv_indices + m.kv_indptr[row_request[r_next]];
+      const Pass& pass = passes[item / splits];
+      const int64_t h0 = (item % splits) * heads_per_item, h1 = h0 + heads_per_item;
+      const int64_t next = (item + 1) / splits;
+      if (item + 1 < end && next != item / splits) {  // the next pass's first pages into L2 while this one is computed
+        const int32_t* pages = m.kv_indices + m.kv_indptr[passes[next].request];
         const int64_t span = m.block_size * m.row_stride * static_cast<int64_t>(sizeof(CT));
-        const int64_t ahead = std::min((row_keys[r_next] + m.block_size - 1) / m.block_size,
+        const int64_t ahead = std::min((passes[next].keys + m.block_size - 1) / m.block_size,
                                        std::max<int64_t>(1, kPrefetchBytes / (2 * span)));
         for (int64_t p = 0; p < ahead; ++p) {
           prefetch_span<_MM_HINT_T1>(page_rows(cache, pages, m, p, 0), span);
           prefetch_span<_MM_HINT_T1>(page_rows(cache, pages, m, p, 1), span);
         }
       }
-      const QT* qr = qp + r * q_row_stride;
-      QT* orow = op + r * out_row_stride;
-      auto row = [&](auto nv_const) {
-        attend_row<decltype(nv_const)::value, QT, CT>(qr, orow, cache, m, row_request[r], h0, h1, row_keys[r], scale,
-                                                      scores.data(), acc.data(), qf.data());
+      const QT* qr = qp + pass.first_row * q_row_stride;
+      QT* orow = op + pass.first_row * out_row_stride;
+      auto run = [&](auto nv_const) {
+        attend_rows<decltype(nv_const)::value, QT, CT>(qr, q_row_stride, orow, out_row_stride, pass.num_rows, cache, m,
+                                                       pass.request, h0, h1, pass.keys, scale, scores.data(),
+                                                       acc.data(), qf.data(), qb.data());
       };
       switch (nv) {  // head_dim 64, 128, 256 at AVX512's width (32, 64, 128 at AVX2's)
-        case 2: row(std::integral_constant<int64_t, 2>{}); break;
-        case 4: row(std::integral_constant<int64_t, 4>{}); break;
-        case 8: row(std::integral_constant<int64_t, 8>{}); break;
-        case 16: row(std::integral_constant<int64_t, 16>{}); break;
-        default: row(std::integral_constant<int64_t, 0>{}); break;
+        case 2: run(std::integral_constant<int64_t, 2>{}); break;
+        case 4: run(std::integral_constant<int64_t, 4>{}); break;
+        case 8: run(std::integral_constant<int64_t, 8>{}); break;
+        case 16: run(std::integral_constant<int64_t, 16>{}); break;
+        default: run(std::integral_constant<int64_t, 0>{}); break;
       }
     }
   };

@@ -37,11 +37,13 @@ def bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got.float() - want.float()).abs().amax() <= 2 ** -7 * scale, (got, want)
 
 
-# (rows, N, K): one row and every input-row tile (1-4), more rows than a tile (9), N off the 4-row
-# tile, K of one group (padded to a pair), 3 groups (padded to one block of 4), 5 (a block and the
-# last pair), SmolLM2's 576 and 1536, and N large enough for the threaded path
-SHAPES = [(1, 64, 32), (2, 37, 96), (3, 13, 160), (4, 130, 64), (9, 21, 128), (1, 960, 576), (7, 576, 1536),
-          (1, 4099, 576)]
+# (rows, N, K): every input-row count of one pass (1-8), more rows than a pass (9, 11), N off the
+# weight-row tiles, K of one group (padded to a pair), 3 groups (padded to two pairs), 8 (one
+# superblock), 10, 14 (a superblock and 1 or 3 pairs), SmolLM2's 576 and 1536, and N large enough
+# for the threaded path
+SHAPES = [(1, 64, 32), (2, 37, 96), (3, 13, 160), (4, 130, 64), (5, 21, 256), (6, 19, 320), (7, 33, 448),
+          (8, 130, 576), (9, 21, 128), (11, 18, 320), (1, 960, 576), (7, 576, 1536), (5, 576, 1536),
+          (8, 3072, 576), (1, 4099, 576), (6, 4099, 576)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -71,20 +73,23 @@ def test_int4_gemv_takes_inputs_short_of_the_padded_columns_and_strided_rows() -
     assert torch.equal(int4_gemv(x, packed, szp), int4_gemv(x.contiguous(), packed, szp))
 
 
-def test_the_layout_puts_each_block_of_four_groups_in_16_bit_words() -> None:
-    """Word j of a 4-group block holds column j of group m in bits 4m..4m+3; a last pair of groups
-    holds columns j and j + 16 of each group; pack and unpack are inverse."""
-    codes = torch.zeros(1, 192, dtype=torch.uint8)  # 6 groups: one block and a last pair
-    codes[0, 32 + 5] = 3  # group 1, column 5: word 5, bits 4-7
-    codes[0, 128 + 20] = 9  # group 4 (the last pair's first), column 20: word 4, bits 4-7
-    codes[0, 160 + 2] = 15  # group 5, column 2: word 2, bits 8-11
-    packed, _ = pack_int4_codes(codes, torch.zeros(6, 1, 2, dtype=BF16))
+def test_the_layout_gives_each_32_bit_lane_of_a_superblock_one_group() -> None:
+    """In a superblock of 8 groups, nibble m of word e of half q holds group (e / 2) % 8, column
+    16 ((e / 2) / 8) + 2 (4q + m) + e % 2 (so each 32-bit lane holds one group); the pairs of groups
+    after it hold columns j and j + 16 of each group in word j; pack and unpack are inverse."""
+    codes = torch.zeros(1, 320, dtype=torch.uint8)  # 10 groups: one superblock and a pair
+    codes[0, 32 + 5] = 3  # group 1, column 5 (h 0, step 2, odd): half 0, word 3, bits 8-11
+    codes[0, 96 + 27] = 7  # group 3, column 27 (h 1, step 5, odd): half 1, word 23, bits 4-7
+    codes[0, 256 + 20] = 9  # group 8 (the pair's first), column 20: word 4 of the pair, bits 4-7
+    codes[0, 288 + 2] = 15  # group 9, column 2: word 2 of the pair, bits 8-11
+    packed, _ = pack_int4_codes(codes, torch.zeros(10, 1, 2, dtype=BF16))
     words = packed[0].to(torch.int32)
-    words = words[0::2] | (words[1::2] << 8)  # 48 little-endian words: 32 in the block, 16 in the pair
-    assert words[5].item() == 3 << 4 and words[32 + 4].item() == 9 << 4 and words[32 + 2].item() == 15 << 8
-    assert int((words != 0).sum()) == 3
+    words = words[0::2] | (words[1::2] << 8)  # 80 little-endian words: 64 in the superblock, 16 in the pair
+    assert words[3].item() == 3 << 8 and words[32 + 23].item() == 7 << 4
+    assert words[64 + 4].item() == 9 << 4 and words[64 + 2].item() == 15 << 8
+    assert int((words != 0).sum()) == 4
     g = torch.Generator().manual_seed(3)
-    for k in (32, 64, 96, 160, 576, 1536):
+    for k in (32, 64, 96, 160, 256, 320, 448, 512, 576, 1536):
         random = torch.randint(0, 16, (5, k), dtype=torch.uint8, generator=g)
         packed, _ = pack_int4_codes(random, torch.zeros(k // 32, 5, 2, dtype=BF16))
         assert torch.equal(unpack_int4_codes(packed), F.pad(random, (0, -k % 64)))
@@ -99,6 +104,19 @@ def test_int4_gemv_rejects_what_it_cannot_read() -> None:
         int4_gemv(torch.randn(1, 128).to(BF16), packed, szp)
     with pytest.raises(RuntimeError, match="scales_zeros"):
         int4_gemv(torch.randn(1, 64).to(BF16), packed, szp[:, :1].contiguous())
+
+
+@pytest.mark.parametrize("shape", [(8, 960, 576), (8, 576, 1536), (11, 4099, 576)])
+def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(shape: tuple[int, int, int]) -> None:
+    """A speculative verify step's k + 1 rows pass over the weights together; each row's output is
+    bit for bit what it gets alone, so greedy output does not change under speculation."""
+    rows, n, k = shape
+    g = torch.Generator().manual_seed(n + k)
+    packed, szp = pack_int4_codes(*quantize_int4(torch.randn(n, k, generator=g) * 0.05))
+    x = torch.randn(rows, k, generator=g).to(BF16)
+    together = int4_gemv(x, packed, szp)
+    for take in (1, 2, 5):
+        assert torch.equal(torch.cat([int4_gemv(x[i:i + take], packed, szp) for i in range(0, rows, take)]), together)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

@@ -113,7 +113,7 @@ def test_an_unknown_quantization_fails_in_the_config() -> None:
 def test_auto_keeps_dense_copies_from_a_row_count_that_follows_the_cpus_bf16(native_bf16: bool) -> None:
     """int4 dense copies: packed bf16 from 8 rows where bf16 is native, float32 from 16 rows elsewhere;
     int8 keeps its 16; an explicit scheme keeps no copy (its memory saving)."""
-    assert policy.int8_dense_from_rows("auto", "int4") == (8 if native_bf16 else 16)
+    assert policy.int8_dense_from_rows("auto", "int4") == (policy.AUTO_INT4_DENSE_FROM_ROWS if native_bf16 else 16)
     assert policy.int8_dense_from_rows("auto", "int8") == 16
     assert policy.int8_dense_from_rows("int4", "int4") == 0 and policy.int8_dense_from_rows("int8", "int8") == 0
     assert policy.int8_dense_from_rows("auto", None) == 0

@@ -25,7 +25,7 @@ AUTO_INT8_DENSE_FROM_ROWS = 16
 # The same for auto's int4, by the CPU's bf16 support (docs/PERF.md "Weight formats, issue 30"):
 # with native bf16 the oneDNN-packed bf16 GEMM catches up with the int4 kernel at 8 rows; without
 # it the dense copy is float32 and the crossover lies between 16 and 32 rows (AVX2 kernels forced).
-AUTO_INT4_DENSE_FROM_ROWS = 8
+AUTO_INT4_DENSE_FROM_ROWS = 9
 AUTO_INT4_DENSE_FROM_ROWS_NO_BF16 = 16
 
 # What auto may choose for the built-in model, in order of preference on a tie (DENSE: its float weights).
