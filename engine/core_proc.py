@@ -28,7 +28,7 @@ from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, Fai
 from engine.host.allocator import memory_releaser
 from engine.host.heartbeat import Heartbeat
 from scheduler.output import SchedulerOutput
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 if TYPE_CHECKING:  # NOTE: at run time it would bring torch into the API process before the model loads
     from engine.step_result import PendingStep

@@ -36,7 +36,7 @@ from engine.core_types import (
 )
 from engine.host.heartbeat import Heartbeat
 from scheduler.fair_queue import FairShareState
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 logger = logging.getLogger("fp4serve.engine")
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.core_types import EngineInfo
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 # vLLM's buckets, as its PrometheusStatLogger sets them.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
