@@ -24,7 +24,8 @@ from api.transport.metrics import ServerMetrics
 from api.parsers import ParserSettings
 from api.access.rate_limit import RateLimiter
 from engine.front.admission import QueueLimits
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.front.input_processor import MAX_TOKENS_POLICIES, MaxTokensPolicy
 
 if TYPE_CHECKING:

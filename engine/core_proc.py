@@ -23,7 +23,8 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, FairShareUpdate, Shutdown
 from engine.host.allocator import memory_releaser
 from engine.host.heartbeat import Heartbeat

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.access.auth import _is_protected, bearer_token
 from api.anthropic_errors import anthropic_error_response, is_messages_path, to_anthropic
 from api.errors import error_response
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.core_types import Owner
 
 logger = logging.getLogger("fp4serve")
