@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.weights.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.attention.hybrid_runner import choose_linear_backend
 
