@@ -27,7 +27,8 @@ from api.flags.reliability import add_reliability_arguments, reliability_engine_
 from api.flags.team import add_team_arguments, team_engine_settings, team_server_settings
 from engine.front.admission import QueueLimits
 from engine.front.async_engine import MAX_CONSECUTIVE_FAILURES
-from engine.config import EngineConfig, KVEventsConfig, parse_memory
+from engine.config import EngineConfig, parse_memory
+from engine.cache_events.config import KVEventsConfig
 from engine.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

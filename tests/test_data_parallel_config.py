@@ -15,7 +15,8 @@ import pytest
 
 from api.cli import build_parser, main, server_config
 from engine.client import core_client
-from engine.config import EngineConfig, KVEventsConfig
+from engine.config import EngineConfig
+from engine.cache_events.config import KVEventsConfig
 from engine.errors import ConfigError
 from engine.client.core_client import CoreDevice
 

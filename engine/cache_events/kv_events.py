@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from engine.cache_events.kv_event_hashes import ExternalBlockHashes
-from engine.config import KVEventsConfig
+from engine.cache_events.config import KVEventsConfig
 from engine.errors import ConfigError
 from scheduler.request import Request
 
