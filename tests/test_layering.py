@@ -252,7 +252,7 @@ def test_bench_is_an_http_client_except_its_offline_and_kernel_benchmarks() -> N
 
 # The engine's front: what runs in the HTTP process around the core (text, validation, admission,
 # metrics, the per-request streams). Every other engine module is the core's, or below it.
-FRONT = {"engine.front.async_engine", "engine.front.admission", "engine.front.input_processor", "engine.front.output_processor",
+FRONT = {"engine.front", "engine.front.errors", "engine.front.async_engine", "engine.front.admission", "engine.front.input_processor", "engine.front.output_processor",
          "engine.front.outputs", "engine.front.tokenizer", "engine.front.detokenizer", "engine.front.metrics", "engine.front.offline",
          "engine.client.core_client", "engine.client.supervisor", "engine.front.vllm_metrics", "engine.client.placement", "engine.client.core_router",
          "engine.client.global_fair_share"}
