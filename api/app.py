@@ -44,13 +44,11 @@ from api.state import (
     ServerState,
     load_engine,
 )
-from engine.front.admission import EngineOverloadedError
-from engine.front.async_engine import EngineDeadError, EngineRestartingError
-from engine.config import EngineConfig
-from scheduler.request import ParamError
+from engine.front import EngineConfig
+from engine.front.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError, ParamError
 
 if TYPE_CHECKING:
-    from engine.front.async_engine import AsyncEngine
+    from engine.front import AsyncEngine
 
 __all__ = ["DEFAULT_MAX_QUEUED_REQUESTS", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_SHUTDOWN_TIMEOUT_S", "ServerConfig",
            "ServerState", "build_app", "load_engine"]

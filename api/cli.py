@@ -25,11 +25,8 @@ from api.access.keys import API_KEY_ENV
 from api.access.limits import HARD_MAX_LOGPROBS, RequestLimits
 from api.flags.reliability import add_reliability_arguments, reliability_engine_settings
 from api.flags.team import add_team_arguments, team_engine_settings, team_server_settings
-from engine.front.admission import QueueLimits
-from engine.front.async_engine import MAX_CONSECUTIVE_FAILURES
-from engine.config import EngineConfig, parse_memory
-from engine.cache_events.config import KVEventsConfig
-from engine.errors import ConfigError
+from engine.front import MAX_CONSECUTIVE_FAILURES, EngineConfig, KVEventsConfig, QueueLimits, parse_memory
+from engine.front.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -371,7 +368,7 @@ _SPECULATIVE_FLAGS = {"speculative_method": "--speculative-method", "num_specula
 def _speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The speculative EngineConfig fields from the flags, or from vLLM's --speculative-config JSON
     (a value given both ways is refused). --speculative-model alone means --speculative-method mtp."""
-    from engine.spec_decode.config import speculative_config_fields
+    from engine.front import speculative_config_fields
 
     settings = {field: getattr(args, field) for field in _SPECULATIVE_FLAGS}
     if args.speculative_config is not None:

@@ -12,7 +12,7 @@ from contextlib import aclosing
 
 from api.transport.deadline import Deadline
 from api.errors import APIError
-from engine.front.outputs import RequestOutput
+from engine.front import RequestOutput
 
 Item = tuple[int, RequestOutput]  # (prompt index, output)
 

@@ -14,9 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from api.anthropic_errors import is_messages_path, to_anthropic
-from engine.front.admission import EngineOverloadedError
-from engine.front.async_engine import EngineDeadError, EngineRestartingError
-from scheduler.request import ParamError
+from engine.front.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError, ParamError
 
 logger = logging.getLogger("fp4serve.api")
 

@@ -23,13 +23,11 @@ from api.access.limits import RequestLimits
 from api.transport.metrics import ServerMetrics
 from api.parsers import ParserSettings
 from api.access.rate_limit import RateLimiter
-from engine.front.admission import QueueLimits
-from engine.config import EngineConfig
-from engine.errors import ConfigError
-from engine.front.input_processor import MAX_TOKENS_POLICIES, MaxTokensPolicy
+from engine.front import MAX_TOKENS_POLICIES, EngineConfig, MaxTokensPolicy, QueueLimits
+from engine.front.errors import ConfigError
 
 if TYPE_CHECKING:
-    from engine.front.async_engine import AsyncEngine
+    from engine.front import AsyncEngine
 
 logger = logging.getLogger("fp4serve")
 
@@ -91,8 +89,8 @@ class ServerConfig:
 
 
 def load_engine(config: EngineConfig) -> AsyncEngine:
-    from engine.front.async_engine import AsyncEngine  # torch and the model: only once we serve
-    from engine.structured_output.manager import StructuredOutputs
+    from engine.front import AsyncEngine  # torch and the model: only once we serve
+    from engine.front import StructuredOutputs
 
     StructuredOutputs.prepare_checks()  # not on the event loop, by the first request with a grammar
     return AsyncEngine.from_config(config)

@@ -29,8 +29,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.access.auth import _is_protected, bearer_token
 from api.anthropic_errors import anthropic_error_response, is_messages_path, to_anthropic
 from api.errors import error_response
-from engine.errors import ConfigError
-from engine.core_types import Owner
+from engine.front import Owner
+from engine.front.errors import ConfigError
 
 logger = logging.getLogger("fp4serve")
 DEFAULT_NAME = "default"

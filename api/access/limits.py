@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import ConfigError
+from engine.front.errors import ConfigError
 
 HARD_MAX_LOGPROBS = 20  # what the sampler computes (and OpenAI's own cap)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from engine.front.input_processor import MAX_TOKENS_POLICIES
+from engine.front import MAX_TOKENS_POLICIES
 
 
 def add_agent_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.front import EngineConfig
 
 _DEFAULTS = EngineConfig()
 

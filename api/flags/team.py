@@ -8,7 +8,7 @@ from typing import Any
 
 from api.access.keys import parse_keys_file
 from api.state import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_PROMPTS
-from engine.config import DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
+from engine.front import DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
 
 
 def add_team_arguments(parser: argparse.ArgumentParser) -> None:
