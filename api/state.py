@@ -66,6 +66,8 @@ class ServerConfig:
     access_log_skipped_paths: tuple[str, ...] = ("/health", "/metrics")
 
     def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"--port: must be in 1..65535, got {self.port}")
         if self.max_request_bytes <= 0:
             raise ConfigError(f"--max-request-bytes: must be positive, got {self.max_request_bytes}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:

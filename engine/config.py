@@ -98,8 +98,12 @@ class EngineConfig:
             raise ConfigError(f"--dtype: '{self.dtype}' is not one of auto, float32, bfloat16, float16")
         if self.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError(f"--kv-cache-dtype: '{self.kv_cache_dtype}' is not one of auto, bfloat16, float16, float32")
-        if self.block_size < 1:
-            raise ConfigError(f"--block-size: must be positive, got {self.block_size}")
+        for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens", self.max_num_batched_tokens),
+                            ("--block-size", self.block_size)):
+            if value < 1:
+                raise ConfigError(f"{flag}: must be positive, got {value}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len: must be at least 2, got {self.max_model_len}")
         if self.attention_backend not in ("auto", "torch", "flashinfer", "cpu"):
             raise ConfigError(f"--attention-backend: '{self.attention_backend}' is not one of auto, flashinfer, cpu, torch")
         if self.kv_cache_memory is not None:
