@@ -1,6 +1,6 @@
 """The flags for what clients, agents above all, meet at the front: what a max_tokens beyond the
 room the prompt leaves gets, the checkpoint's sampling defaults, and the access log. Their own
-module so api/cli.py only calls in."""
+module so api/flags/serve.py only calls in."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The flags of the engine's supervisor (engine/client/supervisor.py): the watchdog's step timeout, the
 start-up allowance, and how many lost engines are replaced before the server gives up. Their own
-module so api/cli.py only calls in."""
+module so api/flags/serve.py only calls in."""
 
 from __future__ import annotations
 

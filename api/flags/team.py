@@ -1,5 +1,5 @@
 """The team-endpoint flags of `fp4serve serve` (issue 17): keys, scheduling policy, long-prompt
-isolation, body timeout and the prompts cap. Their own module so api/cli.py only calls in."""
+isolation, body timeout and the prompts cap. Their own module so api/flags/serve.py only calls in."""
 
 from __future__ import annotations
 
