@@ -1,5 +1,6 @@
-"""Anthropic's error shape, `{"type": "error", "error": {"type", "message"}}`, for the
-/v1/messages routes. Every error those paths can answer takes it: the app's exception handlers
+"""Anthropic's error shape, `{"type": "error", "error": {"type", "message"}}`, which the
+/v1/messages routes declare (api/anthropic/routes.py, api/error_shape.py). Every error those paths
+can answer takes it: the app's exception handlers
 (api/errors.py: validation 400, unknown model 404, 405, 408, body too large 413, a full queue 503,
 a dead engine, a deadline 504, an unexpected 500) and the key middleware's 401 and 429
 (api/access/keys.py) build the OpenAI body first and `to_anthropic` re-shapes it here, keeping the
@@ -10,8 +11,6 @@ from __future__ import annotations
 
 import orjson
 from starlette.responses import Response
-
-MESSAGES_PREFIX = "/v1/messages"
 
 # Anthropic's `error.type` names (docs.anthropic.com/en/api/errors; the SDK's ErrorType).
 _TYPES = {
@@ -41,10 +40,6 @@ def anthropic_error_body(status: int, message: str) -> dict:
 def anthropic_error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(anthropic_error_body(status, message)), status_code=status,
                     media_type="application/json", headers=headers)
-
-
-def is_messages_path(path: str) -> bool:
-    return path == MESSAGES_PREFIX or path.startswith(MESSAGES_PREFIX + "/")
 
 
 def to_anthropic(response: Response) -> Response:

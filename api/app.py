@@ -15,6 +15,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from api.access.keys import KeyMiddleware
+from api.error_shape import ErrorShapeMiddleware
 from api.errors import (
     APIError,
     handle_api_error,
@@ -29,7 +30,7 @@ from api.errors import (
 from api.http import ClientDisconnected
 from api.transport.inflight import InFlightMiddleware
 from api.access.request_log import RequestLogMiddleware
-from api.anthropic.routes import MESSAGES_ROUTES
+from api.anthropic.routes import MESSAGES_ERROR_SHAPE, MESSAGES_ROUTES
 from api.responses.routes import RESPONSES_ROUTES
 from api.transport.framing import FramingMiddleware
 from api.ops.key_metrics import key_metrics_routes
@@ -44,13 +45,11 @@ from api.state import (
     ServerState,
     load_engine,
 )
-from engine.front.admission import EngineOverloadedError
-from engine.front.async_engine import EngineDeadError, EngineRestartingError
-from engine.config import EngineConfig
-from scheduler.request import ParamError
+from engine.front import EngineConfig
+from engine.front.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError, ParamError
 
 if TYPE_CHECKING:
-    from engine.front.async_engine import AsyncEngine
+    from engine.front import AsyncEngine
 
 __all__ = ["DEFAULT_MAX_QUEUED_REQUESTS", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_SHUTDOWN_TIMEOUT_S", "ServerConfig",
            "ServerState", "build_app", "load_engine"]
@@ -76,9 +75,10 @@ def build_app(
             state.begin_shutdown()
             await state.close()
 
-    # Outermost first: count and watch the client, log what is refused (the framing's refusals included),
-    # then check the body's framing and size, then the key.
+    # Outermost first: the error shape the routes declared, count and watch the client, log what is
+    # refused (the framing's refusals included), then check the body's framing and size, then the key.
     middleware = [
+        Middleware(ErrorShapeMiddleware, shaped_paths=[MESSAGES_ERROR_SHAPE]),
         Middleware(InFlightMiddleware, in_flight=state.in_flight),
         Middleware(RequestLogMiddleware, metrics=state.metrics, access_log=config.access_log,
                    skipped_paths=config.access_log_skipped_paths),

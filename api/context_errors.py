@@ -13,8 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from api.errors import APIError
-from engine.errors import CONTEXT_LENGTH_EXCEEDED, ContextLengthError
-from scheduler.request import ParamError
+from engine.front.errors import CONTEXT_LENGTH_EXCEEDED, ContextLengthError, ParamError
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from contextlib import aclosing
 
 from api.transport.deadline import Deadline
 from api.errors import RESTARTING_RETRY_AFTER_S, APIError
-from engine.front.outputs import RequestOutput
+from engine.front import RequestOutput
 
 Item = tuple[int, RequestOutput]  # (prompt index, output)
 

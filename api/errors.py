@@ -1,7 +1,7 @@
 """OpenAI-style error bodies: `APIError` (what handlers raise) and the Starlette exception
 handlers that turn it, the engine's refusals, routing errors and unexpected failures into
-`{"error": {"message", "type", "param", "code"}}` — or, on /v1/messages, Anthropic's shape
-(api/anthropic_errors.py)."""
+`{"error": {"message", "type", "param", "code"}}` — or in the shape the request's route declared
+(api/error_shape.py: Anthropic's on /v1/messages)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api.anthropic_errors import is_messages_path, to_anthropic
-from engine.front.admission import EngineOverloadedError
-from engine.front.async_engine import EngineDeadError, EngineRestartingError
-from scheduler.request import ParamError
+from api.error_shape import shaped
+from engine.front.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError, ParamError
 
 logger = logging.getLogger("fp4serve.api")
 
@@ -109,18 +107,13 @@ def error_response(
     return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
-def for_path(request: Request, response: Response) -> Response:
-    """The error in the shape the route's clients read: Anthropic's on /v1/messages, else OpenAI's."""
-    return to_anthropic(response) if is_messages_path(request.url.path) else response
-
-
 def answer(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
            headers: dict[str, str] | None = None, type_: str | None = None) -> Response:
     """The error response in the route's shape, its fields left in the request's state for the
     refusal's log line (api/access/request_log.py)."""
     body = error_body(status, message, param, code, type_)
     request.scope.setdefault("state", {})[ERROR_STATE] = body
-    return for_path(request, error_response(status, message, param, code, headers, body.type))
+    return shaped(request.scope, error_response(status, message, param, code, headers, body.type))
 
 
 async def handle_api_error(request: Request, exc: Exception) -> Response:
@@ -176,4 +169,4 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
     # NOTE: the body never carries the exception text: it may hold paths or internals. The
     # traceback goes to the log, where an operator can read it.
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return for_path(request, error_response(500, "internal server error; see the server log", code="internal_error"))
+    return shaped(request.scope, error_response(500, "internal server error; see the server log", code="internal_error"))

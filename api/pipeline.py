@@ -47,14 +47,11 @@ from api.parsers.base import coalesce_tool_deltas
 from api.grammars.response_format import response_format_spec
 from api.transport.sse import SSEResponse
 from api.grammars.tool_grammar import tool_call_spec
-from engine.core_types import Owner
-from engine.front.outputs import RequestOutput
-from scheduler.request import SamplingParams
-from scheduler.structured_output import Reasoning, StructuredOutput
+from engine.front import Owner, Reasoning, RequestOutput, SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from api.state import ServerState
-    from engine.front.async_engine import AsyncEngine
+    from engine.front import AsyncEngine
 
 logger = logging.getLogger("fp4serve.api")
 

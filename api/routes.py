@@ -56,7 +56,7 @@ async def usage(request: Request) -> Response:
     record: KeyRecord = request.scope.get("state", {}).get(KEY_STATE, OPEN)
     totals = state.engine.metrics.usage if state.engine is not None else {}
     names = sorted(set(totals) | set(state.keys.names())) if record.admin else [record.name]
-    from engine.front.metrics import KeyUsage
+    from engine.front import KeyUsage
 
     return json_response({
         "object": "usage",

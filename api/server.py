@@ -12,8 +12,7 @@ from collections.abc import Callable
 
 from api.app import ServerConfig, build_app, load_engine
 from api.transport.deadline import server_stopping_error
-from engine.front.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from engine.front import AsyncEngine, EngineConfig
 
 logger = logging.getLogger("fp4serve")
 

@@ -24,12 +24,11 @@ from api.access.limits import RequestLimits
 from api.transport.metrics import ServerMetrics
 from api.parsers import ParserSettings
 from api.access.rate_limit import RateLimiter
-from engine.front.admission import QueueLimits
-from engine.config import ConfigError, EngineConfig
-from engine.front.input_processor import MAX_TOKENS_POLICIES, MaxTokensPolicy
+from engine.front import MAX_TOKENS_POLICIES, EngineConfig, MaxTokensPolicy, QueueLimits
+from engine.front.errors import ConfigError
 
 if TYPE_CHECKING:
-    from engine.front.async_engine import AsyncEngine
+    from engine.front import AsyncEngine
 
 logger = logging.getLogger("fp4serve")
 
@@ -68,6 +67,8 @@ class ServerConfig:
     access_log_skipped_paths: tuple[str, ...] = ("/health", "/metrics")
 
     def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"--port: must be in 1..65535, got {self.port}")
         if self.max_request_bytes <= 0:
             raise ConfigError(f"--max-request-bytes: must be positive, got {self.max_request_bytes}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
@@ -91,8 +92,8 @@ class ServerConfig:
 
 
 def load_engine(config: EngineConfig) -> AsyncEngine:
-    from engine.front.async_engine import AsyncEngine  # torch and the model: only once we serve
-    from engine.structured_output.manager import StructuredOutputs
+    from engine.front import AsyncEngine  # torch and the model: only once we serve
+    from engine.front import StructuredOutputs
 
     StructuredOutputs.prepare_checks()  # not on the event loop, by the first request with a grammar
     return AsyncEngine.from_config(config)
@@ -226,7 +227,7 @@ class ServerState:
         the exit does not wait for the model (an in-process load cannot be stopped, but runs on a
         daemon thread, which the exit does not wait for)."""
         self.begin_shutdown()
-        from engine.front.async_engine import AsyncEngine
+        from engine.front import AsyncEngine
 
         if killed := AsyncEngine.abandon_loads():
             logger.info("stopped while loading: killed %d engine process%s being loaded", killed,

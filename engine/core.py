@@ -12,7 +12,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.weights.model_config import ModelConfig
+from engine.errors import ConfigError
 from engine.core_types import (
     VERSION,
     EngineCoreOutput,

@@ -23,12 +23,13 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, FairShareUpdate, Shutdown
 from engine.host.allocator import memory_releaser
 from engine.host.heartbeat import Heartbeat
 from scheduler.output import SchedulerOutput
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 if TYPE_CHECKING:  # NOTE: at run time it would bring torch into the API process before the model loads
     from engine.step_result import PendingStep

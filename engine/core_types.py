@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from scheduler.fair_queue import FairShareState
-from scheduler.output import SchedulerOutput
+from scheduler.output import SchedulerOutput, SchedulerStats
 from scheduler.request import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerStats
+from scheduler.scheduler import Scheduler
 
 VERSION = "0.1.0"
 

@@ -16,7 +16,9 @@ from engine.batch import ForwardBatch
 from engine.input_batch import InputBatch
 from engine.attention.checkpoint_pool import CheckpointPool
 from engine.attention.host_pool import HostPool, make_host_pool
-from engine.config import ConfigError, EngineConfig, ModelConfig, parse_memory
+from engine.config import EngineConfig, parse_memory
+from engine.weights.model_config import ModelConfig
+from engine.errors import ConfigError
 from engine.core_types import SampledToken
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason, verify_graph_query_len
 from engine.weights.dtype_policy import int8_dense_from_rows, resolve_dtype, resolve_kv_cache_dtype, resolve_quantization

@@ -21,44 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler.block_manager import ROOT_HASH, KVCacheEventSink
-from scheduler.output import HostCopies, PageCopy, SnapshotLoad, SnapshotSpill
+from scheduler.output import HostCopies, HostTierStats, PageCopy, SnapshotLoad, SnapshotSpill
 from scheduler.request import Request
-
-
-@dataclass(frozen=True)
-class HostTierStats:
-    """The host tier's report, in the scheduler's stats (counts now, and cumulative counters)."""
-
-    num_pages: int
-    num_used_pages: int
-    num_snapshots: int
-    num_used_snapshots: int
-    page_bytes: int  # one page, every attention layer
-    snapshot_bytes: int  # one snapshot: the DeltaNet state and a partial page
-    hit_tokens: int = 0  # cumulative from here on
-    queried_tokens: int = 0
-    loaded_pages: int = 0
-    spilled_pages: int = 0
-    loaded_snapshots: int = 0
-    spilled_snapshots: int = 0
-    load_seconds: float = 0.0
-    spill_seconds: float = 0.0
-
-    @property
-    def used_bytes(self) -> int:
-        return self.num_used_pages * self.page_bytes + self.num_used_snapshots * self.snapshot_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.num_pages * self.page_bytes + self.num_snapshots * self.snapshot_bytes
-
-    @property
-    def loaded_bytes(self) -> int:
-        return self.loaded_pages * self.page_bytes + self.loaded_snapshots * self.snapshot_bytes
-
-    @property
-    def spilled_bytes(self) -> int:
-        return self.spilled_pages * self.page_bytes + self.spilled_snapshots * self.snapshot_bytes
 
 
 @dataclass(eq=False)

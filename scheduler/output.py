@@ -2,12 +2,13 @@
 over which KV pages, and whether its last token is sampled; for hybrid models also which state
 checkpoints are restored, written and copied (scheduler/checkpoint_manager.py), and what the host
 tier spills and loads (scheduler/host_tier.py). Consumed by
-engine/batch.py and the model runner."""
+engine/batch.py and the model runner. `SchedulerStats`: what the scheduler reports after a step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.fair_queue import FairShareState
 from scheduler.request import SamplingParams
 
 # Async scheduling: a token sampled by the step still in flight. The runner replaces it with that
@@ -140,3 +141,64 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+
+@dataclass(frozen=True)
+class HostTierStats:
+    """The host tier's report, in the scheduler's stats (counts now, and cumulative counters)."""
+
+    num_pages: int
+    num_used_pages: int
+    num_snapshots: int
+    num_used_snapshots: int
+    page_bytes: int  # one page, every attention layer
+    snapshot_bytes: int  # one snapshot: the DeltaNet state and a partial page
+    hit_tokens: int = 0  # cumulative from here on
+    queried_tokens: int = 0
+    loaded_pages: int = 0
+    spilled_pages: int = 0
+    loaded_snapshots: int = 0
+    spilled_snapshots: int = 0
+    load_seconds: float = 0.0
+    spill_seconds: float = 0.0
+
+    @property
+    def used_bytes(self) -> int:
+        return self.num_used_pages * self.page_bytes + self.num_used_snapshots * self.snapshot_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_pages * self.page_bytes + self.num_snapshots * self.snapshot_bytes
+
+    @property
+    def loaded_bytes(self) -> int:
+        return self.loaded_pages * self.page_bytes + self.loaded_snapshots * self.snapshot_bytes
+
+    @property
+    def spilled_bytes(self) -> int:
+        return self.spilled_pages * self.page_bytes + self.spilled_snapshots * self.snapshot_bytes
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_blocks: int
+    prefix_cache_queried_tokens: int  # cumulative
+    prefix_cache_hit_tokens: int  # cumulative
+    num_preemptions: int  # cumulative
+    num_state_checkpoints: int = 0  # hybrid prefix caching: the pool's size
+    num_used_state_checkpoints: int = 0
+    fair_share: FairShareState = ()  # each key's virtual tokens (scheduler/fair_queue.py)
+    fair_charged: FairShareState = ()  # what this core charged each key (data parallel: the front sums them)
+    # For the front's admission (engine/front/admission.py): every request ever added (cumulative, so the
+    # front can tell which of the requests it sent are counted here), and the tokens still to
+    # compute of the waiting requests beyond the free batch slots (those the next step cannot start).
+    num_added: int = 0
+    num_queued_tokens: int = 0
+    host: HostTierStats | None = None  # --kv-offloading-size
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from scheduler.block_manager import BlockManager
 from scheduler.checkpoint_manager import CheckpointManager
 from scheduler.fair_queue import FairQueue, FairShareState, Policy
-from scheduler.host_tier import HostHit, HostTier, HostTierStats
-from scheduler.output import PLACEHOLDER_TOKEN_ID, HostCopies, NewRequestData, ScheduledRequest, SchedulerOutput
+from scheduler.host_tier import HostHit, HostTier
+from scheduler.output import PLACEHOLDER_TOKEN_ID, HostCopies, NewRequestData, ScheduledRequest, SchedulerOutput, SchedulerStats
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.slot_manager import SlotManager
 
@@ -56,31 +56,6 @@ class SchedulerConfig:
         if self.num_state_slots and self.enable_prefix_caching and self.num_state_checkpoints < 1:
             raise ValueError("prefix caching on a hybrid model needs state checkpoints (the recurrent state at "
                              "a prefix's end)")
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_used_blocks: int
-    num_blocks: int
-    prefix_cache_queried_tokens: int  # cumulative
-    prefix_cache_hit_tokens: int  # cumulative
-    num_preemptions: int  # cumulative
-    num_state_checkpoints: int = 0  # hybrid prefix caching: the pool's size
-    num_used_state_checkpoints: int = 0
-    fair_share: FairShareState = ()  # each key's virtual tokens (scheduler/fair_queue.py)
-    fair_charged: FairShareState = ()  # what this core charged each key (data parallel: the front sums them)
-    # For the front's admission (engine/front/admission.py): every request ever added (cumulative, so the
-    # front can tell which of the requests it sent are counted here), and the tokens still to
-    # compute of the waiting requests beyond the free batch slots (those the next step cannot start).
-    num_added: int = 0
-    num_queued_tokens: int = 0
-    host: HostTierStats | None = None  # --kv-offloading-size
-
-    @property
-    def kv_usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
 
 
 # (the request's id, its tokens so far, most drafts wanted) -> draft tokens: engine/spec_decode/ngram.py

@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from engine.front.admission import Admission, EngineOverloadedError, QueueLimits
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 MAX_NUM_SEQS = 2
 

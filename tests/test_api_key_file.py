@@ -11,7 +11,7 @@ import pytest
 
 from api.cli import build_parser, server_config
 from api.access.keys import API_KEY_ENV
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 
 def parse(*argv: str) -> str | None:

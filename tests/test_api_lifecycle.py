@@ -21,7 +21,8 @@ from api.http import ClientDisconnected, unless_disconnected
 from api.engine_stream import EngineStream
 from api.pipeline import start_stream
 from api.transport.sse import DONE, SSEResponse, encode_error_event, encode_event
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.core_types import Owner
 from engine.front.outputs import RequestOutput
 from scheduler.request import SamplingParams

@@ -13,7 +13,8 @@ import torch
 
 from engine.attention.select import choose_backend, flashinfer_import_error, make_backend
 from engine.attention.torch_ref import TorchAttentionBackend
-from engine.config import ConfigError, ModelConfig
+from engine.weights.model_config import ModelConfig
+from engine.errors import ConfigError
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 BS = 4  # tokens per KV page in these tests

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from fp4serve_tools import bundle
 
 

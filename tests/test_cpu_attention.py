@@ -11,7 +11,7 @@ from engine.attention.cpu_paged import OP_MAX_QUERY_ROWS, CpuAttentionBackend
 from engine.attention.select import choose_backend
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.host.cpu_kernels import load_cpu_ops
 from kernels.cpu_attention import paged_attention, paged_attention_ref, reshape_and_cache, reshape_and_cache_ref
 

@@ -15,7 +15,9 @@ import pytest
 
 from api.cli import build_parser, main, server_config
 from engine.client import core_client
-from engine.config import ConfigError, EngineConfig, KVEventsConfig
+from engine.config import EngineConfig
+from engine.cache_events.config import KVEventsConfig
+from engine.errors import ConfigError
 from engine.client.core_client import CoreDevice
 
 EVENTS = dict(enable_kv_cache_events=True, publisher="zmq")

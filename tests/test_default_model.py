@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.weights.demo_model import DEMO_MODEL_NAME
 from engine.weights.model_source import (
     DEFAULT_MODEL_ENV,

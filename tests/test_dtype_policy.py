@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import engine.weights.dtype_policy as policy
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.weights.dtype_policy import resolve_dtype, resolve_quantization
 from engine.weights.model_source import DEFAULT_MODEL_ENV, DEFAULT_MODEL_NAME, DEMO_MODEL_KEYWORD
 from engine.front.offline import OfflineEngine

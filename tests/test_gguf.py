@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from engine.host import cache_folder
 from engine.weights.formats import gguf as gguf_module
 from engine.host.cache_folder import MARKER_FILE, build_once, is_complete
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.weights.formats.gguf import ensure_gguf_checkpoint, gguf_cache_folder, unpermute_qk
 from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.weights.formats.gguf import ensure_gguf_checkpoint
 from scheduler.request import SamplingParams
 from tests.factories import make_hybrid_checkpoint, make_hybrid_moe_checkpoint, make_moe_checkpoint

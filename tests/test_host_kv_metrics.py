@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from api.ops.stats import StatsWindow, summarize
 from engine.front.metrics import EngineMetrics
-from scheduler.host_tier import HostTierStats
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import HostTierStats
+from scheduler.output import SchedulerStats
 
 PAGE, SNAP = 1024, 4096
 

@@ -12,7 +12,8 @@ import pytest
 from engine.attention.host_pool import split_budget
 from engine.cache_events.kv_event_hashes import ExternalBlockHashes
 from engine.cache_events.kv_events import KVEventRecorder
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 from scheduler.block_manager import ROOT_HASH, BlockManager, hash_block
 from scheduler.host_tier import HostTier
 from scheduler.output import PageCopy, SnapshotSpill

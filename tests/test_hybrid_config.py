@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.weights.model_config import ModelConfig
+from engine.errors import ConfigError
 from engine.attention.hybrid_runner import choose_linear_backend
 
 TEXT: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from api.cli import build_parser, server_config
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.host.cpu_kernels import load_cpu_ops
 from kernels.cpu_int4 import int4_gemv_native
 from engine.weights.formats.int4_linear import GROUP_SIZE, Int4Linear, Int4LinearBuilder, check_int4_device, dequantize_int4, \

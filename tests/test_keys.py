@@ -10,7 +10,7 @@ import pytest
 
 from api.access.keys import KeyRecord, KeyRing, parse_keys_file
 from api.access.rate_limit import RateLimiter, format_reset
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 
 def write(tmp_path: Path, text: str) -> str:

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from engine.config import ConfigError, EngineConfig, KVEventsConfig
+from engine.config import EngineConfig
+from engine.cache_events.config import KVEventsConfig
+from engine.errors import ConfigError
 from engine.cache_events.kv_event_hashes import ExternalBlockHashes
 from engine.cache_events.kv_events import KVEventRecorder, ZmqEventPublisher
 from engine.cache_events.kv_events import AllBlocksCleared as OurCleared

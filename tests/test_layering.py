@@ -197,18 +197,49 @@ def test_scheduler_imports_only_itself_and_the_standard_library_no_torch() -> No
     assert violations("scheduler", rule) == []
 
 
+# The one seam from api/ into the engine: the boundary types, and the errors api/ maps to responses.
+API_SEAM = ("engine.front", "engine.front.errors")
+
+
 def test_api_reaches_the_model_only_through_engine_and_imports_no_torch() -> None:
     def rule(path: Path, imp: Import) -> str | None:
         if imp.top in GPU_STACK:
             return "api/ never touches tensors"
         if imp.top in ("kernels", "bench"):
             return "api/ talks to engine/, not to kernels or the benchmark client"
-        if imp.top == "scheduler" and imp.module not in ("scheduler.request", "scheduler.structured_output"):
-            return ("api/ may use only the boundary types of scheduler.request (SamplingParams, ParamError) and "
-                    "scheduler.structured_output (the StructuredOutput spec SamplingParams carries)")
+        if imp.top in ("engine", "scheduler") and imp.module not in API_SEAM:
+            return ("api/ imports the engine only through its seam, engine.front (the boundary types) and "
+                    "engine.front.errors (every error it maps to a response)")
         return None
 
     assert violations("api", rule) == []
+
+
+def test_the_seam_rule_refuses_a_reach_past_engine_front() -> None:
+    source = ("from engine.front import EngineConfig\nfrom engine.front.errors import ParamError\n"
+              "from engine.config import EngineConfig\nfrom scheduler.request import SamplingParams\n"
+              "def f():\n    from engine.front.async_engine import AsyncEngine\n")
+    found = imports_of(ROOT / "api" / "x.py", source)
+    assert [i.module for i in found if i.top in ("engine", "scheduler") and i.module not in API_SEAM] == [
+        "engine.config", "scheduler.request", "engine.front.async_engine"]
+
+
+def test_every_name_the_seam_exports_resolves_and_importing_api_loads_no_torch() -> None:
+    # Every module of api/ imported, then every name of engine.front's __all__ read (the lazy ones
+    # only now): torch may load only with those, never with api/ itself.
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import api, engine.front, engine.front.errors\n"
+        "for m in pkgutil.walk_packages(api.__path__, 'api.'):\n"
+        "    if not m.name.endswith('__main__'): importlib.import_module(m.name)\n"
+        "print('torch' in sys.modules)\n"
+        "missing = [n for n in engine.front.__all__ + engine.front.errors.__all__\n"
+        "           if getattr(engine.front, n, None) is None and getattr(engine.front.errors, n, None) is None]\n"
+        "print(missing)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["False", "[]"]
 
 
 def test_no_import_circle_in_the_server() -> None:
@@ -264,9 +295,11 @@ CORE_STEP_PACKAGES = ("spec_decode", "attention", "models")
 
 def test_the_engine_core_never_imports_the_front() -> None:
     def rule(path: Path, imp: Import) -> str | None:
-        if module_name(path) in FRONT:
+        if module_name(path) in FRONT or module_name(path) in API_SEAM:
             return None
+        # api/'s seam (engine/front/__init__.py, errors.py) re-exports the front: the core imports neither
         target = next((m for m in FRONT if imp.module == m or imp.module.startswith(m + ".")), None)
+        target = target or (imp.module if imp.module in API_SEAM else None)
         return f"the core knows nothing of the front ({target})" if target else None
 
     assert violations("engine", rule) == []

@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.weights.model_config import ModelConfig
+from engine.errors import ConfigError
 from engine.core import EngineCore
 
 

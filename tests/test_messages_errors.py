@@ -17,12 +17,18 @@ import orjson
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
+from starlette.testclient import TestClient
+from starlette.types import Message, Receive, Scope, Send
 
-from api.app import ServerConfig
+from api.anthropic.routes import MESSAGES_ERROR_SHAPE
+from api.app import ServerConfig, build_app
+from api.error_shape import ErrorShapeMiddleware
 from api.errors import APIError, handle_api_error, handle_engine_dead, handle_engine_overloaded, handle_param_error, \
     handle_unexpected
 from engine.front.admission import EngineOverloadedError
 from engine.front.async_engine import EngineDeadError
+from engine.config import EngineConfig
+from engine.front import AsyncEngine
 from engine.weights.demo_model import DEMO_MODEL_NAME
 from scheduler.request import ParamError
 from tests.server_utils import InProcessServer, in_process_server
@@ -101,8 +107,24 @@ def test_validation_model_size_and_method_errors(server: InProcessServer) -> Non
 
 
 def _request(path: str) -> Request:
-    return Request({"type": "http", "method": "POST", "path": path, "headers": [], "app": Starlette(),
-                    "query_string": b"", "server": ("127.0.0.1", 80), "scheme": "http"})
+    """A request as the handlers get it: its scope through the middleware that puts the error shape
+    the routes declared on it."""
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "app": Starlette(),
+             "query_string": b"", "server": ("127.0.0.1", 80), "scheme": "http"}
+
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        pass
+
+    asyncio.run(ErrorShapeMiddleware(route, [MESSAGES_ERROR_SHAPE])(scope, _no_receive, _no_send))
+    return Request(scope)
+
+
+async def _no_receive() -> Message:
+    raise AssertionError("the shape is chosen from the path alone")
+
+
+async def _no_send(message: Message) -> None:
+    raise AssertionError("the shape is chosen from the path alone")
 
 
 @pytest.mark.parametrize(("handler", "exc", "status", "kind"), [
@@ -123,3 +145,30 @@ def test_the_apps_handlers_answer_messages_paths_in_anthropics_shape(handler, ex
             assert int(response.headers["retry-after"]) >= 1
     openai = orjson.loads(bytes(asyncio.run(handler(_request("/v1/chat/completions"), exc)).body))
     assert set(openai) == {"error"} and openai["error"]["message"] == body["error"]["message"]
+
+
+def _never_loads(config: EngineConfig) -> AsyncEngine:
+    raise AssertionError("no engine: the lifespan does not run")
+
+
+def test_refusals_before_any_route_take_the_shape_the_messages_routes_declare() -> None:
+    # The key middleware's 401 and routing's 404 and 405 come before a route runs; the app's own
+    # middleware (no lifespan, so no engine) must still answer /v1/messages/... in Anthropic's shape.
+    app = build_app(ServerConfig(engine=ENGINE, api_key=KEY), loader=_never_loads)
+    client = TestClient(app)
+    headers = {"x-api-key": KEY}
+    for response, status, kind in (
+        (client.post("/v1/messages", json={}), 401, "authentication_error"),
+        (client.post("/v1/messages/count_tokens", headers={"x-api-key": "sk-wrong"}, json={}), 401,
+         "authentication_error"),
+        (client.post("/v1/messages/batches", headers=headers, json={}), 404, "not_found_error"),
+        (client.get("/v1/messages", headers=headers), 405, "invalid_request_error"),
+    ):
+        assert response.status_code == status and response.json() == {
+            "type": "error", "error": {"type": kind, "message": response.json()["error"]["message"]}}
+    assert client.post("/v1/messages", json={}).headers["www-authenticate"] == "Bearer"
+    # Every other path keeps OpenAI's shape, one that only starts like the Messages path too.
+    for path in ("/v1/chat/completions", "/v1/messagesx"):
+        openai = client.post(path, json={})
+        assert openai.status_code == 401 and set(openai.json()) == {"error"}
+        assert openai.json()["error"]["code"] == "invalid_api_key"

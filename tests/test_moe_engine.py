@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ConfigError, ModelConfig
+from engine.weights.model_config import ModelConfig
+from engine.errors import ConfigError
 from engine.models.decoder import MLP
 from engine.models.moe import Experts, SparseMoeBlock
 from scheduler.request import SamplingParams

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.models.layers import Linear
 from engine.models.moe import NVFP4Experts, SparseMoeBlock
 from engine.front.offline import OfflineEngine

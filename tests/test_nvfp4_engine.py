@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from engine.batch import build_forward_batch
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.weights.model_config import ModelConfig
+from engine.errors import ConfigError
 from engine.core import EngineCore
 from engine.model_runner import ModelRunner
 from engine.models.layers import Linear

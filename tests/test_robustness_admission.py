@@ -25,7 +25,7 @@ from engine.front.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.front.outputs import RequestOutput
 from scheduler.request import SamplingParams
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 MAX_TOKENS = 3
 

@@ -5,6 +5,7 @@ and the API key never shows in a config's repr (so in no log line)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import pytest
 
@@ -14,6 +15,7 @@ from api.access.limits import RequestLimits
 from api.server import log_settings
 from engine.front.admission import QueueLimits
 from engine.config import EngineConfig
+from engine.errors import ConfigError
 
 
 def parse(*argv: str) -> ServerConfig:
@@ -82,3 +84,23 @@ def test_the_api_key_is_in_no_repr_and_no_start_up_log_line(caplog: pytest.LogCa
     with caplog.at_level(logging.INFO, logger="fp4serve"):
         log_settings(config)
     assert "API key required" in caplog.text and "sk-do-not-log-9f8e" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: EngineConfig(max_num_seqs=0), "--max-num-seqs: must be positive, got 0"),
+        (lambda: EngineConfig(max_num_batched_tokens=-3), "--max-num-batched-tokens: must be positive, got -3"),
+        (lambda: EngineConfig(max_model_len=1), "--max-model-len: must be at least 2, got 1"),
+        (lambda: ServerConfig(EngineConfig(), port=65536), "--port: must be in 1..65535, got 65536"),
+        (lambda: QueueLimits(max_queued_requests=0), "--max-queued-requests: must be positive, got 0"),
+        (lambda: QueueLimits(max_queued_tokens=-1), "--max-queued-tokens: must be positive, got -1"),
+        (lambda: RequestLimits(max_n=0), "--max-n: must be positive, got 0"),
+        (lambda: RequestLimits(max_tools=-2), "--max-tools: must not be negative, got -2"),
+    ],
+)
+def test_each_config_checks_its_own_bounds_in_the_flags_words(build: Callable[[], object], message: str) -> None:
+    # The CLI holds no bounds of its own: the configs raise, with the message `serve` prints.
+    with pytest.raises(ConfigError) as refused:
+        build()
+    assert str(refused.value) == message

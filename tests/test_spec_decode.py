@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from bench.spec_decode import record_steps
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.core_types import EngineCoreOutputs
 from engine.front.offline import OfflineEngine
 from engine.sampler import Sampler

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.spec_decode import record_steps
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
 from tests.factories import make_hybrid_checkpoint, make_hybrid_moe_checkpoint

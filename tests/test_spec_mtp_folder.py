@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from api.cli import build_parser, server_config
 from bench.spec_decode import record_steps
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.spec_decode.config import speculative_config_fields
 from fp4serve_tools.quantize import quantize_checkpoint
 from scheduler.request import SamplingParams

@@ -20,7 +20,7 @@ from api.ops.stats import LATENCY_WINDOW_S, REUSE_S, Histogram, StatsFeed, Stats
 from api.ops.ui import CONTENT_SECURITY_POLICY
 from engine.config import EngineConfig
 from engine.front.metrics import EngineMetrics
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 from tests.server_utils import InProcessServer, in_process_server
 
 STATIC = importlib.resources.files("api") / "static"

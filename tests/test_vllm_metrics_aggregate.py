@@ -9,7 +9,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.front.metrics import EngineMetrics
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 MODEL = "m"
 

@@ -27,10 +27,10 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.access.auth import _is_protected, bearer_token
-from api.anthropic_errors import anthropic_error_response, is_messages_path, to_anthropic
+from api.error_shape import shaped
 from api.errors import error_response
-from engine.config import ConfigError
-from engine.core_types import Owner
+from engine.front import Owner
+from engine.front.errors import ConfigError
 
 logger = logging.getLogger("fp4serve")
 DEFAULT_NAME = "default"
@@ -218,10 +218,8 @@ def unauthorized_message(sent: bool) -> str:
     return "invalid API key" if sent else "missing API key: send 'Authorization: Bearer <key>'"
 
 
-def unauthorized(sent: bool, path: str = "") -> Any:
-    """The 401, in Anthropic's error shape on /v1/messages (its SDK reads no other)."""
-    if is_messages_path(path):
-        return anthropic_error_response(401, unauthorized_message(sent), headers={"WWW-Authenticate": "Bearer"})
+def unauthorized(sent: bool) -> Any:
+    """The 401 in OpenAI's shape (KeyMiddleware re-shapes it for the route: api/error_shape.py)."""
     return error_response(401, unauthorized_message(sent), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -250,12 +248,12 @@ class KeyMiddleware:
                            scope["method"], scope["path"])
             refusal = error_response(400, "the request carries more than one API key (Authorization and x-api-key "
                                      "headers that differ); send exactly one", code="ambiguous_credentials")
-            await (to_anthropic(refusal) if is_messages_path(scope["path"]) else refusal)(scope, receive, send)
+            await shaped(scope, refusal)(scope, receive, send)
             return
         token, sent = token_from_headers(scope["headers"])
         record = self.ring.lookup(token)
         if record is None:
-            await unauthorized(sent, scope["path"])(scope, receive, send)
+            await shaped(scope, unauthorized(sent))(scope, receive, send)
             return
         scope.setdefault("state", {})[KEY_STATE] = record
         counts = scope["method"] == "POST"  # generation and other work; GET /v1/models, /v1/usage are free
@@ -264,9 +262,8 @@ class KeyMiddleware:
             return
         refusal = self.limiter.acquire(record)
         if refusal is not None:
-            if is_messages_path(scope["path"]):  # Anthropic's SDK reads its own shape (rate_limit_error)
-                refusal = to_anthropic(refusal)
-            await refusal(scope, receive, send)
+            # Anthropic's SDK reads its own shape (rate_limit_error) on /v1/messages
+            await shaped(scope, refusal)(scope, receive, send)
             return
         headers = self.limiter.headers(record)
 

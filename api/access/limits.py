@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import ConfigError
+from engine.front.errors import ConfigError
 
 HARD_MAX_LOGPROBS = 20  # what the sampler computes (and OpenAI's own cap)
 
@@ -26,6 +26,6 @@ class RequestLimits:
                                  ("--max-stop", self.max_stop, 0), ("--max-stop-length", self.max_stop_length, 1),
                                  ("--max-tools", self.max_tools, 0)):
             if value is not None and value < low:
-                raise ConfigError(f"{flag}: must be at least {low}, got {value}")
+                raise ConfigError(f"{flag}: {'must be positive' if low else 'must not be negative'}, got {value}")
         if not 0 <= self.max_logprobs <= HARD_MAX_LOGPROBS:
             raise ConfigError(f"--max-logprobs: must be in 0..{HARD_MAX_LOGPROBS}, got {self.max_logprobs}")

@@ -8,8 +8,9 @@ events:
                input_json_delta), content_block_stop,
     message_delta (stop_reason, usage), message_stop.
 
-Errors keep Anthropic's shape: the app's exception handlers re-shape them by path
-(api/errors.py `for_path`, api/anthropic_errors.py), and in a stream they are an `error` event."""
+Errors keep Anthropic's shape: `MESSAGES_ERROR_SHAPE` declares it for these paths, once, and every
+layer that answers an error re-shapes it (api/error_shape.py, api/anthropic_errors.py); in a
+stream they are an `error` event."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api.anthropic.request import MessagesRequestModel
-from api.anthropic_errors import anthropic_error_body
+from api.anthropic_errors import anthropic_error_body, to_anthropic
 from api.context_errors import MESSAGES, refusals
+from api.error_shape import ShapedPath
 from api.errors import APIError, bad_request
 from api.http import json_response, read_json, server_state
 from api.parsers.base import ParsedDelta
@@ -195,7 +197,11 @@ async def count_tokens(request: Request) -> Response:
         return json_response({"input_tokens": len(await render_chat(state, engine, chat))})
 
 
+MESSAGES_PREFIX = "/v1/messages"
 MESSAGES_ROUTES = [
-    Route("/v1/messages", create_message, methods=["POST"]),
-    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    Route(MESSAGES_PREFIX, create_message, methods=["POST"]),
+    Route(f"{MESSAGES_PREFIX}/count_tokens", count_tokens, methods=["POST"]),
 ]
+# Every error on these paths takes Anthropic's shape (its SDK reads no other), those refused before
+# a route is matched too: the body's framing, the key, an unknown path below them, a wrong method.
+MESSAGES_ERROR_SHAPE = ShapedPath(MESSAGES_PREFIX, to_anthropic)

@@ -1,1 +1,2 @@
-"""Groups of `fp4serve serve` flags with their own settings objects, so api/cli.py only calls in."""
+"""Every `fp4serve serve` flag, by topic, each module with the settings its flags give; serve.py
+adds them all and maps them onto EngineConfig and ServerConfig, so api/cli.py only calls in."""

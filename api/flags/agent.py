@@ -1,13 +1,13 @@
 """The flags for what clients, agents above all, meet at the front: what a max_tokens beyond the
 room the prompt leaves gets, the checkpoint's sampling defaults, and the access log. Their own
-module so api/cli.py only calls in."""
+module so api/flags/serve.py only calls in."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from engine.front.input_processor import MAX_TOKENS_POLICIES
+from engine.front import MAX_TOKENS_POLICIES
 
 
 def add_agent_arguments(parser: argparse.ArgumentParser) -> None:

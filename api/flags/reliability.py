@@ -1,13 +1,13 @@
 """The flags of the engine's supervisor (engine/client/supervisor.py): the watchdog's step timeout, the
 start-up allowance, and how many lost engines are replaced before the server gives up. Their own
-module so api/cli.py only calls in."""
+module so api/flags/serve.py only calls in."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.front import EngineConfig
 
 _DEFAULTS = EngineConfig()
 

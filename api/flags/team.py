@@ -1,5 +1,5 @@
 """The team-endpoint flags of `fp4serve serve` (issue 17): keys, scheduling policy, long-prompt
-isolation, body timeout and the prompts cap. Their own module so api/cli.py only calls in."""
+isolation, body timeout and the prompts cap. Their own module so api/flags/serve.py only calls in."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from api.access.keys import parse_keys_file
 from api.state import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_PROMPTS
-from engine.config import DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
+from engine.front import DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
 
 
 def add_team_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from api.errors import bad_request
-from scheduler.structured_output import THINK, Reasoning, StructuredOutput, ThinkTags
+from engine.front import THINK, Reasoning, StructuredOutput, ThinkTags
 
 JSON_OBJECT, JSON_SCHEMA = "json_object", "json_schema"
 KINDS = ("text", JSON_OBJECT, JSON_SCHEMA)

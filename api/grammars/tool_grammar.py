@@ -14,7 +14,7 @@ from api.parsers.schema_types import (
     NUMBER_PREFIXES,
     param_type,
 )
-from scheduler.structured_output import (
+from engine.front import (
     THINK,
     Reasoning,
     StructuredOutput,

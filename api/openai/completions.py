@@ -13,10 +13,10 @@ from api.openai.stream import OpenAIStream
 from api.pipeline import ChoiceDelta, Started
 from api.openai.shared import CompletionLogprobs, merge_completion_logprobs
 from api.transport.sse import encode_event
-from engine.front.outputs import RequestOutput, TokenLogprob
+from engine.front import RequestOutput, TokenLogprob
 
 if TYPE_CHECKING:
-    from engine.front.input_processor import InputProcessor
+    from engine.front import InputProcessor
 
 OBJECT = "text_completion"
 

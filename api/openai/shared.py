@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from engine.front.outputs import RequestOutput, TokenLogprob
+from engine.front import RequestOutput, TokenLogprob
 
 
 class UsageCounter:

@@ -19,7 +19,7 @@ from api.request.models import template_kwargs, token_id_list
 from api.request.validation import Bool, RequestModel, Str, ToolsRequest, validate
 
 if TYPE_CHECKING:
-    from engine.front.input_processor import InputProcessor
+    from engine.front import InputProcessor
 
 
 class TokenizeRequestModel(ToolsRequest):

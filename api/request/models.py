@@ -32,7 +32,7 @@ from api.request.validation import (
     stop_limit,
     too_many,
 )
-from scheduler.request import SamplingParams
+from engine.front import SamplingParams
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # What an absent sampling field means when the checkpoint sets no default for it (OpenAI's and

@@ -16,11 +16,9 @@ outside it: one line and one count per refused request.
 
 from __future__ import annotations
 
-from typing import Any
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.anthropic_errors import is_messages_path, to_anthropic
+from api.error_shape import shaped
 from api.errors import APIError, error_response
 
 HTTP1 = ("1.0", "1.1")
@@ -75,7 +73,4 @@ class FramingMiddleware:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, code: str, message: str,
                       headers: dict[str, str]) -> None:
-        response: Any = error_response(status, message, code=code, headers=headers)
-        if is_messages_path(scope["path"]):
-            response = to_anthropic(response)
-        await response(scope, receive, send)
+        await shaped(scope, error_response(status, message, code=code, headers=headers))(scope, receive, send)

@@ -16,7 +16,7 @@ import torch
 
 from engine.attention.checkpoint_pool import CheckpointPool
 from engine.attention.state_pool import StatePool
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from scheduler.output import HostCopies
 
 logger = logging.getLogger("fp4serve.runner")

@@ -16,7 +16,9 @@ from engine.attention.checkpoint_pool import CheckpointPool
 from engine.attention.hybrid_backend import HybridBackend
 from engine.attention.linear_attention import LinearAttentionBackend, TorchLinearAttentionBackend
 from engine.attention.state_pool import StatePool
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.weights.model_config import ModelConfig
+from engine.errors import ConfigError
 from scheduler.checkpoint_manager import MAX_GRID_BITS, grid_bits_for
 
 logger = logging.getLogger("fp4serve.runner")

@@ -9,7 +9,8 @@ import logging
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.config import ConfigError, ModelConfig
+from engine.weights.model_config import ModelConfig
+from engine.errors import ConfigError
 
 logger = logging.getLogger("fp4serve.attention")
 

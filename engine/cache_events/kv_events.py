@@ -26,7 +26,8 @@ from typing import Any
 import msgspec
 
 from engine.cache_events.kv_event_hashes import ExternalBlockHashes
-from engine.config import ConfigError, KVEventsConfig
+from engine.cache_events.config import KVEventsConfig
+from engine.errors import ConfigError
 from scheduler.request import Request
 
 logger = logging.getLogger("fp4serve.engine")

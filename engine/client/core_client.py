@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.core_proc import EngineCoreLoop, Message, run_engine_core_proc
 from engine.core_types import (
     AbortRequests,
@@ -36,7 +37,7 @@ from engine.core_types import (
 )
 from engine.host.heartbeat import Heartbeat
 from scheduler.fair_queue import FairShareState
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 logger = logging.getLogger("fp4serve.engine")
 

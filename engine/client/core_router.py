@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from engine.client.global_fair_share import GlobalFairShare
 from engine.client.placement import Placement
 from engine.core_types import EngineCoreOutputs, EngineCoreRequest
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 if TYPE_CHECKING:
     from engine.client.core_client import CoreClient

@@ -39,7 +39,7 @@ from engine.config import EngineConfig
 from engine.core_types import EngineCoreOutputs, EngineCoreRequest, EngineInfo
 from engine.host.heartbeat import HeartbeatReading
 from scheduler.fair_queue import FairShareState
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 logger = logging.getLogger("fp4serve.engine")
 

@@ -27,7 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from scheduler.scheduler import SchedulerStats
+from engine.errors import ConfigError
+from scheduler.output import SchedulerStats
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class QueueLimits:
         for name in ("max_queued_requests", "max_queued_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be positive or None, got {value}")
+                raise ConfigError(f"--{name.replace('_', '-')}: must be positive, got {value}")
 
 
 class EngineOverloadedError(RuntimeError):

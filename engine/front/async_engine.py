@@ -41,7 +41,7 @@ from engine.core_types import (
 from engine.front.admission import Admission, QueueLimits
 from engine.front.outputs import RequestOutput
 from scheduler.request import SamplingParams
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 # NOTE: no torch here (EngineCore loads it): api/ imports this module's types and errors at
 # start-up, before the model loads, and a test keeps it that way.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from scheduler.host_tier import HostTierStats
+from scheduler.output import HostTierStats
 
 GPU_TO_CPU, CPU_TO_GPU = "GPU_to_CPU", "CPU_to_GPU"  # vLLM's transfer_type values, whatever the device
 _NONE = HostTierStats(0, 0, 0, 0, 0, 0)

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from engine.core_types import EngineInfo, GrammarCacheStats
 from engine.front.host_tier_metrics import HostTierMetrics
 from engine.front.vllm_metrics import EngineAggregateRegistry, VllmMetrics, vllm_metrics
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 _NO_GRAMMARS = GrammarCacheStats(0, 0, 0, 0, 0, 0, 0, 0, 0)  # a core before its first constrained request
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)

@@ -14,7 +14,7 @@ import jinja2
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from scheduler.request import ParamError
 
 logger = logging.getLogger("fp4serve.tokenizer")

@@ -25,7 +25,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
 from engine.core_types import EngineInfo
-from scheduler.scheduler import SchedulerStats
+from scheduler.output import SchedulerStats
 
 # vLLM's buckets, as its PrometheusStatLogger sets them.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

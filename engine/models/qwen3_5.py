@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.attention.hybrid_backend import HybridBackend
 from engine.attention.linear_attention import LinearAttentionBackend
-from engine.config import ModelConfig
+from engine.weights.model_config import ModelConfig
 from engine.weights.hybrid_config import LINEAR_ATTENTION
 from engine.models.decoder import MLP, DecoderForCausalLM
 from engine.models.layers import Linear, RotaryEmbedding

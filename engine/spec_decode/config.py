@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 METHODS = ("ngram", "mtp")
 # Above this many running sequences the scheduler drafts nothing: verifying K more rows per request

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 
 def checkpoint_files(path: Path) -> list[Path]:

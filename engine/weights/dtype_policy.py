@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.host.format_timing import DENSE, FEW_ROWS, FormatTimer, LinearShapes, measured_formats, time_formats
 from engine.weights.formats.nvfp4 import INT4, INT8
 from engine.weights.model_source import DEFAULT_MODEL_NAME, default_model

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.layers import Linear
 from engine.weights.formats.fp8 import Fp8Format, Fp8LinearBuilder, is_fp8_linear

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from engine.config import ConfigError, ModelConfig
+from engine.weights.model_config import ModelConfig
+from engine.errors import ConfigError
 from engine.models.decoder import DecoderForCausalLM, make_mlp
 from engine.models.layers import Linear, RotaryEmbedding
 from engine.models.moe import NVFP4Experts

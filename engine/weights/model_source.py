@@ -8,7 +8,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEMO_MODEL_KEYWORD = "fp4serve-demo-qwen3"  # the tiny random Qwen3 (engine/weights/demo_model.py)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.weights.formats.fp8 import SCALE_SUFFIX, Fp8ExpertCollector, Fp8Format, is_fp8_linear
 from engine.models.moe import Experts, NVFP4Experts, SparseMoeBlock
 from engine.weights.formats.nvfp4 import (

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ConfigError, ModelConfig
+from engine.weights.model_config import ModelConfig
+from engine.errors import ConfigError
 from engine.models.qwen3_5_mtp import MTP_PREFIX
 from engine.weights.checkpoint_files import checkpoint_files, tensor_names
 from engine.weights.formats.fp8 import SCALE_SUFFIX, Fp8Dequantizer, fp8_format

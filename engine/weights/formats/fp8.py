@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.weights.formats.shard_checks import check_shape, copy_bias_shard
 from kernels.fp8_block import FP8_DTYPE, Fp8BlockWeight, check_block_scale, dequantize_block_fp8, fp8_device_supported, fuse_fp8
 from kernels.fp8_dispatch import Fp8Linear

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.host.cache_folder import build_once, cache_root, is_complete
 from engine.weights.formats.gguf_arch import GGUF_ARCHITECTURES, OWN_CONFIG, own_config, tensor_map
 from engine.weights.formats.gguf_arch import (

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.weights.formats.int8_linear import Int8Linear
 from engine.weights.formats.packed_linear import DenseWeight, QuantizedLinear, can_pack
 from engine.weights.formats.shard_checks import FloatQuantizingBuilder

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.weights.formats.packed_linear import DenseWeight, QuantizedLinear
 from engine.weights.formats.shard_checks import FloatQuantizingBuilder
 from kernels import cpu_gemv

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.config import ConfigError, ModelConfig
+from engine.weights.model_config import ModelConfig
+from engine.errors import ConfigError
 from engine.weights.formats.shard_checks import check_shape, copy_bias_shard
 from kernels.nvfp4 import (
     BLOCK_SIZE,

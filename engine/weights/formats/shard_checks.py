@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 
 def check_shape(name: str, shape: torch.Size, expected: tuple[int, ...]) -> None:
