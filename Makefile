@@ -38,7 +38,7 @@ serve: $(STAMP)
 # Two pytest-xdist workers, each given whole files (--dist loadfile) so a module's server starts once
 # and shared fixtures stay in one process; `make test PYTEST_WORKERS=0` runs in one process.
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_PARALLEL)
