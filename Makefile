@@ -37,9 +37,10 @@ serve: $(STAMP)
 	$(VENV)/bin/fp4serve serve
 
 # Two pytest-xdist workers, each given whole files (--dist loadfile) so a module's server starts once
-# and shared fixtures stay in one process; `make test PYTEST_WORKERS=0` runs in one process.
+# and shared fixtures stay in one process; `make test PYTEST_WORKERS=0` runs in one process. The files
+# go out heaviest first, in tests/conftest.py's order (tests/durations.py), not xdist's by test count.
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_PARALLEL)

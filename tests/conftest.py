@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 # Before torch is imported anywhere (see engine/__init__.py for why).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -15,6 +16,7 @@ os.environ.setdefault("FP4SERVE_CACHE", str(Path(__file__).resolve().parent.pare
 # Tests (and the servers they spawn) run the tiny random Qwen3 when no --model is given, not SmolLM2.
 os.environ.setdefault("FP4SERVE_DEFAULT_MODEL", "fp4serve-demo-qwen3")
 
+from tests.durations import FILE_SECONDS  # noqa: E402
 from tests.factories import make_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +37,33 @@ def pytest_configure(config: pytest.Config) -> None:
         from engine.host.cpu_kernels import load_cpu_ops
 
         load_cpu_ops()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Heaviest files first (tests/durations.py), each file's tests in their own order: `make test`
+    hands whole files to two workers in this order (--no-loadscope-reorder), so the long files
+    start early and the short ones fill in at the end instead of one worker finishing alone."""
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.nodeid.split("::")[0], 0.0))
+
+
+# Folders whose files share a session-scoped server (tests/agents/conftest.py): under `make test` each
+# goes to one worker as a whole, so the server starts once rather than once per worker.
+SHARED_SERVER_FOLDERS = ("tests/agents/",)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """--dist loadfile, except that each of SHARED_SERVER_FOLDERS is one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((folder for folder in SHARED_SERVER_FOLDERS if path.startswith(folder)), path)
+
+    return SharedServerScheduling(config, log)
 
 
 def missing_test_dependencies(pyproject: Path) -> list[str]:
