@@ -1,7 +1,8 @@
 """The CPU attention backend: decode rows and short chunks attend over the paged KV cache in place
 through the C++ ops of kernels/cpu_attention.py (no per-layer gather of K and V); longer prefill
-chunks keep the torch reference's SDPA over their gathered keys (a compute-bound case where
-torch's flash kernel is the faster one). engine/host/cpu_kernels.py compiles the ops once per machine."""
+chunks keep the torch reference's path over their gathered keys (a compute-bound case where
+torch's flash kernel is the faster one; torch_ref.chunk_attention: no mask, earlier keys and the
+chunk's own merged by log-sum-exp). engine/host/cpu_kernels.py compiles the ops once per machine."""
 
 from __future__ import annotations
 
