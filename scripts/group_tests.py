@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 STAY = {"__init__.py", "conftest.py", "factories.py", "server_utils.py", "browser.py", "gguf_factory.py",
         "mtp_factory.py", "fp8_factory.py", "graph_fakes.py", "h2_client.py", "vllm_kv_events.py",
-        "test_layering.py", "test_test_dependencies.py", "test_repo_hygiene.py", "test_folder_sizes.py"}
+        "test_layering.py", "test_test_dependencies.py", "test_repo_hygiene.py", "test_folder_sizes.py",
+        "durations.py"}
 # folder -> file-name patterns, first match wins: a model feature's server test (test_hybrid_server)
 # belongs with the feature, so engine/ comes before api/'s catch-alls.
 RULES: list[tuple[str, tuple[str, ...]]] = [
@@ -40,7 +41,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
                 "test_gated_delta*.py", "test_short_rows*.py", "test_serial_cpu_ops*.py", "test_fast_decode*.py",
                 "test_opaque_attention*.py", "test_attention_*.py", "test_cuda_graph*.py", "test_flashinfer_*.py",
                 "test_nvfp4_engine*.py", "test_admission*.py", "test_fp8_engine*.py")),
-    ("api", ("test_api_*.py", "test_agent_*.py", "test_messages_*.py", "test_responses_*.py", "test_tools_e2e*.py",
+    ("api", ("test_api_*.py", "test_agent_*.py", "test_vllm_*.py", "test_shutdown*.py", "test_messages_*.py", "test_responses_*.py", "test_tools_e2e*.py",
              "test_completions_*.py", "test_tokenize_*.py", "test_keys*.py", "test_parsers_*.py",
              "test_response_format*.py", "test_tool_grammar*.py", "test_ui_*.py", "test_team_*.py",
              "test_robustness_*.py", "test_*_server.py", "test_pipeline*.py")),

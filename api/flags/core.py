@@ -102,7 +102,7 @@ def add_core_arguments(parser: argparse.ArgumentParser) -> None:
 
 def core_engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Raises ConfigError for --data-parallel-size with --in-process-engine: the engine runs cores
-    as threads only for tests (tests/test_data_parallel.py), the server never."""
+    as threads only for tests (tests/engine/test_data_parallel.py), the server never."""
     if args.data_parallel_size > 1 and args.in_process_engine:
         raise ConfigError("--data-parallel-size: each engine core is a process of its own; drop --in-process-engine")
     return {

@@ -19,7 +19,7 @@ cuts in one request is m + 1 calls per DeltaNet layer.
     round 1: cu_seqlens [0, 30] over a100..a129 (initial state: round 0's final of a)
 
 NOTE: written against fla-core 0.6.0 and CPU-checked only through a torch stand-in with its varlen
-signature (tests/test_checkpoint_kernels.py); it has never run on a GPU in this project
+signature (tests/engine/test_checkpoint_kernels.py); it has never run on a GPU in this project
 (tests/gpu/test_fla_backend.py is the check to run there)."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from kernels.fused_moe import route
 from kernels.fused_moe_fp8 import Fp8ExpertWeights, fused_experts_fp8_ref
 from tests.factories import make_moe_checkpoint
 from tests.fp8_factory import to_fp8_checkpoint
-from tests.test_engine_correctness import capture_logits, make_engine
+from tests.engine.test_engine_correctness import capture_logits, make_engine
 
 CUDA = torch.device("cuda")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or not fp8_device_supported(CUDA),

@@ -2,7 +2,7 @@
 (engine/cuda_graph.py): tiny random models of tests/factories.py, FlashInfer attention and fla-core's
 DeltaNet kernels (the torch rule where fla-core is missing), graph steps against the eager forward
 with padded batches, and the slots padded rows must not touch. The CPU half of these checks is
-tests/test_cuda_graph_hybrid.py and tests/test_moe_graph.py. Skipped without CUDA or FlashInfer."""
+tests/engine/test_cuda_graph_hybrid.py and tests/engine/test_moe_graph.py. Skipped without CUDA or FlashInfer."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def layout_of(w: NVFP4Weight) -> "nvfp4_triton.KernelLayout":
 
 def assert_within_rounding(got: torch.Tensor, x: torch.Tensor, w: NVFP4Weight, slices: int) -> None:
     """bf16 x and the decoded weights are exact dot operands, their products exact in fp32: what
-    is left is fp32 accumulation (K + slices + 4 roundings, see tests/test_nvfp4_matmul.py), each
+    is left is fp32 accumulation (K + slices + 4 roundings, see tests/kernels/test_nvfp4_matmul.py), each
     taken as a whole fp32 ulp since tensor cores may truncate partial sums rather than round, and
     the cast of the result to bf16 (half an ulp; a whole one allowed)."""
     want = nvfp4_linear_ref(x.double(), w)
