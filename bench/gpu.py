@@ -91,7 +91,7 @@ def engine_config(folder: Path, fmt: str, args: argparse.Namespace) -> Any:
     """One engine for both measurements: room for the largest decode batch and for every request in
     flight at once, KV pages for both (and no more), decode graphs captured by the benchmark."""
     from engine.config import EngineConfig
-    from engine.weights.model_config import ModelConfig
+    from engine.weights.config.model_config import ModelConfig
     from engine.model_runner import kv_bytes_per_token
 
     max_num_seqs = max(max(args.batch_sizes), args.num_requests)

@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeat", type=int, default=20, help="calls per timing")
     args = p.parse_args()
-    from engine.weights.model_config import ModelConfig
+    from engine.weights.config.model_config import ModelConfig
 
     cfg = ModelConfig.from_checkpoint(Path(args.model))
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]

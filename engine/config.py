@@ -1,6 +1,6 @@
 """Frozen configuration: `EngineConfig` (what the operator chose; CLI flags map one-to-one onto its
 fields) and `parse_memory`, which reads its KV cache size. The checkpoint's own config is
-engine/weights/model_config.py; the KV-events config, engine/cache_events/config.py."""
+engine/weights/config/model_config.py; the KV-events config, engine/cache_events/config.py."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     # Sampling defaults for fields a request leaves out: auto (the model's generation_config.json),
-    # vllm (none), or a folder holding a generation_config.json (engine/weights/generation_config.py).
+    # vllm (none), or a folder holding a generation_config.json (engine/weights/config/generation_config.py).
     generation_config: str = "auto"
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES  # compiled grammars kept (LRU); 0: none kept
 

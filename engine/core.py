@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.core_types import (
     VERSION,
@@ -24,7 +24,7 @@ from engine.core_types import (
     PromptLogprobsChunk,
     SampledToken,
 )
-from engine.weights.generation_config import generation_defaults
+from engine.weights.config.generation_config import generation_defaults
 from engine.weights.model_path import default_model_name, resolve_model_path
 from engine.attention.host_pool import host_tier_fields
 from engine.model_runner import ModelRunner

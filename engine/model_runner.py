@@ -17,7 +17,7 @@ from engine.input_batch import InputBatch
 from engine.attention.checkpoint_pool import CheckpointPool
 from engine.attention.host_pool import HostPool, make_host_pool
 from engine.config import EngineConfig, parse_memory
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.core_types import SampledToken
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason, verify_graph_query_len

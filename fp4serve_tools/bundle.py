@@ -24,7 +24,7 @@ from pathlib import Path
 
 from engine.attention.flashinfer import decode_uses_tensor_cores, prefill_backend_for
 from engine.attention.select import flashinfer_shape_error
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 
 FLASHINFER = "flashinfer-python==0.7.2.post1"  # the API engine/attention/flashinfer.py is written against

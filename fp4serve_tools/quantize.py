@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.weights.formats.fp8 import Fp8Dequantizer, Fp8Format, fp8_format
 from engine.weights.checkpoint_files import checkpoint_files, tensor_names

@@ -36,7 +36,7 @@ from engine.front import SamplingParams
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # What an absent sampling field means when the checkpoint sets no default for it (OpenAI's and
-# vLLM's values); engine/weights/generation_config.py's defaults override these.
+# vLLM's values); engine/weights/config/generation_config.py's defaults override these.
 SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                                        "repetition_penalty": 1.0}
 # Arguments the server itself passes to the template (or that would swap the template out).
@@ -171,7 +171,7 @@ class SamplingRequest(RequestModel):
                         defaults: Iterable[tuple[str, float]] = ()) -> SamplingParams:
         """`max_tokens` None: absent (the input processor resolves it against the prompt, and caps
         it by --max-output-tokens). `defaults`: the checkpoint's generation_config.json values
-        (engine/weights/generation_config.py) for the sampling fields the request leaves out. ParamError (a
+        (engine/weights/config/generation_config.py) for the sampling fields the request leaves out. ParamError (a
         400 naming the field) for what SamplingParams refuses."""
         fallback = {**SAMPLING_DEFAULTS, **dict(defaults)}
         min_tokens = self.min_tokens or 0

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.attention.state_pool import StatePool
-from engine.weights.hybrid_config import HybridConfig
+from engine.weights.config.hybrid_config import HybridConfig
 
 
 def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:

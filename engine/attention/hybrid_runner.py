@@ -17,7 +17,7 @@ from engine.attention.hybrid_backend import HybridBackend
 from engine.attention.linear_attention import LinearAttentionBackend, TorchLinearAttentionBackend
 from engine.attention.state_pool import StatePool
 from engine.config import EngineConfig
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from scheduler.checkpoint_manager import MAX_GRID_BITS, grid_bits_for
 

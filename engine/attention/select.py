@@ -9,7 +9,7 @@ import logging
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 
 logger = logging.getLogger("fp4serve.attention")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.weights.hybrid_config import HybridConfig
+from engine.weights.config.hybrid_config import HybridConfig
 
 
 class StatePool:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.host.cache_folder import build_once, cache_root
 from engine.weights.formats.int4_linear import GROUP_SIZE, INT4_ACTIVATION_DTYPE, Int4Linear
 from engine.weights.formats.int8_linear import Int8Linear

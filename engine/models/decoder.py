@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.cpu_paged import CpuAttentionBackend
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.host import cpu_threads
 from engine.host.cpu_threads import serial_cpu_ops
 from engine.models.layers import Linear, PositionedRotary, RMSNorm, RotaryEmbedding

@@ -17,8 +17,8 @@ from torch import nn
 
 from engine.attention.hybrid_backend import HybridBackend
 from engine.attention.linear_attention import LinearAttentionBackend
-from engine.weights.model_config import ModelConfig
-from engine.weights.hybrid_config import LINEAR_ATTENTION
+from engine.weights.config.model_config import ModelConfig
+from engine.weights.config.hybrid_config import LINEAR_ATTENTION
 from engine.models.decoder import MLP, DecoderForCausalLM
 from engine.models.layers import Linear, RotaryEmbedding
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from engine.attention.hybrid_backend import HybridBackend
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.models.layers import Linear, RotaryEmbedding
 from engine.models.qwen3_5 import GatedAttention, HybridDecoderLayer, MLPFactory, ZeroCenteredRMSNorm
 

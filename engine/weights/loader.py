@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.models.decoder import DecoderForCausalLM, make_mlp
 from engine.models.layers import Linear, RotaryEmbedding

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.models.qwen3_5_mtp import MTP_PREFIX
 from engine.weights.checkpoint_files import checkpoint_files, tensor_names

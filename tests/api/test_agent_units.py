@@ -24,7 +24,7 @@ from api.request.validation import check_depth, validate
 from engine.front.chat_messages import TemplateTraits, fold_system_messages
 from engine.weights.demo_model import ensure_demo_model
 from engine.errors import ConfigError, ContextLengthError
-from engine.weights.generation_config import generation_defaults
+from engine.weights.config.generation_config import generation_defaults
 from engine.front.prompt_bound import chars_per_token_bound
 from engine.front.tokenizer import Tokenizer
 from scheduler.request import ParamError

@@ -13,7 +13,7 @@ import torch
 
 from engine.attention.select import choose_backend, flashinfer_import_error, make_backend
 from engine.attention.torch_ref import TorchAttentionBackend
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

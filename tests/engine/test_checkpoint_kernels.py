@@ -13,7 +13,7 @@ import torch
 
 from engine.batch import ForwardBatch, build_forward_batch
 from engine.attention.checkpoint_pool import CheckpointPool
-from engine.weights.hybrid_config import HybridConfig
+from engine.weights.config.hybrid_config import HybridConfig
 from engine.attention.linear_attention import TorchLinearAttentionBackend
 from engine.attention.linear_attention_fla import FlaLinearAttentionBackend, Round
 from engine.attention.gated_delta import (causal_conv1d, chunk_gated_delta_rule, conv_states_at,

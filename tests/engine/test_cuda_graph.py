@@ -13,7 +13,7 @@ import torch
 
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.cuda_graph import PADDING_REQUEST_ID, CudaGraphRunner, DecodeBuckets, graphs_disabled_reason, \
     pad_decode_batch
 from engine.weights.loader import load_model

@@ -20,7 +20,7 @@ from engine.attention.linear_attention_fla import FlaLinearAttentionBackend
 from engine.attention.state_pool import StatePool
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch, build_forward_batch
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason, pad_decode_batch
 from engine.weights.loader import load_model
 from scheduler.output import ScheduledRequest, SchedulerOutput

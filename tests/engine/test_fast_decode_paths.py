@@ -8,7 +8,7 @@ import torch
 
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch
-from engine.weights.model_config import RopeConfig
+from engine.weights.config.model_config import RopeConfig
 from engine.models.layers import PositionedRotary, RMSNorm, RotaryEmbedding
 
 

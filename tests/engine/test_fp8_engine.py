@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.weights.formats.fp8 import Fp8Dequantizer, Fp8Format, fp8_format
 from engine.weights.loader import load_model

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.attention.hybrid_runner import choose_linear_backend
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from fp4serve_tools.quantize import quantize_checkpoint
 from engine.models.layers import Linear
 from engine.models.moe import Experts, NVFP4Experts, SparseMoeBlock

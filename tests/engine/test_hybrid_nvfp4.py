@@ -13,7 +13,7 @@ import torch
 
 from engine.batch import build_forward_batch
 from engine.config import EngineConfig
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from fp4serve_tools.quantize import quantize_checkpoint
 from kernels.nvfp4_matmul import NVFP4Linear

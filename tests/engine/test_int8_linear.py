@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from api.cli import build_parser, server_config
 from engine.config import EngineConfig
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.weights.formats.packed_linear import can_pack
 from engine.weights.formats.int8_linear import Int8Linear, Int8LinearBuilder, check_int8_device, dequantize_int8, quantize_int8

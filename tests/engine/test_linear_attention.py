@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.batch import build_forward_batch
-from engine.weights.hybrid_config import HybridConfig
+from engine.weights.config.hybrid_config import HybridConfig
 from engine.attention.linear_attention import LinearAttentionPlan, TorchLinearAttentionBackend
 from engine.attention.state_pool import StatePool
 from scheduler.output import ScheduledRequest, SchedulerOutput

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.core import EngineCore
 

@@ -21,7 +21,7 @@ import torch
 import engine.models.moe as moe_module
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets
 from engine.weights.loader import load_model
 from tests.factories import forward_batch, make_moe_checkpoint

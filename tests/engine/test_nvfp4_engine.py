@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.batch import build_forward_batch
 from engine.config import EngineConfig
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.core import EngineCore
 from engine.model_runner import ModelRunner

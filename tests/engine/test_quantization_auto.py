@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.host.format_timing import DENSE, FEW_ROWS, FormatTimes, FormatTiming, LinearShapes, measured_formats, \
     time_formats
 from engine.weights.dtype_policy import AUTO_CANDIDATES, cpu_has_native_bf16, resolve_quantization

@@ -12,7 +12,7 @@ import torch
 from engine.attention.linear_attention import TorchLinearAttentionBackend
 from engine.attention.state_pool import StatePool
 from engine.batch import build_forward_batch
-from engine.weights.hybrid_config import HybridConfig
+from engine.weights.config.hybrid_config import HybridConfig
 from scheduler.output import ScheduledRequest, SchedulerOutput
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

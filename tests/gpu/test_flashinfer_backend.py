@@ -23,7 +23,7 @@ import torch
 from engine.attention.backend import kv_cache_shape
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch, build_forward_batch
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets
 from engine.models.decoder import DecoderForCausalLM
 from engine.weights.loader import load_model

@@ -17,7 +17,7 @@ from engine.attention.hybrid_runner import fla_import_error
 from engine.attention.linear_attention import TorchLinearAttentionBackend
 from engine.attention.state_pool import StatePool
 from engine.batch import ForwardBatch, build_forward_batch
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets
 from engine.weights.loader import load_model
 from scheduler.output import ScheduledRequest, SchedulerOutput

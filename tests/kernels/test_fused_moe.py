@@ -19,7 +19,7 @@ import triton  # noqa: F401
 import torch.nn.functional as F
 
 from engine.models.moe import Experts, SparseMoeBlock
-from engine.weights.moe_config import MoeConfig, moe_config_from_dict
+from engine.weights.config.moe_config import MoeConfig, moe_config_from_dict
 from kernels.fused_moe import (
     NVFP4ExpertWeights,
     fused_experts_ref,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.weights.model_config import ModelConfig
+from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.weights.formats.shard_checks import check_shape, copy_bias_shard
 from kernels.nvfp4 import (

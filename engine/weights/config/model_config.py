@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
-from engine.weights.hybrid_config import (
+from engine.weights.config.hybrid_config import (
     HYBRID_ARCHITECTURES,
     HYBRID_MOE_ARCHITECTURES,
     HybridConfig,
     hybrid_from_dict,
     text_fields,
 )
-from engine.weights.moe_config import MoeConfig, moe_config_from_dict
+from engine.weights.config.moe_config import MoeConfig, moe_config_from_dict
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",

@@ -33,7 +33,7 @@ class MoeConfig:
 
 def moe_config_from_dict(raw: dict[str, Any], model_type: str, source: str) -> MoeConfig | None:
     """The MoE fields of config.json, or None for a dense model type. Raises ValueError naming the
-    field; engine.weights.model_config turns it into its ConfigError."""
+    field; engine.weights.config.model_config turns it into its ConfigError."""
     if model_type not in MOE_MODEL_TYPES:
         return None
     # transformers >= 5 writes `num_local_experts`; released Qwen checkpoints say `num_experts`.
