@@ -4,7 +4,8 @@ reports per length the time to the first token of one fresh prompt, in seconds a
 token, and each length's ms per token against the first length's. `--profile N` instead runs one
 N-token prompt under torch.profiler and prints the top ops by self CPU time (where a long prefill
 spends its time). `--ab` times each length twice back to back, first with the masked SDPA call a
-chunk used to make, then mask-free (engine/attention/torch_ref.py, MASK_FREE_PREFILL). docs/PERF.md "Long prompts" has the figures."""
+chunk used to make, then mask-free (engine/attention/torch_ref.py, MASK_FREE_PREFILL). docs/PERF.md
+"Long prompts" has the figures."""
 
 from __future__ import annotations
 
@@ -17,8 +18,16 @@ def _core(model: str | None, max_len: int, chunk: int) -> object:
     from engine.config import EngineConfig
     from engine.core import EngineCore
 
-    return EngineCore(EngineConfig(model=model, max_model_len=max_len + 64, kv_cache_memory="2GiB",
-                                   max_num_batched_tokens=chunk, engine_process=False, enable_prefix_caching=False))
+    return EngineCore(
+        EngineConfig(
+            model=model,
+            max_model_len=max_len + 64,
+            kv_cache_memory="2GiB",
+            max_num_batched_tokens=chunk,
+            engine_process=False,
+            enable_prefix_caching=False,
+        )
+    )
 
 
 def time_prompt(core: object, length: int, seed: int) -> float:
@@ -67,8 +76,9 @@ def main() -> None:
             per_token = 1000 * best / length
             first.setdefault(mask_free, per_token)
             name = "mask-free" if mask_free else "masked"
-            print(f"{name:>9} {length:>7} {best:>8.2f} {per_token:>9.3f} {per_token / first[mask_free]:>8.2f}",
-                  flush=True)
+            print(
+                f"{name:>9} {length:>7} {best:>8.2f} {per_token:>9.3f} {per_token / first[mask_free]:>8.2f}", flush=True
+            )
 
 
 if __name__ == "__main__":

@@ -57,7 +57,6 @@ class Owner:
     priority: int = 0
 
 
-
 @dataclass(frozen=True)
 class EngineCoreRequest:
     """One sample to generate, already validated (engine/front/input_processor.py)."""

@@ -119,7 +119,7 @@ def file_seconds(junit_xml: str) -> dict[str, float]:
         # longest prefix that names a test_*.py module.
         parts = module.split(".")
         index = max((i for i, part in enumerate(parts) if part.startswith("test_")), default=len(parts) - 1)
-        seconds["/".join(parts[:index + 1]) + ".py"] += float(case.get("time") or 0.0)
+        seconds["/".join(parts[: index + 1]) + ".py"] += float(case.get("time") or 0.0)
     return dict(seconds)
 
 

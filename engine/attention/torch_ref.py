@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from engine.batch import ForwardBatch
 from engine.host.cpu_threads import serial_cpu_ops
 
-
 # NOTE: the cache [P, 2, bs, H, D] is addressed through its flat view [P * 2 * bs, H, D]:
 # K of (page, offset) is row page*2*bs + offset, V is that + bs. index_copy_/index_select on
 # the flat view are ~10x faster than advanced indexing with a slice in the middle.
@@ -31,7 +30,6 @@ SERIAL_SMALL_DECODE = True
 # Prefill chunks on CPU attend through `chunk_attention`, no mask; False: the masked SDPA call of
 # other devices (a module setting, so that bench/prefill_curve.py can A/B the two in one process).
 MASK_FREE_PREFILL = True
-
 
 
 @dataclass(frozen=True)
@@ -179,8 +177,9 @@ class TorchAttentionBackend:
             if p.mask is None:
                 o = chunk_attention(rows, keys, values, self.scale)
             else:
-                o = F.scaled_dot_product_attention(rows, keys, values, attn_mask=p.mask, scale=self.scale,
-                                                   enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    rows, keys, values, attn_mask=p.mask, scale=self.scale, enable_gqa=True
+                )
             out[p.q_start : p.q_end] = o[0].transpose(0, 1)
 
     def _write_kv(self, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

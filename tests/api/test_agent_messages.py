@@ -17,8 +17,8 @@ import pytest
 
 from engine.core import EngineCore
 from engine.weights.demo_model import DEMO_MODEL_NAME
-from tests.server_utils import InProcessServer
 from tests.api.test_tools_e2e import ENGINE, ScriptedCore, scripted_server
+from tests.server_utils import InProcessServer
 
 # Claude Code 2.1.197's patterns (from its binary): its max_tokens retry, its compaction trigger.
 OVERFLOW = re.compile(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)")
@@ -28,12 +28,20 @@ TOO_LONG = re.compile(r"^prompt is too long: (\d+) tokens > (\d+) maximum$")
 def claude_code_falls_back_from_system(message: str) -> bool:
     """Claude Code 2.1.197's test for a refused mid-conversation system message (after which it
     resends the conversation without them); the third case is the beta header named in the error."""
-    return (("Unexpected role" in message and "input message role" in message)
-            or ("not supported" in message and re.search(r"role .{0,2}system", message, re.IGNORECASE) is not None))
+    return ("Unexpected role" in message and "input message role" in message) or (
+        "not supported" in message and re.search(r"role .{0,2}system", message, re.IGNORECASE) is not None
+    )
+
+
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-MODE = {"name": "set_mode", "input_schema": {
-    "type": "object", "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}, "level": {"type": "integer"}},
-    "required": ["mode", "level"]}}
+MODE = {
+    "name": "set_mode",
+    "input_schema": {
+        "type": "object",
+        "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}, "level": {"type": "integer"}},
+        "required": ["mode", "level"],
+    },
+}
 LONG_REPLY = "It will be sunny in Paris. " * 40
 
 
@@ -72,10 +80,19 @@ def max_model_len(server: InProcessServer) -> int:
 
 
 # ---- system messages inside `messages` -------------------------------------------------------------
-def test_a_system_message_inside_messages_is_accepted_where_claude_code_puts_it(scripted: ScriptedCore,
-                                                                                client: anthropic.Anthropic) -> None:
-    environment = {"role": "system", "content": [{"type": "text", "text": "# Environment\nPrimary working directory: /w",
-                                                  "cache_control": {"type": "ephemeral"}}]}
+def test_a_system_message_inside_messages_is_accepted_where_claude_code_puts_it(
+    scripted: ScriptedCore, client: anthropic.Anthropic
+) -> None:
+    environment = {
+        "role": "system",
+        "content": [
+            {
+                "type": "text",
+                "text": "# Environment\nPrimary working directory: /w",
+                "cache_control": {"type": "ephemeral"},
+            }
+        ],
+    }
     conversation = [MESSAGES[0], environment, {"role": "user", "content": "And tomorrow?"}]
     scripted.expect("Sunny.")
     message = create(client, messages=conversation)
@@ -85,7 +102,8 @@ def test_a_system_message_inside_messages_is_accepted_where_claude_code_puts_it(
 
 
 def test_a_system_message_with_other_content_is_refused_in_words_claude_code_recovers_from(
-        client: anthropic.Anthropic) -> None:
+    client: anthropic.Anthropic,
+) -> None:
     tools_change = {"role": "system", "content": [{"type": "tool_addition", "tool": {"name": "x"}}]}
     with pytest.raises(anthropic.BadRequestError) as refused:
         create(client, messages=[MESSAGES[0], tools_change])
@@ -95,7 +113,8 @@ def test_a_system_message_with_other_content_is_refused_in_words_claude_code_rec
 
 # ---- max_tokens against the context ---------------------------------------------------------------
 def test_max_tokens_32000_is_clamped_to_the_room_left_and_stops_with_max_tokens(
-        server: InProcessServer, scripted: ScriptedCore, client: anthropic.Anthropic) -> None:
+    server: InProcessServer, scripted: ScriptedCore, client: anthropic.Anthropic
+) -> None:
     messages = long_messages(1930)
     num_prompt = count(client, messages=messages)
     room = max_model_len(server) - num_prompt
@@ -106,7 +125,8 @@ def test_max_tokens_32000_is_clamped_to_the_room_left_and_stops_with_max_tokens(
 
 
 def test_with_the_reject_policy_the_overflow_is_worded_for_claude_codes_retry(
-        server: InProcessServer, client: anthropic.Anthropic) -> None:
+    server: InProcessServer, client: anthropic.Anthropic
+) -> None:
     messages = long_messages(1930)
     num_prompt = count(client, messages=messages)
     server.engine.input_processor.max_tokens_policy = "reject"  # what --max-tokens-policy reject sets
@@ -123,8 +143,9 @@ def test_with_the_reject_policy_the_overflow_is_worded_for_claude_codes_retry(
 
 
 @pytest.mark.parametrize("words", [4000, 600_000])  # tokenized, and refused from its length before that
-def test_a_prompt_too_long_alone_is_worded_for_claude_codes_compaction(server: InProcessServer,
-                                                                        client: anthropic.Anthropic, words: int) -> None:
+def test_a_prompt_too_long_alone_is_worded_for_claude_codes_compaction(
+    server: InProcessServer, client: anthropic.Anthropic, words: int
+) -> None:
     with pytest.raises(anthropic.BadRequestError) as refused:
         create(client, messages=long_messages(words))
     match = TOO_LONG.match(refused.value.body["error"]["message"])
@@ -137,8 +158,9 @@ def test_a_prompt_too_long_alone_is_worded_for_claude_codes_compaction(server: I
 
 
 # ---- usage -----------------------------------------------------------------------------------------
-def test_usage_counts_cached_tokens_once_in_message_start_delta_and_body(scripted: ScriptedCore,
-                                                                         client: anthropic.Anthropic) -> None:
+def test_usage_counts_cached_tokens_once_in_message_start_delta_and_body(
+    scripted: ScriptedCore, client: anthropic.Anthropic
+) -> None:
     messages = long_messages(800)
     num_prompt = count(client, messages=messages)
     scripted.expect("Done.")
@@ -153,9 +175,14 @@ def test_usage_counts_cached_tokens_once_in_message_start_delta_and_body(scripte
     assert start.input_tokens + start.cache_read_input_tokens + start.cache_creation_input_tokens == num_prompt
     [delta] = [e.usage for e in events if e.type == "message_delta"]  # Anthropic's: cumulative, cache fields too
     assert (delta.input_tokens, delta.cache_read_input_tokens, delta.cache_creation_input_tokens) == (
-        start.input_tokens, start.cache_read_input_tokens, start.cache_creation_input_tokens)
-    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens) == (start.input_tokens,
-                                                                              start.cache_read_input_tokens)
+        start.input_tokens,
+        start.cache_read_input_tokens,
+        start.cache_creation_input_tokens,
+    )
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens) == (
+        start.input_tokens,
+        start.cache_read_input_tokens,
+    )
     assert final.usage.output_tokens == 3  # "Done." and the end token
 
 
@@ -167,8 +194,13 @@ def test_absent_thinking_means_off_as_in_anthropics_api(client: anthropic.Anthro
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_forced_call_on_the_random_model_completes_within_200_tokens(client: anthropic.Anthropic, seed: int) -> None:
-    message = create(client, max_tokens=200, tools=[MODE], tool_choice={"type": "any", "disable_parallel_tool_use": True},
-                     extra_body={"seed": seed})
+    message = create(
+        client,
+        max_tokens=200,
+        tools=[MODE],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        extra_body={"seed": seed},
+    )
     assert message.stop_reason == "tool_use", message
     [block] = [b for b in message.content if b.type == "tool_use"]
     assert block.name == "set_mode" and block.input["mode"] in ("fast", "slow")

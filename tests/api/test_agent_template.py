@@ -51,8 +51,9 @@ def checkpoint(dst: Path) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     folder = checkpoint(tmp_path_factory.mktemp("template") / "model")
-    engine = EngineConfig(model=str(folder), served_model_name=NAME, kv_cache_memory="32MiB", max_model_len=1024,
-                          engine_process=False)
+    engine = EngineConfig(
+        model=str(folder), served_model_name=NAME, kv_cache_memory="32MiB", max_model_len=1024, engine_process=False
+    )
     with in_process_server(ServerConfig(engine=engine, access_log=True)) as running:
         yield running
 
@@ -72,31 +73,47 @@ def rendered(server: InProcessServer, monkeypatch: pytest.MonkeyPatch) -> list[l
     return calls
 
 
-def test_a_mid_conversation_system_message_is_folded_into_the_system_prompt(server: InProcessServer,
-                                                                            rendered: list[Any]) -> None:
+def test_a_mid_conversation_system_message_is_folded_into_the_system_prompt(
+    server: InProcessServer, rendered: list[Any]
+) -> None:
     client = anthropic.Anthropic(base_url=server.url(""), api_key="unused", max_retries=0, timeout=120)
-    message = client.messages.create(model=NAME, max_tokens=5, system="Be brief.", messages=[
-        {"role": "user", "content": "hello"},
-        {"role": "system", "content": [{"type": "text", "text": "# Environment"}]},
-        {"role": "user", "content": "go on"}])
+    message = client.messages.create(
+        model=NAME,
+        max_tokens=5,
+        system="Be brief.",
+        messages=[
+            {"role": "user", "content": "hello"},
+            {"role": "system", "content": [{"type": "text", "text": "# Environment"}]},
+            {"role": "user", "content": "go on"},
+        ],
+    )
     assert message.usage.output_tokens > 0
-    assert rendered[-1] == [{"role": "system", "content": "Be brief.\n\n# Environment"},
-                            {"role": "user", "content": "hello"}, {"role": "user", "content": "go on"}]
+    assert rendered[-1] == [
+        {"role": "system", "content": "Be brief.\n\n# Environment"},
+        {"role": "user", "content": "hello"},
+        {"role": "user", "content": "go on"},
+    ]
 
 
 def test_developer_items_after_the_first_are_folded_in_order(server: InProcessServer, rendered: list[Any]) -> None:
     client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
-    client.responses.create(model=NAME, max_output_tokens=5, input=[
-        {"type": "message", "role": "developer", "content": "You are Codex."},
-        {"type": "message", "role": "developer", "content": "Skills: none."},
-        {"type": "message", "role": "user", "content": "hi"},
-        {"type": "message", "role": "system", "content": "Be brief."}])
+    client.responses.create(
+        model=NAME,
+        max_output_tokens=5,
+        input=[
+            {"type": "message", "role": "developer", "content": "You are Codex."},
+            {"type": "message", "role": "developer", "content": "Skills: none."},
+            {"type": "message", "role": "user", "content": "hi"},
+            {"type": "message", "role": "system", "content": "Be brief."},
+        ],
+    )
     assert rendered[-1][0] == {"role": "system", "content": "You are Codex.\n\nSkills: none.\n\nBe brief."}
     assert [m["role"] for m in rendered[-1]] == ["system", "user"]
 
 
-def test_tools_the_template_ignores_get_a_warning_header_and_a_log_line(server: InProcessServer,
-                                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_tools_the_template_ignores_get_a_warning_header_and_a_log_line(
+    server: InProcessServer, caplog: pytest.LogCaptureFixture
+) -> None:
     body = {"model": NAME, "max_tokens": 3, "messages": [{"role": "user", "content": "time?"}]}
     with caplog.at_level("WARNING", logger="fp4serve.api"):
         with_tools = httpx.post(server.url("/v1/chat/completions"), json={**body, "tools": [TOOL]}, timeout=120)
@@ -111,8 +128,9 @@ def test_generation_config_defaults_apply_to_absent_fields_and_a_request_value_w
     client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
 
     def text(**kwargs: Any) -> str:
-        reply = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=12,
-                                          extra_body={"ignore_eos": True}, **kwargs)
+        reply = client.completions.create(
+            model=NAME, prompt="Once upon a time", max_tokens=12, extra_body={"ignore_eos": True}, **kwargs
+        )
         return reply.choices[0].text
 
     assert server.engine.info.sampling_defaults[0] == ("temperature", 0.0)
@@ -121,8 +139,9 @@ def test_generation_config_defaults_apply_to_absent_fields_and_a_request_value_w
     assert len({text(seed=s, temperature=1.0) for s in (1, 2, 3)}) > 1  # the request's own value
 
 
-def test_the_access_log_has_one_line_per_request_but_for_the_skipped_paths(server: InProcessServer,
-                                                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_the_access_log_has_one_line_per_request_but_for_the_skipped_paths(
+    server: InProcessServer, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level("INFO", logger="fp4serve.access"):
         assert httpx.get(server.url("/v1/models"), timeout=30).status_code == 200
         assert httpx.get(server.url("/health"), timeout=30).status_code == 200

@@ -13,20 +13,20 @@ from typing import Any
 
 import pytest
 
+from api.access.request_log import rejection_reason
 from api.anthropic.request import MessagesRequestModel
 from api.anthropic.routes import usage
 from api.cli import build_parser, server_config
 from api.context_errors import CHAT, COMPLETIONS, MESSAGES, RESPONSES, context_length_error
 from api.errors import APIError, ErrorBody
-from api.access.request_log import rejection_reason
-from api.responses.tools import ResponsesTools
 from api.request.validation import check_depth, validate
-from engine.front.chat_messages import TemplateTraits, fold_system_messages
-from engine.weights.demo_model import ensure_demo_model
+from api.responses.tools import ResponsesTools
 from engine.errors import ConfigError, ContextLengthError
-from engine.weights.config.generation_config import generation_defaults
+from engine.front.chat_messages import TemplateTraits, fold_system_messages
 from engine.front.prompt_bound import chars_per_token_bound
 from engine.front.tokenizer import Tokenizer
+from engine.weights.config.generation_config import generation_defaults
+from engine.weights.demo_model import ensure_demo_model
 from scheduler.request import ParamError
 from tests.factories import write_word_tokenizer
 
@@ -60,16 +60,32 @@ def test_no_text_has_fewer_tokens_than_the_bound_says(text: str) -> None:
 
 
 # ---- templates and system messages -----------------------------------------------------------------
-@pytest.mark.parametrize(("messages", "folded"), [
-    ([{"role": U, "content": "a"}], [{"role": U, "content": "a"}]),
-    ([{"role": S, "content": "s"}, {"role": U, "content": "a"}], [{"role": S, "content": "s"}, {"role": U, "content": "a"}]),
-    ([{"role": S, "content": "s"}, {"role": U, "content": "a"}, {"role": S, "content": "t"}, {"role": U, "content": "b"}],
-     [{"role": S, "content": "s\n\nt"}, {"role": U, "content": "a"}, {"role": U, "content": "b"}]),
-    ([{"role": U, "content": "a"}, {"role": S, "content": "t"}, {"role": S, "content": "u"}],
-     [{"role": S, "content": "t\n\nu"}, {"role": U, "content": "a"}]),
-])
-def test_system_messages_after_the_first_fold_into_the_system_prompt_in_order(messages: list[Any],
-                                                                               folded: list[Any]) -> None:
+@pytest.mark.parametrize(
+    ("messages", "folded"),
+    [
+        ([{"role": U, "content": "a"}], [{"role": U, "content": "a"}]),
+        (
+            [{"role": S, "content": "s"}, {"role": U, "content": "a"}],
+            [{"role": S, "content": "s"}, {"role": U, "content": "a"}],
+        ),
+        (
+            [
+                {"role": S, "content": "s"},
+                {"role": U, "content": "a"},
+                {"role": S, "content": "t"},
+                {"role": U, "content": "b"},
+            ],
+            [{"role": S, "content": "s\n\nt"}, {"role": U, "content": "a"}, {"role": U, "content": "b"}],
+        ),
+        (
+            [{"role": U, "content": "a"}, {"role": S, "content": "t"}, {"role": S, "content": "u"}],
+            [{"role": S, "content": "t\n\nu"}, {"role": U, "content": "a"}],
+        ),
+    ],
+)
+def test_system_messages_after_the_first_fold_into_the_system_prompt_in_order(
+    messages: list[Any], folded: list[Any]
+) -> None:
     assert fold_system_messages(messages) == folded
 
 
@@ -87,11 +103,25 @@ def test_the_probe_tells_a_template_that_refuses_a_late_system_message_and_ignor
 # ---- generation_config.json -------------------------------------------------------------------------
 def test_generation_defaults_auto_vllm_and_a_folder(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05, "do_sample": True, "eos_token_id": 2}))
+    (tmp_path / "m" / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "temperature": 0.7,
+                "top_k": 20,
+                "top_p": 0.8,
+                "repetition_penalty": 1.05,
+                "do_sample": True,
+                "eos_token_id": 2,
+            }
+        )
+    )
     with caplog.at_level("INFO", logger="fp4serve.engine"):
-        assert generation_defaults("auto", tmp_path / "m") == (("temperature", 0.7), ("top_p", 0.8), ("top_k", 20),
-                                                               ("repetition_penalty", 1.05))
+        assert generation_defaults("auto", tmp_path / "m") == (
+            ("temperature", 0.7),
+            ("top_p", 0.8),
+            ("top_k", 20),
+            ("repetition_penalty", 1.05),
+        )
         assert generation_defaults("vllm", tmp_path / "m") == ()
     applied, off = [r.getMessage() for r in caplog.records]
     assert applied.startswith("generation config: temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05 from ")
@@ -102,7 +132,9 @@ def test_generation_defaults_auto_vllm_and_a_folder(tmp_path: Path, caplog: pyte
         generation_defaults(str(tmp_path), tmp_path / "m")
 
 
-@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_k": 2.5}, {"min_p": 2}, {"temperature": "hot"}])
+@pytest.mark.parametrize(
+    "bad", [{"temperature": -1}, {"top_p": 0}, {"top_k": 2.5}, {"min_p": 2}, {"temperature": "hot"}]
+)
 def test_a_generation_config_value_no_request_could_send_fails_start_up(tmp_path: Path, bad: dict[str, Any]) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps(bad))
     with pytest.raises(ConfigError, match=next(iter(bad))):
@@ -124,25 +156,44 @@ def ns(name: str, *functions: str) -> dict[str, Any]:
 
 
 def test_namespaces_flatten_under_their_own_names_unless_another_tool_has_it() -> None:
-    tools = ResponsesTools.parse([{"type": "function", "name": "close_agent"}, ns("agents", "spawn_agent", "close_agent"),
-                                  ns("other", "spawn_agent"), {"type": "web_search"}, {"type": "custom", "name": "x"}])
-    assert [t["function"]["name"] for t in tools.tools or []] == ["close_agent", "agents__spawn_agent",
-                                                                  "agents__close_agent", "other__spawn_agent"]
+    tools = ResponsesTools.parse(
+        [
+            {"type": "function", "name": "close_agent"},
+            ns("agents", "spawn_agent", "close_agent"),
+            ns("other", "spawn_agent"),
+            {"type": "web_search"},
+            {"type": "custom", "name": "x"},
+        ]
+    )
+    assert [t["function"]["name"] for t in tools.tools or []] == [
+        "close_agent",
+        "agents__spawn_agent",
+        "agents__close_agent",
+        "other__spawn_agent",
+    ]
     assert tools.wire_name("agents__close_agent") == ("close_agent", "agents")
     assert tools.wire_name("close_agent") == ("close_agent", None)
     assert tools.visible_name("spawn_agent", "other") == "other__spawn_agent"
     assert tools.dropped == ("web_search", "custom")
     alone = ResponsesTools.parse([ns("multi_agent_v1", "spawn_agent")])
     assert alone.wire_name("spawn_agent") == ("spawn_agent", "multi_agent_v1")
-    assert alone.tool_choice({"type": "function", "name": "spawn_agent"}) == {"type": "function",
-                                                                           "function": {"name": "spawn_agent"}}
+    assert alone.tool_choice({"type": "function", "name": "spawn_agent"}) == {
+        "type": "function",
+        "function": {"name": "spawn_agent"},
+    }
     assert tools.tool_choice({"type": "function", "name": "spawn_agent", "namespace": "other"})["function"] == {
-        "name": "other__spawn_agent"}
+        "name": "other__spawn_agent"
+    }
 
 
-@pytest.mark.parametrize(("tool", "param"), [({"type": "namespace", "tools": []}, "tools[0].name"),
-                                            ({"type": "namespace", "name": "n", "tools": 3}, "tools[0].tools"),
-                                            (ns("n", "f") | {"tools": [{"type": "web_search"}]}, "tools[0].tools[0]")])
+@pytest.mark.parametrize(
+    ("tool", "param"),
+    [
+        ({"type": "namespace", "tools": []}, "tools[0].name"),
+        ({"type": "namespace", "name": "n", "tools": 3}, "tools[0].tools"),
+        (ns("n", "f") | {"tools": [{"type": "web_search"}]}, "tools[0].tools[0]"),
+    ],
+)
 def test_a_malformed_namespace_is_a_400_naming_it(tool: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as refused:
         ResponsesTools.parse([tool])
@@ -154,21 +205,31 @@ def test_context_length_words_per_api() -> None:
     overflow, alone = ContextLengthError(18778, 32000, 32768), ContextLengthError(40000, None, 32768)
     assert context_length_error(overflow, MESSAGES).message == (
         "input length and `max_tokens` exceed context limit: 18778 + 32000 > 32768, decrease input length or "
-        "`max_tokens` and try again")
+        "`max_tokens` and try again"
+    )
     assert context_length_error(alone, MESSAGES).message == "prompt is too long: 40000 tokens > 32767 maximum"
     assert context_length_error(overflow, CHAT).message == (
         "This model's maximum context length is 32768 tokens. However, you requested 50778 tokens (18778 in the "
-        "messages, 32000 in the completion). Please reduce the length of the messages or completion.")
+        "messages, 32000 in the completion). Please reduce the length of the messages or completion."
+    )
     refused = context_length_error(ContextLengthError(40000, None, 32768, at_least=True), COMPLETIONS)
     assert "your prompt resulted in at least 40000 tokens" in refused.message and refused.param == "prompt"
-    assert (context_length_error(overflow, RESPONSES).param, refused.code) == ("max_output_tokens",
-                                                                              "context_length_exceeded")
+    assert (context_length_error(overflow, RESPONSES).param, refused.code) == (
+        "max_output_tokens",
+        "context_length_exceeded",
+    )
 
 
 # ---- Anthropic's mapping and usage ------------------------------------------------------------------
-@pytest.mark.parametrize(("thinking", "enable"), [(None, False), ({"type": "disabled"}, False),
-                                                  ({"type": "enabled", "budget_tokens": 1024}, True),
-                                                  ({"type": "adaptive"}, None)])
+@pytest.mark.parametrize(
+    ("thinking", "enable"),
+    [
+        (None, False),
+        ({"type": "disabled"}, False),
+        ({"type": "enabled", "budget_tokens": 1024}, True),
+        ({"type": "adaptive"}, None),
+    ],
+)
 def test_thinking_follows_anthropics_semantics(thinking: dict[str, Any] | None, enable: bool | None) -> None:
     body = {"max_tokens": 5, "messages": [{"role": U, "content": "a"}], "thinking": thinking}
     chat = validate(MessagesRequestModel, body).to_chat_request()
@@ -178,15 +239,21 @@ def test_thinking_follows_anthropics_semantics(thinking: dict[str, Any] | None, 
 def test_a_forced_call_turns_thinking_off_unless_the_request_asked_for_it() -> None:
     tool = {"name": "f", "input_schema": {"type": "object"}}
     body = {"max_tokens": 5, "messages": [{"role": U, "content": "a"}], "tools": [tool], "tool_choice": {"type": "any"}}
-    assert validate(MessagesRequestModel, {**body, "thinking": {"type": "adaptive"}}).to_chat_request(
-    ).template_kwargs == {"enable_thinking": False}
-    assert validate(MessagesRequestModel, {**body, "thinking": {"type": "enabled", "budget_tokens": 9}}).to_chat_request(
-    ).template_kwargs == {"enable_thinking": True}
+    assert validate(
+        MessagesRequestModel, {**body, "thinking": {"type": "adaptive"}}
+    ).to_chat_request().template_kwargs == {"enable_thinking": False}
+    assert validate(
+        MessagesRequestModel, {**body, "thinking": {"type": "enabled", "budget_tokens": 9}}
+    ).to_chat_request().template_kwargs == {"enable_thinking": True}
 
 
 def test_usage_splits_the_prompt_into_uncached_and_cached() -> None:
-    assert usage(100, 64, 7) == {"input_tokens": 36, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 64,
-                                 "output_tokens": 7}
+    assert usage(100, 64, 7) == {
+        "input_tokens": 36,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 64,
+        "output_tokens": 7,
+    }
 
 
 # ---- depth, refusals, flags ------------------------------------------------------------------------
@@ -202,14 +269,27 @@ def test_the_depth_check_measures_any_depth_without_recursion() -> None:
 
 def test_the_rejected_metric_reason_is_the_code_else_the_type() -> None:
     assert rejection_reason(ErrorBody("m", "invalid_request_error", "max_tokens", "context_length_exceeded")) == (
-        "context_length_exceeded")
+        "context_length_exceeded"
+    )
     assert rejection_reason(ErrorBody("m", "invalid_request_error")) == "invalid_request_error"
     assert rejection_reason(ErrorBody("m", "overloaded_error", code="server_overloaded")) == "overloaded"
 
 
 def test_the_front_flags_map_onto_their_fields() -> None:
-    config = server_config(build_parser().parse_args(["serve", "--max-tokens-policy", "reject", "--generation-config",
-                                                      "vllm", "--access-log", "--disable-access-log-for-endpoints", ""]))
+    config = server_config(
+        build_parser().parse_args(
+            [
+                "serve",
+                "--max-tokens-policy",
+                "reject",
+                "--generation-config",
+                "vllm",
+                "--access-log",
+                "--disable-access-log-for-endpoints",
+                "",
+            ]
+        )
+    )
     assert (config.max_tokens_policy, config.engine.generation_config) == ("reject", "vllm")
     assert (config.access_log, config.access_log_skipped_paths) == (True, ())
     default = server_config(build_parser().parse_args(["serve"]))

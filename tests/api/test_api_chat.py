@@ -13,30 +13,45 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from api.openai.chat import ChatEncoder
-from api.request.models import ChatCompletionRequest
-from api.parsers import ParserSettings
 from api.engine_stream import EngineStream
-from api.pipeline import Choices, ResponseHeader, Started, collect_body, stream_events as pipeline_events
+from api.openai.chat import ChatEncoder
+from api.parsers import ParserSettings
+from api.pipeline import Choices, ResponseHeader, Started, collect_body
+from api.pipeline import stream_events as pipeline_events
+from api.request.models import ChatCompletionRequest
 from api.request.validation import validate
 from engine.front.outputs import RequestOutput
 
 HEADER = ResponseHeader(id="chatcmpl-test", created=1_700_000_000, model="demo")
 PROMPT = [11, 12, 13]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 Responder = Callable[[AsyncIterator[RequestOutput]], Awaitable[tuple[Started, ChatEncoder]]]
 
 
 def responder(parsers: ParserSettings = ParserSettings(), **body: Any) -> Responder:
     """What the chat route builds for this body, over a scripted engine stream."""
-    chat: ChatCompletionRequest = validate(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **body})
+    chat: ChatCompletionRequest = validate(
+        ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **body}
+    )
 
     async def build(outputs: AsyncIterator[RequestOutput]) -> tuple[Started, ChatEncoder]:
         n = chat.n or 1
-        choices = Choices(n, [parsers.make(chat.tools, chat.tool_choice, chat.calls_in_parallel, False, chat.streaming)
-                              for _ in range(n)])
+        choices = Choices(
+            n,
+            [
+                parsers.make(chat.tools, chat.tool_choice, chat.calls_in_parallel, False, chat.streaming)
+                for _ in range(n)
+            ],
+        )
         started = Started(HEADER, [PROMPT], False, EngineStream([outputs], None), choices, chat.streaming)
         return started, ChatEncoder(started, chat)
 
@@ -48,9 +63,16 @@ def outputs(pieces: list[str], finish: str = "stop", index: int = 0, error_at: i
         for i, text in enumerate(pieces):
             last = i == len(pieces) - 1
             yield RequestOutput(
-                "r", index, (100 + i,), text, finish if last else None, len(PROMPT), i + 1,
+                "r",
+                index,
+                (100 + i,),
+                text,
+                finish if last else None,
+                len(PROMPT),
+                i + 1,
                 error="device lost" if i == error_at else None,
             )
+
     return gen()
 
 
@@ -86,7 +108,9 @@ def test_stream_is_role_then_one_chunk_per_output_then_usage_then_done() -> None
     events = stream_events(responder(stream=True, stream_options={"include_usage": True}), outputs(["He", "llo", "!"]))
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
-    assert {(c["id"], c["created"], c["object"]) for c in chunks} == {(HEADER.id, HEADER.created, "chat.completion.chunk")}
+    assert {(c["id"], c["created"], c["object"]) for c in chunks} == {
+        (HEADER.id, HEADER.created, "chat.completion.chunk")
+    }
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert [c["choices"][0]["delta"] for c in chunks[1:4]] == [{"content": "He"}, {"content": "llo"}, {"content": "!"}]
     assert [c["choices"][0]["finish_reason"] for c in chunks[1:4]] == [None, None, "stop"]
@@ -116,8 +140,16 @@ def test_stream_and_body_agree_without_a_parser() -> None:
     assert (assembled.message.content, assembled.finish_reason) == ("The answer is 42.", "stop")
 
 
-REASONING_AND_CALL = ["<thi", "nk>\nLet me look", " it up.\n</th", "ink>\n\nSure.", "<tool_", 'call>\n{"name": "get_',
-                      'weather", "arguments": {"ci', 'ty": "Oslo"}}\n</tool_call>']
+REASONING_AND_CALL = [
+    "<thi",
+    "nk>\nLet me look",
+    " it up.\n</th",
+    "ink>\n\nSure.",
+    "<tool_",
+    'call>\n{"name": "get_',
+    'weather", "arguments": {"ci',
+    'ty": "Oslo"}}\n</tool_call>',
+]
 
 
 def test_reasoning_and_tool_calls_stream_through_the_output_parser() -> None:
@@ -145,7 +177,10 @@ def test_reasoning_and_tool_calls_stream_through_the_output_parser() -> None:
 def test_a_tool_call_cut_by_max_tokens_finishes_with_length() -> None:
     parsers = ParserSettings(tool_parser="qwen3")
     cut = ['<tool_call>\n{"name": "get_weather", "arguments": {"ci']
-    assert complete(responder(parsers, tools=TOOLS), outputs(cut, finish="length"))["choices"][0]["finish_reason"] == "length"
+    assert (
+        complete(responder(parsers, tools=TOOLS), outputs(cut, finish="length"))["choices"][0]["finish_reason"]
+        == "length"
+    )
 
 
 @pytest.mark.parametrize("finish", ["length", "stop"])
@@ -173,5 +208,9 @@ def test_n_choices_are_interleaved_by_index() -> None:
 
     body = complete(responder(n=2), interleaved())
     assert [c["message"]["content"] for c in body["choices"]] == ["ab", "xy"]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from api.cli import build_parser, server_config
 from api.access.keys import API_KEY_ENV
+from api.cli import build_parser, server_config
 from engine.errors import ConfigError
 
 
@@ -25,8 +25,9 @@ def key_file(tmp_path: Path, text: str, mode: int = 0o600) -> Path:
     return path
 
 
-def test_the_key_file_gives_its_first_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_the_key_file_gives_its_first_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     with caplog.at_level(logging.WARNING, logger="fp4serve"):
         assert parse("--api-key-file", str(key_file(tmp_path, "  sk-from-file  \nignored\n"))) == "sk-from-file"
@@ -34,8 +35,9 @@ def test_the_key_file_gives_its_first_line(tmp_path: Path, monkeypatch: pytest.M
     assert parse() == "from-env"  # no flag: the environment
 
 
-def test_the_flag_still_works_and_warns_that_ps_shows_it(monkeypatch: pytest.MonkeyPatch,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_the_flag_still_works_and_warns_that_ps_shows_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     with caplog.at_level(logging.WARNING, logger="fp4serve"):
         assert parse("--api-key", "sk-on-the-command-line") == "sk-on-the-command-line"

@@ -15,15 +15,15 @@ import orjson
 import pytest
 from starlette.testclient import TestClient
 
-from api.app import ServerConfig, build_app
 from api.access.auth import bearer_token
-from api.http import ClientDisconnected, unless_disconnected
+from api.app import ServerConfig, build_app
 from api.engine_stream import EngineStream
+from api.http import ClientDisconnected, unless_disconnected
 from api.pipeline import start_stream
 from api.transport.sse import DONE, SSEResponse, encode_error_event, encode_event
 from engine.config import EngineConfig
-from engine.errors import ConfigError
 from engine.core_types import Owner
+from engine.errors import ConfigError
 from engine.front.outputs import RequestOutput
 from scheduler.request import SamplingParams
 
@@ -68,8 +68,14 @@ def test_health_and_api_answer_503_while_loading_then_after_a_failed_load(gate: 
         assert health.status_code == 503 and health.json()["status"] == "loading"
         busy = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert busy.status_code == 503 and busy.headers["retry-after"] == "2"
-        assert busy.json() == {"error": {"message": "the model is still loading", "type": "unavailable_error",
-                                         "param": None, "code": "server_loading"}}
+        assert busy.json() == {
+            "error": {
+                "message": "the model is still loading",
+                "type": "unavailable_error",
+                "param": None,
+                "code": "server_loading",
+            }
+        }
         assert client.get("/metrics").status_code == 503
         assert client.get("/version").status_code == 200
         gate.release.set()
@@ -169,8 +175,9 @@ class ScriptedEngine:
         self.delay = delay
         self.closed: list[str] = []
 
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 owner: Owner = Owner()) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, owner: Owner = Owner()
+    ) -> AsyncIterator[RequestOutput]:
         return self._stream(prompt_token_ids, request_id)
 
     async def _stream(self, prompt: list[int], request_id: str) -> AsyncIterator[RequestOutput]:
@@ -178,7 +185,9 @@ class ScriptedEngine:
             for i in range(self.num_outputs):
                 await asyncio.sleep(self.delay)
                 last = i == self.num_outputs - 1
-                yield RequestOutput(request_id, 0, (i,), f"{prompt[0]}:{i} ", "length" if last else None, len(prompt), i + 1)
+                yield RequestOutput(
+                    request_id, 0, (i,), f"{prompt[0]}:{i} ", "length" if last else None, len(prompt), i + 1
+                )
         finally:
             self.closed.append(request_id)
 
@@ -189,8 +198,15 @@ async def never_disconnects() -> dict[str, Any]:
 
 
 async def start(engine: ScriptedEngine, num_prompts: int, receive: Any = never_disconnects) -> EngineStream:
-    return await start_stream(engine, [[p] for p in range(num_prompts)], SamplingParams(), "r",  # type: ignore[arg-type]
-                              Owner(), receive, None)
+    return await start_stream(
+        engine,
+        [[p] for p in range(num_prompts)],
+        SamplingParams(),
+        "r",  # type: ignore[arg-type]
+        Owner(),
+        receive,
+        None,
+    )
 
 
 @pytest.mark.parametrize("num_prompts", [1, 3])

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from api.access.limits import RequestLimits
 from api.app import ServerConfig, build_app
 from api.errors import APIError
-from api.access.limits import RequestLimits
-from api.request.models import ChatCompletionRequest
 from api.ops.openapi import openapi_schema
+from api.request.models import ChatCompletionRequest
 from api.request.validation import validate
 from engine.config import EngineConfig
 
@@ -43,8 +43,10 @@ def test_a_field_error_names_its_location(body: dict[str, Any], param: str, says
 
 
 def test_unknown_fields_are_ignored_and_null_is_absent() -> None:
-    m = validate(ChatCompletionRequest, {"temperature": None, "user": "u", "store": True, "max_tokens": 12.0,
-                                         "messages": MESSAGES})
+    m = validate(
+        ChatCompletionRequest,
+        {"temperature": None, "user": "u", "store": True, "max_tokens": 12.0, "messages": MESSAGES},
+    )
     assert m.temperature is None and m.max_tokens == 12
 
 
@@ -54,8 +56,15 @@ def test_openapi_describes_each_request_body_with_its_ranges() -> None:
     chat = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
     temperature = chat["properties"]["temperature"]["anyOf"][0]
     assert (temperature["minimum"], temperature["maximum"]) == (0.0, 2.0)
-    assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize",
-                                 "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
+    assert set(doc["paths"]) == {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/tokenize",
+        "/detokenize",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+    }
     responses = doc["components"]["schemas"]["ResponsesRequestModel"]["properties"]
     assert responses["max_output_tokens"]["anyOf"][0]["minimum"] == 1
     assert doc["info"]["version"] == "1.2.3"

@@ -47,17 +47,44 @@ def rejected(fn: Any, *args: Any) -> APIError:
 def test_chat_sampling_fields_reach_sampling_params() -> None:
     req = parse_chat_request(
         chat_body(
-            n=3, max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05,
-            presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
-            logit_bias={"5": 10, "3": -100}, seed=42, stop=["a", "bc"], stop_token_ids=[7, 8],
-            ignore_eos=True, skip_special_tokens=False, logprobs=True, top_logprobs=4,
+            n=3,
+            max_tokens=7,
+            min_tokens=2,
+            temperature=0.5,
+            top_p=0.9,
+            top_k=40,
+            min_p=0.05,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            repetition_penalty=1.1,
+            logit_bias={"5": 10, "3": -100},
+            seed=42,
+            stop=["a", "bc"],
+            stop_token_ids=[7, 8],
+            ignore_eos=True,
+            skip_special_tokens=False,
+            logprobs=True,
+            top_logprobs=4,
         ),
     )
     assert req.to_sampling_params() == SamplingParams(
-        n=3, max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05,
-        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
-        logit_bias=((3, -100.0), (5, 10.0)), seed=42, stop=("a", "bc"), stop_token_ids=(7, 8),
-        ignore_eos=True, logprobs=4, skip_special_tokens=False,
+        n=3,
+        max_tokens=7,
+        min_tokens=2,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.1,
+        logit_bias=((3, -100.0), (5, 10.0)),
+        seed=42,
+        stop=("a", "bc"),
+        stop_token_ids=(7, 8),
+        ignore_eos=True,
+        logprobs=4,
+        skip_special_tokens=False,
     )
     assert req.max_tokens_requested == 7 and req.num_top_logprobs == 4
 
@@ -214,7 +241,10 @@ def test_tools_and_named_tool_choice_are_kept() -> None:
         ({"tools": {"name": "f"}}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            "tools[0].function.parameters",
+        ),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
@@ -284,10 +314,14 @@ def test_max_tokens_0_with_echo_runs_one_token_and_shows_the_prompt_alone() -> N
 
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"echo": "x"}, "echo"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
-     ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": True}, "prompt_logprobs"),
-     ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
-     ({"max_tokens": -1, "echo": True}, "max_tokens")],
+    [
+        ({"echo": "x"}, "echo"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
+        ({"max_tokens": -1, "echo": True}, "max_tokens"),
+    ],
 )
 def test_bad_echo_and_prompt_logprobs_name_the_parameter(fields: dict[str, Any], param: str) -> None:
     assert rejected(parse_completion_request, completion_body(**fields)).param == param

@@ -29,8 +29,18 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
     with running_server(
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-request-bytes", str(BODY_LIMIT),
-        "--max-num-seqs", "64", "--kv-cache-memory", "32MiB", "--tool-parser", "auto", "--reasoning-parser", "qwen3",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-request-bytes",
+        str(BODY_LIMIT),
+        "--max-num-seqs",
+        "64",
+        "--kv-cache-memory",
+        "32MiB",
+        "--tool-parser",
+        "auto",
+        "--reasoning-parser",
+        "qwen3",
         api_key=KEY,
     ) as s:
         yield s
@@ -86,8 +96,9 @@ def test_missing_or_wrong_key_is_401_and_probes_stay_open(server: RunningServer)
         ({"messages": HELLO, "tools": [{"type": "function", "function": {}}]}, "tools[0].function.name", ()),
     ],
 )
-def test_bad_chat_parameters_are_400_naming_the_param(http: httpx.Client, body: dict[str, Any], param: str,
-                                                      words: tuple[str, ...]) -> None:
+def test_bad_chat_parameters_are_400_naming_the_param(
+    http: httpx.Client, body: dict[str, Any], param: str, words: tuple[str, ...]
+) -> None:
     assert_error(http.post("/v1/chat/completions", json=body), 400, param, *words)
 
 
@@ -96,7 +107,9 @@ def test_prompt_longer_than_the_context_names_both_numbers(http: httpx.Client) -
     error = assert_error(http.post("/v1/completions", json={"prompt": long_prompt}), 400, "prompt")
     assert str(MAX_MODEL_LEN) in error["message"] and str(MAX_MODEL_LEN + 5) in error["message"]
     long_chat = [{"role": "user", "content": "word " * 300}]
-    error = assert_error(http.post("/v1/chat/completions", json={"messages": long_chat, "stream": True}), 400, "messages")
+    error = assert_error(
+        http.post("/v1/chat/completions", json={"messages": long_chat, "stream": True}), 400, "messages"
+    )
     assert str(MAX_MODEL_LEN) in error["message"]
     # max_tokens past the room left is lowered to it under the default --max-tokens-policy clamp; the reject
     # policy's words, with the three numbers, are test_engine_e2e.py's and test_agent_messages.py's.
@@ -152,13 +165,15 @@ def test_parsers_chosen_at_start_up_serve_requests_with_tools(server: RunningSer
     assert "tool parser qwen3, reasoning parser qwen3" in server.log()  # auto read the chat template
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
     with server.openai() as client:
-        out = client.chat.completions.create(model=MODEL, messages=HELLO, tools=tools, max_tokens=4,
-                                             extra_body={"enable_thinking": False})
+        out = client.chat.completions.create(
+            model=MODEL, messages=HELLO, tools=tools, max_tokens=4, extra_body={"enable_thinking": False}
+        )
     assert out.choices[0].finish_reason in ("length", "stop", "tool_calls") and out.usage.completion_tokens >= 1
 
 
-def test_clients_that_leave_mid_stream_are_aborted_and_their_pages_freed(server: RunningServer,
-                                                                         http: httpx.Client) -> None:
+def test_clients_that_leave_mid_stream_are_aborted_and_their_pages_freed(
+    server: RunningServer, http: httpx.Client
+) -> None:
     body = {"messages": HELLO, "max_tokens": 100, "stream": True, "ignore_eos": True}
     with ExitStack() as streams:
         # NOTE: keep each line iterator referenced: a collected httpx iterator closes its connection.
@@ -189,8 +204,12 @@ def test_32_concurrent_streams_complete_in_shared_batches(server: RunningServer,
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=4, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Count to {i}."}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         finish, tokens = "", 0
         async for chunk in stream:

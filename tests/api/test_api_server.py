@@ -84,7 +84,9 @@ def test_n3_with_a_seed_is_reproducible_streaming_or_not(client: Any) -> None:
 
 def test_stop_string_spanning_two_tokens_is_cut_exactly(client: Any) -> None:
     sampling: dict[str, Any] = {"max_tokens": 24, "seed": 7, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
-    chunks = stream_chat(client, messages=HELLO, **{**sampling, "extra_body": {"ignore_eos": True, "return_token_ids": True}})
+    chunks = stream_chat(
+        client, messages=HELLO, **{**sampling, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    )
     steps = [(c.choices[0].delta.content or "", c.choices[0].model_extra["token_ids"]) for c in chunks[1:] if c.choices]
     full = "".join(text for text, _ in steps)
     for i in range(len(steps) - 1):
@@ -103,13 +105,16 @@ def test_stop_string_spanning_two_tokens_is_cut_exactly(client: Any) -> None:
 
 
 def test_include_usage_sends_a_last_chunk_with_no_choices(client: Any) -> None:
-    chunks = stream_chat(client, messages=HELLO, max_tokens=5, stream_options={"include_usage": True},
-                         extra_body={"ignore_eos": True})
+    chunks = stream_chat(
+        client, messages=HELLO, max_tokens=5, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+    )
     whole = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5)
     last = chunks[-1]
     assert last.choices == []
     assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (
-        whole.usage.prompt_tokens, 5, whole.usage.prompt_tokens + 5
+        whole.usage.prompt_tokens,
+        5,
+        whole.usage.prompt_tokens + 5,
     )
     assert all(c.usage is None for c in chunks[:-1])
 
@@ -126,22 +131,28 @@ def test_chat_logprobs_streaming_and_not(client: Any) -> None:
         # Greedy picks the most likely token, so it is the first alternative.
         assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob)
         assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
-    streamed = [e for c in stream_chat(client, **kwargs)[1:] if c.choices and c.choices[0].logprobs
-                for e in c.choices[0].logprobs.content]
+    streamed = [
+        e
+        for c in stream_chat(client, **kwargs)[1:]
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
 
 
 def test_return_token_ids_and_a_token_id_prompt_for_completions(client: Any) -> None:
-    whole = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0,
-                                           extra_body={"return_token_ids": True})
+    whole = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+    )
     prompt_ids, token_ids = whole.model_extra["prompt_token_ids"], whole.choices[0].model_extra["token_ids"]
     assert len(prompt_ids) == whole.usage.prompt_tokens and len(token_ids) == 6
     chunks = stream_chat(client, messages=HELLO, max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
     assert chunks[0].model_extra["prompt_token_ids"] == prompt_ids
     assert [t for c in chunks[1:] if c.choices for t in c.choices[0].model_extra["token_ids"]] == token_ids
     # The chat's own prompt ids sent to /v1/completions continue exactly as the chat did.
-    completion = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=6, temperature=0,
-                                           extra_body={"return_token_ids": True})
+    completion = client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+    )
     assert completion.choices[0].text == whole.choices[0].message.content
     assert completion.choices[0].model_extra["token_ids"] == token_ids
     assert completion.choices[0].model_extra["prompt_token_ids"] == prompt_ids
@@ -149,24 +160,23 @@ def test_return_token_ids_and_a_token_id_prompt_for_completions(client: Any) -> 
 
 def test_completions_take_several_prompts_each_with_its_own_choices(client: Any) -> None:
     single = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0)
-    several = client.completions.create(model=MODEL, prompt=["Once upon", [5, 6, 7]], n=2,
-                                        max_tokens=4, temperature=0)
+    several = client.completions.create(model=MODEL, prompt=["Once upon", [5, 6, 7]], n=2, max_tokens=4, temperature=0)
     by_index = {c.index: c.text for c in several.choices}
     assert sorted(by_index) == [0, 1, 2, 3]
     assert by_index[2] == by_index[3] == single.choices[0].text
     assert several.usage.prompt_tokens == single.usage.prompt_tokens + 2  # "Once upon" is 2 tokens
     assert several.usage.completion_tokens == 16
     streamed: dict[int, str] = {}
-    for chunk in client.completions.create(model=MODEL, prompt=["Once upon", [5, 6, 7]], n=2,
-                                           max_tokens=4, temperature=0, stream=True):
+    for chunk in client.completions.create(
+        model=MODEL, prompt=["Once upon", [5, 6, 7]], n=2, max_tokens=4, temperature=0, stream=True
+    ):
         for choice in chunk.choices:
             streamed[choice.index] = streamed.get(choice.index, "") + choice.text
     assert streamed == by_index
 
 
 def test_completion_logprobs_have_offsets_into_the_text(client: Any) -> None:
-    out = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0,
-                                    logprobs=2)
+    out = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
@@ -175,8 +185,7 @@ def test_completion_logprobs_have_offsets_into_the_text(client: Any) -> None:
 
 def test_absent_max_tokens_generates_to_the_end_of_the_context(client: Any) -> None:
     prompt = list(range(100, 200))
-    out = client.completions.create(model=MODEL, prompt=prompt, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == MAX_MODEL_LEN - len(prompt)
     assert out.choices[0].finish_reason == "length"
 
@@ -211,6 +220,13 @@ def test_sse_wire_format(server: RunningServer) -> None:
 
 def test_startup_log_names_model_device_backend_capacity_and_url(server: RunningServer) -> None:
     line = next(line for line in server.log().splitlines() if " ready: " in line)
-    for part in ("fp4serve-demo-qwen3", "dtype", "device cpu", f"attention {cpu_attention_backend()}", "KV cache", "tokens",
-                 server.base_url):
+    for part in (
+        "fp4serve-demo-qwen3",
+        "dtype",
+        "device cpu",
+        f"attention {cpu_attention_backend()}",
+        "KV cache",
+        "tokens",
+        server.base_url,
+    ):
         assert part in line

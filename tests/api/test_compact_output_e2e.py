@@ -21,15 +21,32 @@ MAX_TOKENS = 200
 MESSAGES = [{"role": "user", "content": "Set the mode, then tell me the level."}]
 # Values a random model cannot run on forever (a free string it might never close): enums,
 # integers, booleans, as in tests/api/test_tools_e2e.py.
-MODE = {"type": "function", "function": {"name": "set_mode", "parameters": {
+MODE = {
+    "type": "function",
+    "function": {
+        "name": "set_mode",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "mode": {"type": "string", "enum": ["fast", "slow"]},
+                "level": {"type": "integer"},
+                "force": {"type": "boolean"},
+                "tags": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+            },
+            "required": ["mode", "level"],
+        },
+    },
+}
+SCHEMA = {
     "type": "object",
-    "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}, "level": {"type": "integer"},
-                   "force": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
-    "required": ["mode", "level"],
-}}}
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "level": {"type": "integer"},
-                                           "mode": {"type": "string", "enum": ["fast", "slow"]}},
-          "required": ["ok", "level", "mode"], "additionalProperties": False}
+    "properties": {
+        "ok": {"type": "boolean"},
+        "level": {"type": "integer"},
+        "mode": {"type": "string", "enum": ["fast", "slow"]},
+    },
+    "required": ["ok", "level", "mode"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +61,9 @@ def client(server: RunningServer) -> openai.OpenAI:
 
 
 def create(client: openai.OpenAI, seed: int, **kwargs: Any) -> Any:
-    return client.chat.completions.create(model=DEMO_MODEL_NAME, messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                          temperature=1.0, seed=seed, **kwargs)
+    return client.chat.completions.create(
+        model=DEMO_MODEL_NAME, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, **kwargs
+    )
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -10,8 +10,8 @@ import openai
 import pytest
 import torch
 
-from tests.server_utils import RunningServer, running_server
 from tests.engine.test_prompt_logprobs import reference
+from tests.server_utils import RunningServer, running_server
 
 pytestmark = pytest.mark.slow  # a real server in a subprocess: `make test-fast` skips it
 
@@ -34,7 +34,9 @@ def model(server: RunningServer) -> str:
     return server.openai().models.list().data[0].id
 
 
-def test_echo_with_max_tokens_0_returns_the_prompt_scored_by_the_model(server: RunningServer, want: torch.Tensor) -> None:
+def test_echo_with_max_tokens_0_returns_the_prompt_scored_by_the_model(
+    server: RunningServer, want: torch.Tensor
+) -> None:
     out = server.openai().completions.create(model=model(server), prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
     choice = out.choices[0]
     assert choice.text == PROMPT and choice.finish_reason == "length"
@@ -46,25 +48,30 @@ def test_echo_with_max_tokens_0_returns_the_prompt_scored_by_the_model(server: R
     for p in range(1, len(IDS)):
         assert lp.token_logprobs[p] == pytest.approx(float(want[p - 1, IDS[p]]), abs=1e-4)
         values, ids = want[p - 1].topk(2)
-        assert lp.top_logprobs[p] == pytest.approx({f"w{i}": v for i, v in zip(ids.tolist(), values.tolist())}, abs=1e-4)
+        assert lp.top_logprobs[p] == pytest.approx(
+            {f"w{i}": v for i, v in zip(ids.tolist(), values.tolist())}, abs=1e-4
+        )
 
 
 def test_echo_puts_the_prompt_before_the_completion(server: RunningServer) -> None:
     client = server.openai()
     plain = client.completions.create(model=model(server), prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)
-    echoed = client.completions.create(model=model(server), prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
-                                       echo=True)
+    echoed = client.completions.create(
+        model=model(server), prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0, echo=True
+    )
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
     assert echoed.choices[0].logprobs.tokens == PROMPT.split() + plain.choices[0].logprobs.tokens
     assert echoed.usage.completion_tokens == 4
-    stream = client.completions.create(model=model(server), prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
-                                       stream=True)
+    stream = client.completions.create(
+        model=model(server), prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True
+    )
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == echoed.choices[0].text
 
 
 def test_vllm_prompt_logprobs_list_the_prompt_token_and_the_top_ones(server: RunningServer, want: torch.Tensor) -> None:
-    out = server.openai().completions.create(model=model(server), prompt=PROMPT, max_tokens=1,
-                                             extra_body={"prompt_logprobs": 1})
+    out = server.openai().completions.create(
+        model=model(server), prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 1}
+    )
     scored = out.choices[0].model_extra["prompt_logprobs"]
     assert len(scored) == len(IDS) and scored[0] is None
     for p in range(1, len(IDS)):
@@ -79,8 +86,9 @@ def test_max_tokens_0_without_echo_is_a_400(server: RunningServer) -> None:
         server.openai().completions.create(model=model(server), prompt=PROMPT, max_tokens=0)
 
 
-def test_bench_quality_perplexity_is_transformers_over_the_same_windows(server: RunningServer,
-                                                                        qwen3_ckpt: Path) -> None:
+def test_bench_quality_perplexity_is_transformers_over_the_same_windows(
+    server: RunningServer, qwen3_ckpt: Path
+) -> None:
     from bench.quality import agreement, run_quality, windows
 
     text = " ".join(f"w{(i * 37) % 500}" for i in range(30))

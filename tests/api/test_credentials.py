@@ -26,8 +26,9 @@ A, B = b"Bearer sk-a", b"Bearer sk-b"
         ([(b"authorization", b"Basic c2stYQ=="), (b"x-api-key", b"sk-a")], None),  # not a bearer, and a key
     ],
 )
-def test_a_key_is_read_only_when_the_headers_name_exactly_one(headers: list[tuple[bytes, bytes]],
-                                                               token: bytes | None) -> None:
+def test_a_key_is_read_only_when_the_headers_name_exactly_one(
+    headers: list[tuple[bytes, bytes]], token: bytes | None
+) -> None:
     assert credentials_conflict(headers) == (token is None)
     assert token_from_headers(headers) == (token, True)
 

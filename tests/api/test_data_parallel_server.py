@@ -25,9 +25,9 @@ import zmq
 
 from scheduler.request import SamplingParams
 from tests import vllm_kv_events as vllm
-from tests.server_utils import RunningServer, metric, start_server
 from tests.engine.test_engine_e2e import alone, prompt_for
 from tests.engine.test_engine_restart import alive, wait_health
+from tests.server_utils import RunningServer, metric, start_server
 
 pytestmark = pytest.mark.slow
 MODEL = "dp"
@@ -43,9 +43,20 @@ def events_socket(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(qwen3_ckpt: Path, events_socket: Path) -> Iterator[RunningServer]:
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{events_socket}"}
-    s = start_server("--model", str(qwen3_ckpt), "--served-model-name", MODEL, "--dtype", "float32",
-                     "--kv-cache-memory", "16MiB", "--data-parallel-size", "2",
-                     "--kv-events-config", orjson.dumps(events).decode())
+    s = start_server(
+        "--model",
+        str(qwen3_ckpt),
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "16MiB",
+        "--data-parallel-size",
+        "2",
+        "--kv-events-config",
+        orjson.dumps(events).decode(),
+    )
     try:
         yield s
     finally:
@@ -65,12 +76,14 @@ def finished(server: RunningServer) -> list[float]:
 
 
 def complete(client: openai.OpenAI, prompt: list[int], max_tokens: int, **extra: Any) -> Any:
-    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                                     extra_body={"ignore_eos": True, **extra})
+    return client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0, extra_body={"ignore_eos": True, **extra}
+    )
 
 
-def test_two_engine_processes_serve_greedy_as_one_core_does(server: RunningServer, qwen3_ckpt: Path,
-                                                             events_socket: Path) -> None:
+def test_two_engine_processes_serve_greedy_as_one_core_does(
+    server: RunningServer, qwen3_ckpt: Path, events_socket: Path
+) -> None:
     health = wait_health(server, "ok", 10)
     pids = [core["pid"] for core in health["engines"]]
     assert [core["state"] for core in health["engines"]] == ["running", "running"]
@@ -78,7 +91,7 @@ def test_two_engine_processes_serve_greedy_as_one_core_does(server: RunningServe
     cpus = sorted(os.sched_getaffinity(0))  # the server's too: each core pinned to its half
     half = len(cpus) // 2
     for rank in range(2):
-        mine = ",".join(map(str, cpus[rank * half:(rank + 1) * half]))
+        mine = ",".join(map(str, cpus[rank * half : (rank + 1) * half]))
         server.wait_for_log(f"[engine {rank}]: engine core {rank} of 2: CPUs {mine}, {half} torch thread")
     subscribers = [vllm.Subscriber(f"ipc://{events_socket}"), vllm.Subscriber(f"ipc://{events_socket}_dp1")]
     prompts = [prompt_for(i) + list(range(100, 120)) for i in range(8)]  # each at least one full page
@@ -87,9 +100,18 @@ def test_two_engine_processes_serve_greedy_as_one_core_does(server: RunningServe
 
     async def all_at_once() -> list[Any]:
         client = server.async_openai()
-        return await asyncio.gather(*(client.completions.create(
-            model=MODEL, prompt=p, max_tokens=GREEDY.max_tokens, temperature=0.0,
-            extra_body={"ignore_eos": True, "return_token_ids": True}) for p in prompts))
+        return await asyncio.gather(
+            *(
+                client.completions.create(
+                    model=MODEL,
+                    prompt=p,
+                    max_tokens=GREEDY.max_tokens,
+                    temperature=0.0,
+                    extra_body={"ignore_eos": True, "return_token_ids": True},
+                )
+                for p in prompts
+            )
+        )
 
     try:
         answers = asyncio.run(all_at_once())
@@ -108,8 +130,9 @@ def test_two_engine_processes_serve_greedy_as_one_core_does(server: RunningServe
 
 async def two_more(server: RunningServer) -> None:
     client = server.async_openai()
-    await asyncio.gather(*(client.completions.create(model=MODEL, prompt=[510 + i] + list(range(1, 40)), max_tokens=2)
-                           for i in range(2)))
+    await asyncio.gather(
+        *(client.completions.create(model=MODEL, prompt=[510 + i] + list(range(1, 40)), max_tokens=2) for i in range(2))
+    )
 
 
 def ranks_until_stored(sub: vllm.Subscriber) -> set[int | None]:
@@ -131,8 +154,15 @@ def token_ids(answer: Any) -> list[int]:
 
 def test_the_samples_of_one_request_share_a_core(server: RunningServer) -> None:
     before = finished(server)
-    answer = server.openai().completions.create(model=MODEL, prompt=list(range(1, 42)), max_tokens=4, n=3,
-                                                temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    answer = server.openai().completions.create(
+        model=MODEL,
+        prompt=list(range(1, 42)),
+        max_tokens=4,
+        n=3,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
     assert len(answer.choices) == 3
     served = sorted(a - b for a, b in zip(finished(server), before))
     assert served == [0, 3]
@@ -143,17 +173,26 @@ def test_metrics_also_serve_each_vllm_series_summed_over_the_cores(server: Runni
     """The Gateway API Inference Extension's endpoint picker reads engine-less series."""
     text = httpx.get(server.url("/metrics"), timeout=10).text
     whole = f'{{model_name="{MODEL}"}}'
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prefix_cache_hits_total",
-                 "vllm:request_success_total"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prefix_cache_hits_total",
+        "vllm:request_success_total",
+    ):
         labels = {"finished_reason": "length"} if name == "vllm:request_success_total" else {}
         extra = "".join(f'{k}="{v}",' for k, v in labels.items())
         assert metric(text, f'{name}{{{extra}model_name="{MODEL}"}}') == sum(per_core(server, name, **labels)), name
     # Both cores have the same pages: the whole server's usage is their mean.
     usage = [metric(text, f'vllm:kv_cache_usage_perc{{engine="{core}",model_name="{MODEL}"}}') for core in "01"]
     assert metric(text, f"vllm:kv_cache_usage_perc{whole}") == sum(usage) / 2
-    assert metric(text, f'vllm:time_to_first_token_seconds_count{whole}') == sum(
-        metric(text, f'vllm:time_to_first_token_seconds_count{{engine="{core}",model_name="{MODEL}"}}')
-        for core in "01") > 0
+    assert (
+        metric(text, f"vllm:time_to_first_token_seconds_count{whole}")
+        == sum(
+            metric(text, f'vllm:time_to_first_token_seconds_count{{engine="{core}",model_name="{MODEL}"}}')
+            for core in "01"
+        )
+        > 0
+    )
 
 
 def test_a_conversations_next_turn_goes_to_the_core_holding_its_prefix(server: RunningServer) -> None:
@@ -162,8 +201,9 @@ def test_a_conversations_next_turn_goes_to_the_core_holding_its_prefix(server: R
     first = complete(client, opening, 30, return_token_ids=True)  # an idle server: core 0
     hits = per_core(server, "vllm:prefix_cache_hits_total")
     # A long request on core 0 too: core 1 is now the idler one.
-    stream = client.completions.create(model=MODEL, prompt=list(range(300, 340)), max_tokens=200, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL, prompt=list(range(300, 340)), max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))
     try:
         second = complete(client, opening + token_ids(first) + [7, 8], 4)
@@ -189,10 +229,14 @@ def test_a_killed_core_fails_only_its_requests_and_comes_back(server: RunningSer
             nonlocal num_open
             # A first token no earlier test sent: no core has a page of it cached, so the load alone
             # places them, four and four.
-            stream = await client.completions.create(model=MODEL, prompt=[500 + i, *prompt_for(i)], max_tokens=200,
-                                                     stream=True,
-                                                     stream_options={"include_usage": True},
-                                                     extra_body={"ignore_eos": True})
+            stream = await client.completions.create(
+                model=MODEL,
+                prompt=[500 + i, *prompt_for(i)],
+                max_tokens=200,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             seen, tokens = 0, None
             try:
                 async for chunk in stream:
@@ -213,9 +257,12 @@ def test_a_killed_core_fails_only_its_requests_and_comes_back(server: RunningSer
         ended = await asyncio.gather(*streams)
         during = await asyncio.to_thread(lambda: httpx.get(server.url("/health"), timeout=5).json())
         # Sent while core 1 restarts: core 0 serves them.
-        served = await asyncio.gather(*(client.completions.create(model=MODEL, prompt=[508, i], max_tokens=4,
-                                                                  extra_body={"ignore_eos": True})
-                                        for i in range(4)))
+        served = await asyncio.gather(
+            *(
+                client.completions.create(model=MODEL, prompt=[508, i], max_tokens=4, extra_body={"ignore_eos": True})
+                for i in range(4)
+            )
+        )
         return ended, during, served
 
     ended, during, served = asyncio.run(scenario())
@@ -233,14 +280,17 @@ def test_a_killed_core_fails_only_its_requests_and_comes_back(server: RunningSer
     assert not alive(pid) and body["engines"][1]["pid"] not in (None, pid) and body["engines"][1]["restarts"] == 1
     assert body["engines"][0]["pid"] == before["engines"][0]["pid"] and body["engines"][0]["restarts"] == 0
     assert body["last_restart"]["engine"] == 1 and body["last_restart"]["reason"] == "crash"
-    assert metric(httpx.get(server.url("/metrics")).text, 'fp4serve_engine_restarts_total{reason="crash"}') == crashes + 1
+    assert (
+        metric(httpx.get(server.url("/metrics")).text, 'fp4serve_engine_restarts_total{reason="crash"}') == crashes + 1
+    )
     # Both cores serve again.
     before_finished = finished(server)
 
     async def burst() -> list[Any]:
         client = server.async_openai()
-        return await asyncio.gather(*(client.completions.create(model=MODEL, prompt=[509, i], max_tokens=4)
-                                      for i in range(6)))
+        return await asyncio.gather(
+            *(client.completions.create(model=MODEL, prompt=[509, i], max_tokens=4) for i in range(6))
+        )
 
     asyncio.run(burst())
     assert all(a > b for a, b in zip(finished(server), before_finished))

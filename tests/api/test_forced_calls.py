@@ -29,11 +29,10 @@ import pytest
 from api.app import ServerConfig
 from engine.core import EngineCore
 from engine.front.async_engine import AsyncEngine
-from engine.structured_output.compiler import GrammarFailed
 from engine.weights.demo_model import DEMO_MODEL_NAME
 from scheduler.structured_output import StructuredOutput
-from tests.server_utils import InProcessServer, in_process_server, metric
 from tests.api.test_tools_e2e import ENGINE
+from tests.server_utils import InProcessServer, in_process_server, metric
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 NO_THINKING_CHAT = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -42,9 +41,14 @@ NO_THINKING = {"type": "disabled"}
 
 def mode_tool(name: str = "set_mode") -> dict[str, Any]:
     """A function whose arguments the random model cannot run on forever: an enum and an integer."""
-    return {"name": name, "input_schema": {"type": "object", "properties": {
-        "mode": {"type": "string", "enum": ["fast", "slow"]}, "level": {"type": "integer"}},
-        "required": ["mode", "level"]}}
+    return {
+        "name": name,
+        "input_schema": {
+            "type": "object",
+            "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}, "level": {"type": "integer"}},
+            "required": ["mode", "level"],
+        },
+    }
 
 
 NOW = {"name": "now", "input_schema": {"type": "object", "properties": {}}}
@@ -81,22 +85,45 @@ def oai(server: InProcessServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
 
 
-def message(claude: anthropic.Anthropic, max_tokens: int, tools: list[dict[str, Any]] = ANTHROPIC_TOOLS,
-            tool_choice: dict[str, Any] | None = None, **sampling: Any) -> Any:
-    return claude.messages.create(model=DEMO_MODEL_NAME, max_tokens=max_tokens, messages=MESSAGES, tools=tools,
-                                  tool_choice=tool_choice or {"type": "any"}, thinking=NO_THINKING,
-                                  extra_body=sampling)
+def message(
+    claude: anthropic.Anthropic,
+    max_tokens: int,
+    tools: list[dict[str, Any]] = ANTHROPIC_TOOLS,
+    tool_choice: dict[str, Any] | None = None,
+    **sampling: Any,
+) -> Any:
+    return claude.messages.create(
+        model=DEMO_MODEL_NAME,
+        max_tokens=max_tokens,
+        messages=MESSAGES,
+        tools=tools,
+        tool_choice=tool_choice or {"type": "any"},
+        thinking=NO_THINKING,
+        extra_body=sampling,
+    )
 
 
 def chat(oai: openai.OpenAI, max_tokens: int, tools: list[dict[str, Any]] = ANTHROPIC_TOOLS, **kwargs: Any) -> Any:
-    return oai.chat.completions.create(model=DEMO_MODEL_NAME, messages=MESSAGES, tools=chat_tools(tools),
-                                       max_tokens=max_tokens, tool_choice="required", **kwargs,
-                                       extra_body={**NO_THINKING_CHAT, **kwargs.pop("extra_body", {})})
+    return oai.chat.completions.create(
+        model=DEMO_MODEL_NAME,
+        messages=MESSAGES,
+        tools=chat_tools(tools),
+        max_tokens=max_tokens,
+        tool_choice="required",
+        **kwargs,
+        extra_body={**NO_THINKING_CHAT, **kwargs.pop("extra_body", {})},
+    )
 
 
 def response(oai: openai.OpenAI, max_tokens: int, tools: list[dict[str, Any]] = ANTHROPIC_TOOLS, **kwargs: Any) -> Any:
-    return oai.responses.create(model=DEMO_MODEL_NAME, input=MESSAGES[0]["content"], tools=responses_tools(tools),
-                                tool_choice="required", max_output_tokens=max_tokens, **kwargs)
+    return oai.responses.create(
+        model=DEMO_MODEL_NAME,
+        input=MESSAGES[0]["content"],
+        tools=responses_tools(tools),
+        tool_choice="required",
+        max_output_tokens=max_tokens,
+        **kwargs,
+    )
 
 
 def is_incomplete_json(arguments: str) -> bool:
@@ -120,7 +147,9 @@ def test_any_with_parallel_calls_writes_tool_use_blocks_only(claude: anthropic.A
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_any_without_parallel_calls_is_one_call_then_the_end(claude: anthropic.Anthropic, seed: int) -> None:
-    reply = message(claude, 150, tool_choice={"type": "any", "disable_parallel_tool_use": True}, seed=seed, temperature=1.0)
+    reply = message(
+        claude, 150, tool_choice={"type": "any", "disable_parallel_tool_use": True}, seed=seed, temperature=1.0
+    )
     [block] = reply.content
     assert block.type == "tool_use" and block.name in ("set_mode", "now")
     assert reply.stop_reason == "tool_use"
@@ -129,15 +158,25 @@ def test_any_without_parallel_calls_is_one_call_then_the_end(claude: anthropic.A
 def test_a_named_tool_is_one_call_of_it_then_the_end(claude: anthropic.Anthropic) -> None:
     reply = message(claude, 150, tool_choice={"type": "tool", "name": "set_mode"}, temperature=0.0)
     [block] = reply.content
-    assert block.name == "set_mode" and block.input["mode"] in ("fast", "slow") and isinstance(block.input["level"], int)
+    assert (
+        block.name == "set_mode" and block.input["mode"] in ("fast", "slow") and isinstance(block.input["level"], int)
+    )
     assert reply.stop_reason == "tool_use"
 
 
 # ---- chat and Responses: calls only, then the end ------------------------------------------------------------
 @pytest.mark.parametrize("seed", [0, 1])
 def test_required_with_parallel_calls_streams_calls_only(oai: openai.OpenAI, seed: int) -> None:
-    request = dict(model=DEMO_MODEL_NAME, messages=MESSAGES, tools=chat_tools(ANTHROPIC_TOOLS), max_tokens=150,
-                   tool_choice="required", seed=seed, temperature=1.0, extra_body=NO_THINKING_CHAT)
+    request = dict(
+        model=DEMO_MODEL_NAME,
+        messages=MESSAGES,
+        tools=chat_tools(ANTHROPIC_TOOLS),
+        max_tokens=150,
+        tool_choice="required",
+        seed=seed,
+        temperature=1.0,
+        extra_body=NO_THINKING_CHAT,
+    )
     with oai.chat.completions.stream(**request) as events:
         chunks = [event.chunk for event in events if event.type == "chunk"]
     assert not any(c.choices and c.choices[0].delta.content for c in chunks)  # no text, not even markup
@@ -177,8 +216,15 @@ def test_chat_cut_call_is_a_partial_tool_call_with_finish_reason_length(oai: ope
 
 def test_streamed_chat_cut_call_is_the_same_partial_call(oai: openai.OpenAI) -> None:
     whole = chat(oai, CUT, temperature=0.0).choices[0].message.tool_calls[0]
-    request = dict(model=DEMO_MODEL_NAME, messages=MESSAGES, tools=chat_tools(ANTHROPIC_TOOLS), max_tokens=CUT,
-                   tool_choice="required", temperature=0.0, extra_body=NO_THINKING_CHAT)
+    request = dict(
+        model=DEMO_MODEL_NAME,
+        messages=MESSAGES,
+        tools=chat_tools(ANTHROPIC_TOOLS),
+        max_tokens=CUT,
+        tool_choice="required",
+        temperature=0.0,
+        extra_body=NO_THINKING_CHAT,
+    )
     with pytest.raises(openai.LengthFinishReasonError) as cut, oai.chat.completions.stream(**request) as events:
         events.get_final_completion()
     [choice] = cut.value.completion.choices
@@ -202,9 +248,15 @@ def test_messages_cut_call_is_a_tool_use_block_with_the_input_so_far(claude: ant
     assert block.type == "tool_use" and block.name in ("set_mode", "now")
     assert set(block.input) <= {"mode", "level"}
     streamed = []
-    with claude.messages.stream(model=DEMO_MODEL_NAME, max_tokens=CUT, messages=MESSAGES, tools=ANTHROPIC_TOOLS,
-                                tool_choice={"type": "any"}, thinking=NO_THINKING,
-                                extra_body={"temperature": 0.0}) as events:
+    with claude.messages.stream(
+        model=DEMO_MODEL_NAME,
+        max_tokens=CUT,
+        messages=MESSAGES,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "any"},
+        thinking=NO_THINKING,
+        extra_body={"temperature": 0.0},
+    ) as events:
         streamed = [e.content_block.type for e in events if e.type == "content_block_start"]
         final = events.get_final_message()
     assert streamed == ["tool_use"] and final.stop_reason == "max_tokens"
@@ -235,7 +287,10 @@ def broken_builds(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_grammar_that_cannot_be_built_is_a_500_in_each_protocols_shape(
-    server: InProcessServer, oai: openai.OpenAI, claude: anthropic.Anthropic, broken_builds: None,
+    server: InProcessServer,
+    oai: openai.OpenAI,
+    claude: anthropic.Anthropic,
+    broken_builds: None,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     before = failures(server, "build")
@@ -248,12 +303,25 @@ def test_a_grammar_that_cannot_be_built_is_a_500_in_each_protocols_shape(
         assert a.value.body["type"] == "error" and a.value.body["error"]["type"] == "api_error"
         assert "grammar could not be made" in a.value.body["error"]["message"]
         # Streamed, the 200 went out with the first event: the error is an SSE error event.
-        events = list(oai.responses.create(model=DEMO_MODEL_NAME, input="hi", tools=responses_tools([mode_tool("broken_c")]),
-                                           tool_choice="required", max_output_tokens=40, stream=True))
+        events = list(
+            oai.responses.create(
+                model=DEMO_MODEL_NAME,
+                input="hi",
+                tools=responses_tools([mode_tool("broken_c")]),
+                tool_choice="required",
+                max_output_tokens=40,
+                stream=True,
+            )
+        )
         assert events[-1].type == "error" and "grammar could not be made (build)" in events[-1].message
         assert not any(e.type == "response.output_text.delta" for e in events)
-    assert sum(r.name == "fp4serve.structured" and "its grammar could not be made (build" in r.getMessage()
-               for r in caplog.records) == 3
+    assert (
+        sum(
+            r.name == "fp4serve.structured" and "its grammar could not be made (build" in r.getMessage()
+            for r in caplog.records
+        )
+        == 3
+    )
     assert failures(server, "build") == before + 3
 
 
@@ -263,8 +331,11 @@ def test_a_grammar_xgrammar_refuses_is_counted_as_compile(
     import engine.grammars as grammars
 
     original = grammars.tool_call_grammar
-    monkeypatch.setattr(grammars, "tool_call_grammar", lambda spec: "root ::= undefined_rule"
-                        if spec.tools[0].name == "refused" else original(spec))
+    monkeypatch.setattr(
+        grammars,
+        "tool_call_grammar",
+        lambda spec: "root ::= undefined_rule" if spec.tools[0].name == "refused" else original(spec),
+    )
     before = failures(server, "compile")
     with pytest.raises(openai.InternalServerError) as e:
         chat(oai, 40, tools=[mode_tool("refused")])
@@ -292,16 +363,26 @@ def test_concurrent_compiles_and_a_slow_one_never_turn_a_forced_call_into_text(
         tools = [mode_tool(f"slow_{i}" if i == 0 else f"load_{i}"), NOW]
         max_tokens = CUT if i % 2 else 150
         if i % 3 == 0:
-            calls.append(lambda tools=tools, m=max_tokens: [
-                ("chat", c.function.name, is_incomplete_json(c.function.arguments))
-                for c in _chat_calls(chat(oai, m, tools=tools, temperature=1.0, seed=7))])
+            calls.append(
+                lambda tools=tools, m=max_tokens: [
+                    ("chat", c.function.name, is_incomplete_json(c.function.arguments))
+                    for c in _chat_calls(chat(oai, m, tools=tools, temperature=1.0, seed=7))
+                ]
+            )
         elif i % 3 == 1:
-            calls.append(lambda tools=tools, m=max_tokens: [
-                ("responses", item.name, item.status == "incomplete")
-                for item in _items(response(oai, m, tools=tools, temperature=1.0))])
+            calls.append(
+                lambda tools=tools, m=max_tokens: [
+                    ("responses", item.name, item.status == "incomplete")
+                    for item in _items(response(oai, m, tools=tools, temperature=1.0))
+                ]
+            )
         else:
-            calls.append(lambda tools=tools, m=max_tokens: [
-                ("messages", block.name, False) for block in _blocks(message(claude, m, tools=tools, temperature=1.0))])
+            calls.append(
+                lambda tools=tools, m=max_tokens: [
+                    ("messages", block.name, False)
+                    for block in _blocks(message(claude, m, tools=tools, temperature=1.0))
+                ]
+            )
     with ThreadPoolExecutor(len(calls)) as pool:
         answers = list(pool.map(lambda call: call(), calls))
     for got in answers:

@@ -11,7 +11,6 @@ import orjson
 import pytest
 
 from tests import vllm_kv_events as vllm
-from tests.server_utils import RunningServer, start_server
 from tests.api.test_vllm_compat_server import (  # noqa: F401  (collected here again, with this module's server)
     BLOCK,
     MODEL,
@@ -24,6 +23,7 @@ from tests.api.test_vllm_compat_server import (  # noqa: F401  (collected here a
     test_running_and_waiting_gauges_follow_the_load,
     value,
 )
+from tests.server_utils import RunningServer, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +34,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSe
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{sock}", "topic": "kv-events"}
     os.environ["PYTHONHASHSEED"] = SEED
     try:
-        running = start_server("--served-model-name", MODEL, "--max-num-seqs", "2", "--kv-cache-memory", "1MiB",
-                               "--kv-events-config", orjson.dumps(config).decode(), "--kv-offloading-size", "0.05")
+        running = start_server(
+            "--served-model-name",
+            MODEL,
+            "--max-num-seqs",
+            "2",
+            "--kv-cache-memory",
+            "1MiB",
+            "--kv-events-config",
+            orjson.dumps(config).decode(),
+            "--kv-offloading-size",
+            "0.05",
+        )
     finally:
         del os.environ["PYTHONHASHSEED"]
     try:
@@ -69,8 +79,12 @@ def test_an_evicted_page_is_announced_on_the_cpu_medium_and_served_back(server: 
         for i in range(40):  # distinct prompts cycle the 32 device pages
             complete(running, list(range(60_000 + 100 * i, 60_000 + 100 * i + 3 * BLOCK + 3)), 2)
             for batch in sub.batches(timeout_ms=200):
-                on_cpu.update(h for e in batch.events if isinstance(e, vllm.BlockStored) and e.medium == "CPU"
-                              for h in e.block_hashes)
+                on_cpu.update(
+                    h
+                    for e in batch.events
+                    if isinstance(e, vllm.BlockStored) and e.medium == "CPU"
+                    for h in e.block_hashes
+                )
             if set(expected) <= on_cpu:
                 break
         assert set(expected) <= on_cpu, "the prompt's pages were never announced on the host tier"

@@ -11,14 +11,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.factories import make_hybrid_checkpoint
-from tests.server_utils import RunningServer, metric, start_server
 from tests.engine.test_hybrid_prefix_cache import LAYOUT_27B
 from tests.engine.test_hybrid_prefix_server import (  # noqa: F401  (collected here again, with this module's server)
     test_agent_turns_report_their_cached_prompt_through_the_openai_sdk,
     test_users_sharing_an_odd_length_system_prompt_get_it_cached,
     text,
 )
+from tests.factories import make_hybrid_checkpoint
+from tests.server_utils import RunningServer, metric, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,20 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[RunningServer]:
     """The original tests' server, with the tier on."""
-    s = start_server("--model", str(checkpoint), "--served-model-name", "hybrid", "--dtype", "float32",
-                     "--kv-cache-memory", "16MiB", "--max-model-len", "1024", "--kv-offloading-size", "0.05")
+    s = start_server(
+        "--model",
+        str(checkpoint),
+        "--served-model-name",
+        "hybrid",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "16MiB",
+        "--max-model-len",
+        "1024",
+        "--kv-offloading-size",
+        "0.05",
+    )
     try:
         yield s
     finally:
@@ -42,9 +54,22 @@ def server(checkpoint: Path) -> Iterator[RunningServer]:
 @pytest.fixture(scope="module")
 def tight_server(checkpoint: Path) -> Iterator[RunningServer]:
     """512 KiB of device pages and 4 checkpoints hold about two of the histories below; the host all of them."""
-    s = start_server("--model", str(checkpoint), "--served-model-name", "hybrid", "--dtype", "float32",
-                     "--kv-cache-memory", "512KiB", "--max-model-len", "1024", "--num-state-checkpoints", "4",
-                     "--kv-offloading-size", "0.05")
+    s = start_server(
+        "--model",
+        str(checkpoint),
+        "--served-model-name",
+        "hybrid",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "512KiB",
+        "--max-model-len",
+        "1024",
+        "--num-state-checkpoints",
+        "4",
+        "--kv-offloading-size",
+        "0.05",
+    )
     try:
         yield s
     finally:

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.server_utils import RunningServer, start_server
 from tests.engine.test_engine_restart import (  # noqa: F401  (collected here again, with this module's server)
     KEYS,
     STEP_TIMEOUT_S,
@@ -16,6 +15,7 @@ from tests.engine.test_engine_restart import (  # noqa: F401  (collected here ag
     test_a_killed_engine_ends_every_stream_and_a_new_one_serves_what_follows,
     test_usage_and_rate_limits_of_a_key_survive_a_restart,
 )
+from tests.server_utils import RunningServer, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +24,18 @@ pytestmark = pytest.mark.slow
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     keys = tmp_path_factory.mktemp("keys") / "keys.toml"
     keys.write_text(KEYS)
-    s = start_server("--max-model-len", "256", "--kv-cache-memory", "16MiB", "--api-keys-file", str(keys),
-                     "--engine-step-timeout", str(STEP_TIMEOUT_S), "--kv-offloading-size", "0.05")
+    s = start_server(
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "16MiB",
+        "--api-keys-file",
+        str(keys),
+        "--engine-step-timeout",
+        str(STEP_TIMEOUT_S),
+        "--kv-offloading-size",
+        "0.05",
+    )
     try:
         yield s
     finally:

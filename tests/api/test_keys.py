@@ -21,7 +21,10 @@ def write(tmp_path: Path, text: str) -> str:
 
 def test_keys_file_records_and_lookup(tmp_path: Path) -> None:
     digest = hashlib.sha256(b"sk-b").hexdigest()
-    ring = KeyRing(keys_file=write(tmp_path, f'''
+    ring = KeyRing(
+        keys_file=write(
+            tmp_path,
+            f'''
 [[keys]]
 name = "a"
 key = "sk-a"
@@ -32,7 +35,9 @@ rpm = 5
 name = "b"
 key_sha256 = "{digest}"
 admin = true
-'''))
+''',
+        )
+    )
     a = ring.lookup(b"sk-a")
     assert a is not None and (a.name, a.weight, a.priority, a.rpm, a.admin) == ("a", 2.0, -1, 5, False)
     assert ring.lookup(b"sk-b").name == "b" and ring.lookup(b"sk-b").admin
@@ -45,18 +50,21 @@ def test_single_key_is_default_and_no_key_is_open() -> None:
     assert KeyRing().lookup(None).name == "default"
 
 
-@pytest.mark.parametrize("body, why", [
-    ('[[keys]]\nname = "a"\n', "exactly one of"),
-    ('[[keys]]\nname = "a"\nkey = "x"\nkey_sha256 = "00"\n', "exactly one of"),
-    ('[[keys]]\nname = "a"\nkey_sha256 = "zz"\n', "64 hex digits"),
-    ('[[keys]]\nname = "a"\nkey = "x"\nweight = 0\n', "weight"),
-    ('[[keys]]\nname = "a"\nkey = "x"\nrpm = -1\n', "rpm"),
-    ('[[keys]]\nname = "a"\nkey = "x"\nrmp = 1\n', "unknown field"),
-    ('[[keys]]\nname = "a"\nkey = "x"\n[[keys]]\nname = "a"\nkey = "y"\n', "used twice"),
-    ('[[keys]]\nname = "a"\nkey = "x"\n[[keys]]\nname = "b"\nkey = "x"\n', "same key"),
-    ("keys = 1\n", "at least one"),
-    ("[[keys]\n", "keys.toml"),
-])
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        ('[[keys]]\nname = "a"\n', "exactly one of"),
+        ('[[keys]]\nname = "a"\nkey = "x"\nkey_sha256 = "00"\n', "exactly one of"),
+        ('[[keys]]\nname = "a"\nkey_sha256 = "zz"\n', "64 hex digits"),
+        ('[[keys]]\nname = "a"\nkey = "x"\nweight = 0\n', "weight"),
+        ('[[keys]]\nname = "a"\nkey = "x"\nrpm = -1\n', "rpm"),
+        ('[[keys]]\nname = "a"\nkey = "x"\nrmp = 1\n', "unknown field"),
+        ('[[keys]]\nname = "a"\nkey = "x"\n[[keys]]\nname = "a"\nkey = "y"\n', "used twice"),
+        ('[[keys]]\nname = "a"\nkey = "x"\n[[keys]]\nname = "b"\nkey = "x"\n', "same key"),
+        ("keys = 1\n", "at least one"),
+        ("[[keys]\n", "keys.toml"),
+    ],
+)
 def test_bad_keys_files_name_the_problem(tmp_path: Path, body: str, why: str) -> None:
     with pytest.raises(ConfigError, match=why):
         parse_keys_file(write(tmp_path, body))

@@ -23,16 +23,22 @@ from starlette.types import Message, Receive, Scope, Send
 from api.anthropic.routes import MESSAGES_ERROR_SHAPE
 from api.app import ServerConfig, build_app
 from api.error_shape import ErrorShapeMiddleware
-from api.errors import APIError, handle_api_error, handle_engine_dead, handle_engine_overloaded, handle_param_error, \
-    handle_unexpected
-from engine.front.admission import EngineOverloadedError
-from engine.front.async_engine import EngineDeadError
+from api.errors import (
+    APIError,
+    handle_api_error,
+    handle_engine_dead,
+    handle_engine_overloaded,
+    handle_param_error,
+    handle_unexpected,
+)
 from engine.config import EngineConfig
 from engine.front import AsyncEngine
+from engine.front.admission import EngineOverloadedError
+from engine.front.async_engine import EngineDeadError
 from engine.weights.demo_model import DEMO_MODEL_NAME
 from scheduler.request import ParamError
-from tests.server_utils import InProcessServer, in_process_server
 from tests.api.test_tools_e2e import ENGINE
+from tests.server_utils import InProcessServer, in_process_server
 
 KEY, LIMITED = "sk-errors-full", "sk-errors-limited"
 MESSAGES = [{"role": "user", "content": "Hello"}]
@@ -42,7 +48,9 @@ MAX_REQUEST_BYTES = 64 * 1024
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     keys = Path(tmp_path_factory.mktemp("keys")) / "keys.toml"
-    keys.write_text(f'[[keys]]\nname = "full"\nkey = "{KEY}"\n\n[[keys]]\nname = "limited"\nkey = "{LIMITED}"\nrpm = 1\n')
+    keys.write_text(
+        f'[[keys]]\nname = "full"\nkey = "{KEY}"\n\n[[keys]]\nname = "limited"\nkey = "{LIMITED}"\nrpm = 1\n'
+    )
     config = ServerConfig(engine=ENGINE, api_keys_file=str(keys), max_request_bytes=MAX_REQUEST_BYTES)
     with in_process_server(config) as running:
         yield running
@@ -73,8 +81,12 @@ def test_rate_limit_is_a_rate_limit_error_with_retry_after(server: InProcessServ
         client.messages.count_tokens(model=DEMO_MODEL_NAME, messages=MESSAGES)
     assert anthropic_type(again.value) == "rate_limit_error"
     # The OpenAI routes keep OpenAI's shape for the same refusal.
-    openai_shape = httpx.post(server.url("/v1/completions"), headers={"Authorization": f"Bearer {LIMITED}"},
-                              json={"model": DEMO_MODEL_NAME, "prompt": "a", "max_tokens": 1}, timeout=30)
+    openai_shape = httpx.post(
+        server.url("/v1/completions"),
+        headers={"Authorization": f"Bearer {LIMITED}"},
+        json={"model": DEMO_MODEL_NAME, "prompt": "a", "max_tokens": 1},
+        timeout=30,
+    )
     assert openai_shape.status_code == 429 and openai_shape.json()["error"]["code"] == "rate_limit_exceeded"
 
 
@@ -91,8 +103,9 @@ def test_validation_model_size_and_method_errors(server: InProcessServer) -> Non
         client.messages.count_tokens(model="claude-not-served", messages=MESSAGES)
     assert anthropic_type(missing.value) == "not_found_error"
     with pytest.raises(anthropic.ContentTooLargeError) as large:
-        client.messages.create(model=DEMO_MODEL_NAME, max_tokens=5,
-                               messages=[{"role": "user", "content": "word " * MAX_REQUEST_BYTES}])
+        client.messages.create(
+            model=DEMO_MODEL_NAME, max_tokens=5, messages=[{"role": "user", "content": "word " * MAX_REQUEST_BYTES}]
+        )
     assert anthropic_type(large.value) == "request_too_large"
     headers = {"x-api-key": KEY}
     wrong_method = httpx.get(server.url("/v1/messages"), headers=headers, timeout=30)
@@ -109,8 +122,16 @@ def test_validation_model_size_and_method_errors(server: InProcessServer) -> Non
 def _request(path: str) -> Request:
     """A request as the handlers get it: its scope through the middleware that puts the error shape
     the routes declared on it."""
-    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "app": Starlette(),
-             "query_string": b"", "server": ("127.0.0.1", 80), "scheme": "http"}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": [],
+        "app": Starlette(),
+        "query_string": b"",
+        "server": ("127.0.0.1", 80),
+        "scheme": "http",
+    }
 
     async def route(scope: Scope, receive: Receive, send: Send) -> None:
         pass
@@ -127,14 +148,22 @@ async def _no_send(message: Message) -> None:
     raise AssertionError("the shape is chosen from the path alone")
 
 
-@pytest.mark.parametrize(("handler", "exc", "status", "kind"), [
-    (handle_engine_overloaded, EngineOverloadedError("the waiting queue is full"), 503, "overloaded_error"),
-    (handle_engine_dead, EngineDeadError("the engine died"), 503, "overloaded_error"),
-    (handle_param_error, ParamError("top_k must be -1 or positive", "top_k"), 400, "invalid_request_error"),
-    (handle_api_error, APIError(500, "generation failed: boom", code="engine_error"), 500, "api_error"),
-    (handle_api_error, APIError(504, "the request took longer than 5 s", code="request_timeout"), 504, "timeout_error"),
-    (handle_unexpected, RuntimeError("secret internals"), 500, "api_error"),
-])
+@pytest.mark.parametrize(
+    ("handler", "exc", "status", "kind"),
+    [
+        (handle_engine_overloaded, EngineOverloadedError("the waiting queue is full"), 503, "overloaded_error"),
+        (handle_engine_dead, EngineDeadError("the engine died"), 503, "overloaded_error"),
+        (handle_param_error, ParamError("top_k must be -1 or positive", "top_k"), 400, "invalid_request_error"),
+        (handle_api_error, APIError(500, "generation failed: boom", code="engine_error"), 500, "api_error"),
+        (
+            handle_api_error,
+            APIError(504, "the request took longer than 5 s", code="request_timeout"),
+            504,
+            "timeout_error",
+        ),
+        (handle_unexpected, RuntimeError("secret internals"), 500, "api_error"),
+    ],
+)
 def test_the_apps_handlers_answer_messages_paths_in_anthropics_shape(handler, exc, status, kind) -> None:  # noqa: ANN001
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         response = asyncio.run(handler(_request(path), exc))
@@ -159,13 +188,18 @@ def test_refusals_before_any_route_take_the_shape_the_messages_routes_declare() 
     headers = {"x-api-key": KEY}
     for response, status, kind in (
         (client.post("/v1/messages", json={}), 401, "authentication_error"),
-        (client.post("/v1/messages/count_tokens", headers={"x-api-key": "sk-wrong"}, json={}), 401,
-         "authentication_error"),
+        (
+            client.post("/v1/messages/count_tokens", headers={"x-api-key": "sk-wrong"}, json={}),
+            401,
+            "authentication_error",
+        ),
         (client.post("/v1/messages/batches", headers=headers, json={}), 404, "not_found_error"),
         (client.get("/v1/messages", headers=headers), 405, "invalid_request_error"),
     ):
         assert response.status_code == status and response.json() == {
-            "type": "error", "error": {"type": kind, "message": response.json()["error"]["message"]}}
+            "type": "error",
+            "error": {"type": kind, "message": response.json()["error"]["message"]},
+        }
     assert client.post("/v1/messages", json={}).headers["www-authenticate"] == "Bearer"
     # Every other path keeps OpenAI's shape, one that only starts like the Messages path too.
     for path in ("/v1/chat/completions", "/v1/messagesx"):

@@ -86,6 +86,9 @@ def test_the_issue_16_unclosed_call_is_content_not_a_call() -> None:
     done = subprocess.run(cmd, input=text.encode(), capture_output=True, cwd=REPO, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {
-        "content": text, "reasoning_content": None, "tool_calls": [], "finish_reason": "length"
+        "content": text,
+        "reasoning_content": None,
+        "tool_calls": [],
+        "finish_reason": "length",
     }
     assert b"not a call" in done.stderr

@@ -55,7 +55,14 @@ def test_auto_on_the_bundled_qwen3_template_is_qwen3_for_both() -> None:
 
 @pytest.mark.parametrize(
     ("name", "resolved"),
-    [("qwen3", "qwen3"), ("hermes", "qwen3"), ("qwen25", "qwen3"), ("qwen3_xml", "qwen3_coder"), ("none", None), (None, None)],
+    [
+        ("qwen3", "qwen3"),
+        ("hermes", "qwen3"),
+        ("qwen25", "qwen3"),
+        ("qwen3_xml", "qwen3_coder"),
+        ("none", None),
+        (None, None),
+    ],
 )
 def test_peer_aliases_resolve_to_our_parsers(name: str | None, resolved: str | None) -> None:
     assert resolve_tool_parser(name) == resolved

@@ -220,8 +220,7 @@ HERMES_CASES = [
         "qwen3",
         "qwen3",
         True,
-        'Maybe <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>? No.\n</think>\n\n'
-        "No tool needed.",
+        'Maybe <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>? No.\n</think>\n\nNo tool needed.',
         "No tool needed.",
         'Maybe <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>? No.',
     ),
@@ -310,8 +309,7 @@ CODER_CASES = [
         "qwen3_coder",
         None,
         False,
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nKyiv\n<parameter=days>\n4\n"
-        "</function>\n</tool_call>",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nKyiv\n<parameter=days>\n4\n</function>\n</tool_call>",
         None,
         None,
         (("get_weather", {"city": "Kyiv", "days": 4}),),

@@ -46,10 +46,7 @@ def coder_call(path: str, content: str) -> str:
 
 def three_calls(fmt: str) -> str:
     call = hermes_call if fmt == "qwen3" else coder_call
-    return (
-        "<think>\nWrite three files.\n</think>\n\nWriting.\n"
-        + "\n".join(call(f"f{i}.txt", LONG) for i in range(3))
-    )
+    return "<think>\nWrite three files.\n</think>\n\nWriting.\n" + "\n".join(call(f"f{i}.txt", LONG) for i in range(3))
 
 
 def stream(parser: OutputParser, pieces: list[str]) -> list[ParsedDelta]:
@@ -204,9 +201,7 @@ def test_empty_feeds_return_empty_deltas() -> None:
     assert parser.feed("") == ParsedDelta()
 
 
-@pytest.mark.parametrize(
-    ("parser_cls", "call"), [(Qwen3ToolParser, hermes_call), (Qwen3CoderToolParser, coder_call)]
-)
+@pytest.mark.parametrize(("parser_cls", "call"), [(Qwen3ToolParser, hermes_call), (Qwen3CoderToolParser, coder_call)])
 def test_held_back_text_stays_bounded_while_a_long_value_streams(parser_cls: type, call: object) -> None:
     # White-box: O(delta) work per feed needs the unscanned buffer to stay tag-sized.
     text = call("big.txt", "x<y </z \n" * 4000)

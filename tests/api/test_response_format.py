@@ -23,17 +23,17 @@ from pydantic import BaseModel, Field
 
 from api.app import ServerConfig
 from api.errors import APIError
-from api.request.models import ChatCompletionRequest, CompletionRequestModel
 from api.grammars.response_format import (
     ResponseFormat,
     parse_response_format,
     response_format_spec,
 )
+from api.request.models import ChatCompletionRequest, CompletionRequestModel
 from api.request.validation import validate
 from engine.config import EngineConfig
-from engine.weights.demo_model import DEMO_MODEL_NAME
 from engine.grammars import ebnf
 from engine.grammars.schema import MAX_STRING_LENGTH_BOUND
+from engine.weights.demo_model import DEMO_MODEL_NAME
 from scheduler.structured_output import Reasoning
 from tests.server_utils import InProcessServer, in_process_server
 
@@ -49,8 +49,12 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 CLOSING_BIAS = {"1": 10, "9207": 10, "1341": 10, "92": 8, "60": 8}
 THINK_OPEN_ID, THINK_CLOSE_ID = 151_667, 151_668
 THINK_BIAS = {str(THINK_OPEN_ID): 10, str(THINK_CLOSE_ID): 11}
-SAMPLINGS = {"greedy": {"temperature": 0.0}, "seed-1": {"temperature": 1.0, "seed": 1},
-             "seed-2": {"temperature": 1.0, "seed": 2}, "seed-3": {"temperature": 0.8, "top_p": 0.95, "seed": 3}}
+SAMPLINGS = {
+    "greedy": {"temperature": 0.0},
+    "seed-1": {"temperature": 1.0, "seed": 1},
+    "seed-2": {"temperature": 1.0, "seed": 2},
+    "seed-3": {"temperature": 0.8, "top_p": 0.95, "seed": 3},
+}
 
 ACCOUNT = {
     "type": "object",
@@ -84,12 +88,18 @@ def fits(value: Any, schema: dict[str, Any]) -> bool:
     kind = schema.get("type")
     if kind == "object":
         properties = schema.get("properties", {})
-        return (isinstance(value, dict) and set(schema.get("required", [])) <= set(value)
-                and (schema.get("additionalProperties", True) is not False or set(value) <= set(properties))
-                and all(fits(v, properties[k]) for k, v in value.items() if k in properties))
+        return (
+            isinstance(value, dict)
+            and set(schema.get("required", [])) <= set(value)
+            and (schema.get("additionalProperties", True) is not False or set(value) <= set(properties))
+            and all(fits(v, properties[k]) for k, v in value.items() if k in properties)
+        )
     if kind == "array":
-        return (isinstance(value, list) and len(value) <= schema.get("maxItems", len(value))
-                and all(fits(v, schema.get("items", {})) for v in value))
+        return (
+            isinstance(value, list)
+            and len(value) <= schema.get("maxItems", len(value))
+            and all(fits(v, schema.get("items", {})) for v in value)
+        )
     if kind == "string":
         lo, hi = schema.get("minLength", 0), schema.get("maxLength")
         return isinstance(value, str) and lo <= len(value) and (hi is None or len(value) <= hi)
@@ -131,8 +141,24 @@ def test_json_object_grammar_takes_any_object(accepts: Accepts, text: str) -> No
     assert accepts(grammar_of({"type": "json_object"}), text)
 
 
-@pytest.mark.parametrize("text", ["[]", '"x"', "1", "null", " {}", "{} ", '{"a": 1}{"b": 2}', "{'a': 1}", '{"a": 1,}',
-                                  json.dumps({"x": {"y": [True]}}, indent=2), '{"a":1}', '{"a":\n\t1}', "{ }"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        '"x"',
+        "1",
+        "null",
+        " {}",
+        "{} ",
+        '{"a": 1}{"b": 2}',
+        "{'a': 1}",
+        '{"a": 1,}',
+        json.dumps({"x": {"y": [True]}}, indent=2),
+        '{"a":1}',
+        '{"a":\n\t1}',
+        "{ }",
+    ],
+)
 def test_json_object_grammar_refuses_anything_but_one_object(accepts: Accepts, text: str) -> None:
     assert not accepts(grammar_of({"type": "json_object"}), text)
 
@@ -226,16 +252,30 @@ REFUSALS = {
     "not-an-object": ({"response_format": "json_object"}, "response_format"),
     "unknown-type": ({"response_format": {"type": "yaml"}}, "response_format.type"),
     "no-json-schema": ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    "no-name": ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
-                "response_format.json_schema.name"),
-    "no-schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-                  "response_format.json_schema.schema"),
-    "strict-not-bool": ({"response_format": {**NAMED, "json_schema": {**NAMED["json_schema"], "strict": "yes"}}},
-                        "response_format.json_schema.strict"),
-    "with-tool-choice-required": ({"response_format": {"type": "json_object"}, "tools": TOOLS,
-                                   "tool_choice": "required"}, "response_format"),
-    "with-a-named-function": ({"response_format": json_schema(MODE), "tools": TOOLS,
-                               "tool_choice": {"type": "function", "function": {"name": "f"}}}, "response_format"),
+    "no-name": (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+        "response_format.json_schema.name",
+    ),
+    "no-schema": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format.json_schema.schema",
+    ),
+    "strict-not-bool": (
+        {"response_format": {**NAMED, "json_schema": {**NAMED["json_schema"], "strict": "yes"}}},
+        "response_format.json_schema.strict",
+    ),
+    "with-tool-choice-required": (
+        {"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"},
+        "response_format",
+    ),
+    "with-a-named-function": (
+        {
+            "response_format": json_schema(MODE),
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        },
+        "response_format",
+    ),
 }
 
 
@@ -258,8 +298,10 @@ BAD_SCHEMAS = {
     "empty-type-list": ({"type": []}, "#/type"),
     "properties-not-an-object": ({"type": "object", "properties": ["a"]}, "#/properties"),
     "nested-bad-type": ({"properties": {"a/b": {"type": "int"}}}, "#/properties/a~1b/type"),
-    "required-not-declared": ({"properties": {"a": {}}, "required": ["a", "b"]},
-                              "'b' is required but not in properties"),
+    "required-not-declared": (
+        {"properties": {"a": {}}, "required": ["a", "b"]},
+        "'b' is required but not in properties",
+    ),
     "required-not-names": ({"required": "a"}, "#/required"),
     "empty-enum": ({"enum": []}, "#/enum"),
     "bounds-reversed": ({"type": "array", "minItems": 3, "maxItems": 2}, "minItems (3) is more than maxItems (2)"),
@@ -285,7 +327,9 @@ def test_text_is_no_format(raw: Any) -> None:
 
 
 def test_tool_choice_auto_and_a_format_go_together() -> None:
-    request = validate(ChatCompletionRequest, chat_body(response_format=json_schema(MODE), tools=TOOLS, tool_choice="auto"))
+    request = validate(
+        ChatCompletionRequest, chat_body(response_format=json_schema(MODE), tools=TOOLS, tool_choice="auto")
+    )
     assert request.response_format == ResponseFormat("json_schema", MODE, "account", True)
 
 
@@ -347,7 +391,10 @@ def test_a_streamed_json_schema_output_fits_once_joined(client: openai.OpenAI) -
 
 def test_completions_honour_the_format(client: openai.OpenAI) -> None:
     completion = client.completions.create(
-        model=DEMO_MODEL_NAME, prompt="A user account as JSON:", max_tokens=300, temperature=0.0,
+        model=DEMO_MODEL_NAME,
+        prompt="A user account as JSON:",
+        max_tokens=300,
+        temperature=0.0,
         extra_body={"response_format": json_schema(ACCOUNT)},
     )
     [choice] = completion.choices
@@ -365,7 +412,11 @@ class Account(BaseModel):
 @pytest.mark.parametrize("sampling", [SAMPLINGS["greedy"], SAMPLINGS["seed-2"]], ids=["greedy", "seeded"])
 def test_the_sdk_parse_helper_returns_the_pydantic_object(client: openai.OpenAI, sampling: dict[str, Any]) -> None:
     completion = client.chat.completions.parse(
-        model=DEMO_MODEL_NAME, messages=MESSAGES, response_format=Account, max_tokens=300, extra_body=NO_THINKING,
+        model=DEMO_MODEL_NAME,
+        messages=MESSAGES,
+        response_format=Account,
+        max_tokens=300,
+        extra_body=NO_THINKING,
         **sampling,
     )
     [choice] = completion.choices
@@ -379,8 +430,16 @@ def test_with_reasoning_a_think_block_comes_first_and_the_content_is_the_json(cl
     # NOTE: top_p and top_k off: the demo checkpoint's generation_config.json (Qwen3's top_k 20,
     # top_p 0.95) would otherwise keep only the two nudged tokens, and no block would hold text.
     completion = client.chat.completions.create(
-        model=DEMO_MODEL_NAME, messages=MESSAGES, max_tokens=300, temperature=1.0, top_p=1.0, seed=4, n=3,
-        response_format=json_schema(MODE), logit_bias=THINK_BIAS, extra_body={"return_token_ids": True, "top_k": -1},
+        model=DEMO_MODEL_NAME,
+        messages=MESSAGES,
+        max_tokens=300,
+        temperature=1.0,
+        top_p=1.0,
+        seed=4,
+        n=3,
+        response_format=json_schema(MODE),
+        logit_bias=THINK_BIAS,
+        extra_body={"return_token_ids": True, "top_k": -1},
     )
     for choice in completion.choices:
         token_ids = choice.model_extra["token_ids"]
@@ -392,7 +451,10 @@ def test_with_reasoning_a_think_block_comes_first_and_the_content_is_the_json(cl
 
 def test_with_thinking_disabled_no_think_block_is_allowed(client: openai.OpenAI) -> None:
     [choice] = chat(
-        client, SAMPLINGS["seed-1"], response_format=json_schema(MODE), logit_bias=THINK_BIAS,
+        client,
+        SAMPLINGS["seed-1"],
+        response_format=json_schema(MODE),
+        logit_bias=THINK_BIAS,
         extra_body={**NO_THINKING, "return_token_ids": True},
     ).choices
     assert THINK_OPEN_ID not in choice.model_extra["token_ids"]
@@ -404,8 +466,11 @@ def test_with_thinking_disabled_no_think_block_is_allowed(client: openai.OpenAI)
 ERRORS = {
     "unknown-type": ({"type": "yaml"}, {}, "response_format.type"),
     "bad-schema": (json_schema({"type": "object", "properties": {"a": {"type": "float"}}}), {}, "response_format"),
-    "with-tool-choice-required": ({"type": "json_object"}, {"tools": TOOLS, "tool_choice": "required"},
-                                  "response_format"),
+    "with-tool-choice-required": (
+        {"type": "json_object"},
+        {"tools": TOOLS, "tool_choice": "required"},
+        "response_format",
+    ),
 }
 
 

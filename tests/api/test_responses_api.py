@@ -14,22 +14,37 @@ import pytest
 
 from api.app import ServerConfig
 from api.responses.store import ResponseStore, StoredResponse, owner_of
-from engine.front.async_engine import AsyncEngine
 from engine.core import EngineCore
+from engine.front.async_engine import AsyncEngine
 from engine.weights.demo_model import DEMO_MODEL_NAME
-from tests.server_utils import InProcessServer, in_process_server
 from tests.api.test_tools_e2e import ARGUMENTS, ENGINE, THINK, ScriptedCore, call_text
+from tests.server_utils import InProcessServer, in_process_server
 
 KEY = "sk-responses-test"
 WEATHER = {
-    "type": "function", "name": "get_weather", "description": "Weather forecast for a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
-        "hours": {"type": "array", "items": {"type": "integer"}}}, "required": ["city", "days"]},
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather forecast for a city",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "metric": {"type": "boolean"},
+            "hours": {"type": "array", "items": {"type": "integer"}},
+        },
+        "required": ["city", "days"],
+    },
 }
-MODE = {"type": "function", "name": "set_mode", "parameters": {
-    "type": "object", "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}, "level": {"type": "integer"}},
-    "required": ["mode", "level"]}}
+MODE = {
+    "type": "function",
+    "name": "set_mode",
+    "parameters": {
+        "type": "object",
+        "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}, "level": {"type": "integer"}},
+        "required": ["mode", "level"],
+    },
+}
 NO_THINKING = {"reasoning": {"effort": "none"}}
 
 
@@ -40,8 +55,9 @@ def scripted() -> ScriptedCore:
 
 @pytest.fixture(scope="module")
 def server(scripted: ScriptedCore) -> Iterator[InProcessServer]:
-    config = ServerConfig(engine=ENGINE, tool_parser="qwen3", reasoning_parser="qwen3", api_key=KEY,
-                          responses_store_size=4)
+    config = ServerConfig(
+        engine=ENGINE, tool_parser="qwen3", reasoning_parser="qwen3", api_key=KEY, responses_store_size=4
+    )
     with in_process_server(config, loader=lambda _: AsyncEngine(scripted)) as running:  # type: ignore[arg-type]
         yield running
 
@@ -69,14 +85,20 @@ def test_create_returns_text_reasoning_and_usage(scripted: ScriptedCore, client:
     assert response.instructions == "Be brief."
 
 
-def test_input_items_with_a_call_and_its_output_render_into_the_prompt(scripted: ScriptedCore,
-                                                                       client: openai.OpenAI) -> None:
+def test_input_items_with_a_call_and_its_output_render_into_the_prompt(
+    scripted: ScriptedCore, client: openai.OpenAI
+) -> None:
     scripted.expect("Sunny.")
     plain = create(client, input="Weather in Paris?", **NO_THINKING)
     scripted.expect("Sunny.")
     items = [
         {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris", "days": 1}',
+        },
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
     ]
     with_call = create(client, input=items, tools=[WEATHER], **NO_THINKING)
@@ -84,23 +106,34 @@ def test_input_items_with_a_call_and_its_output_render_into_the_prompt(scripted:
     assert with_call.usage.input_tokens > plain.usage.input_tokens + 10  # the call and its result are in it
 
 
-def test_stream_sends_the_sdk_event_sequence_and_ends_with_the_call(scripted: ScriptedCore,
-                                                                    client: openai.OpenAI) -> None:
+def test_stream_sends_the_sdk_event_sequence_and_ends_with_the_call(
+    scripted: ScriptedCore, client: openai.OpenAI
+) -> None:
     scripted.expect(THINK + "Let me look.\n" + call_text("qwen3", "get_weather", ARGUMENTS))
-    with client.responses.stream(model=DEMO_MODEL_NAME, input="Weather in Paris?", tools=[WEATHER],
-                                 max_output_tokens=300) as stream:
+    with client.responses.stream(
+        model=DEMO_MODEL_NAME, input="Weather in Paris?", tools=[WEATHER], max_output_tokens=300
+    ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     compact = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]  # runs of deltas as one
     assert compact == [
-        "response.created", "response.in_progress",
-        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
         "response.output_item.done",
-        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
-        "response.output_item.added", "response.function_call_arguments.delta",
-        "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
         "response.completed",
     ]
     call = final.output[-1]
@@ -110,16 +143,29 @@ def test_stream_sends_the_sdk_event_sequence_and_ends_with_the_call(scripted: Sc
 
 
 def test_tool_choice_required_makes_the_random_model_call_an_offered_function(client: openai.OpenAI) -> None:
-    response = create(client, input="Set a mode.", tools=[MODE], tool_choice="required", temperature=0,
-                      parallel_tool_calls=False, **NO_THINKING)
+    response = create(
+        client,
+        input="Set a mode.",
+        tools=[MODE],
+        tool_choice="required",
+        temperature=0,
+        parallel_tool_calls=False,
+        **NO_THINKING,
+    )
     [call] = [item for item in response.output if item.type == "function_call"]
     arguments = json.loads(call.arguments)
     assert call.name == "set_mode" and arguments["mode"] in ("fast", "slow") and isinstance(arguments["level"], int)
 
 
 def test_text_format_json_object_gives_json(client: openai.OpenAI) -> None:
-    response = create(client, input="Answer in JSON.", text={"format": {"type": "json_object"}}, temperature=0,
-                      max_output_tokens=200, **NO_THINKING)
+    response = create(
+        client,
+        input="Answer in JSON.",
+        text={"format": {"type": "json_object"}},
+        temperature=0,
+        max_output_tokens=200,
+        **NO_THINKING,
+    )
     if response.status == "completed":
         assert isinstance(json.loads(response.output_text), dict)
     else:  # the random model may run out of tokens inside the object; what it wrote is still JSON so far
@@ -196,24 +242,38 @@ def test_a_call_cut_by_max_output_tokens_is_not_a_call(scripted: ScriptedCore, c
 
 
 def test_text_format_json_schema_is_enforced_on_the_random_model(client: openai.OpenAI) -> None:
-    schema = {"type": "object", "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}},
-              "required": ["mode"], "additionalProperties": False}
-    response = create(client, input="Pick a mode.", temperature=0, max_output_tokens=100,
-                      text={"format": {"type": "json_schema", "name": "mode", "schema": schema, "strict": True}},
-                      **NO_THINKING)
+    schema = {
+        "type": "object",
+        "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}},
+        "required": ["mode"],
+        "additionalProperties": False,
+    }
+    response = create(
+        client,
+        input="Pick a mode.",
+        temperature=0,
+        max_output_tokens=100,
+        text={"format": {"type": "json_schema", "name": "mode", "schema": schema, "strict": True}},
+        **NO_THINKING,
+    )
     assert response.status == "completed"
     assert json.loads(response.output_text)["mode"] in ("fast", "slow")
 
 
 def test_built_in_tools_are_left_out_and_function_tools_nested_for_chat() -> None:
     from api.grammars.response_format import ResponseFormat
-    from api.responses.request import ResponsesRequestModel
     from api.request.validation import validate
+    from api.responses.request import ResponsesRequestModel
 
-    request = validate(ResponsesRequestModel, {
-        "input": "hi", "tools": [{"type": "web_search"}, WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
-        "max_output_tokens": 7,
-    })
+    request = validate(
+        ResponsesRequestModel,
+        {
+            "input": "hi",
+            "tools": [{"type": "web_search"}, WEATHER],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+            "max_output_tokens": 7,
+        },
+    )
     chat = request.to_chat_request(history=[])
     assert [t["function"]["name"] for t in chat.tools] == ["get_weather"]
     assert chat.tools[0]["function"]["parameters"] == WEATHER["parameters"]
@@ -223,8 +283,9 @@ def test_built_in_tools_are_left_out_and_function_tools_nested_for_chat() -> Non
     assert formatted.to_chat_request(history=[]).response_format == ResponseFormat("json_object")
 
 
-def test_an_agent_loop_call_then_its_output_by_previous_response_id(scripted: ScriptedCore,
-                                                                    client: openai.OpenAI) -> None:
+def test_an_agent_loop_call_then_its_output_by_previous_response_id(
+    scripted: ScriptedCore, client: openai.OpenAI
+) -> None:
     scripted.expect(call_text("qwen3", "get_weather", ARGUMENTS))
     first = create(client, input="Weather in Paris?", tools=[WEATHER], **NO_THINKING)
     [call] = first.output
@@ -235,7 +296,9 @@ def test_an_agent_loop_call_then_its_output_by_previous_response_id(scripted: Sc
     assert second.output_text == "Sunny, 21 C."
     # The same turn sent by hand (the call as an input item) renders the same prompt.
     scripted.expect("Sunny, 21 C.")
-    by_hand = [{"role": "user", "content": "Weather in Paris?"},
-               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
-               result]
+    by_hand = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        result,
+    ]
     assert create(client, input=by_hand, tools=[WEATHER], **NO_THINKING).usage.input_tokens == second.usage.input_tokens

@@ -15,17 +15,17 @@ from typing import Any
 
 import pytest
 
-from api.transport.deadline import Deadline, server_stopping_error
+from api.engine_stream import EngineStream
 from api.errors import APIError
+from api.transport.deadline import Deadline, server_stopping_error
 from api.transport.inflight import InFlight
 from api.transport.metrics import ServerMetrics
-from api.engine_stream import EngineStream
+from engine.config import EngineConfig
 from engine.front.admission import Admission, EngineOverloadedError, QueueLimits
 from engine.front.async_engine import AsyncEngine
-from engine.config import EngineConfig
 from engine.front.outputs import RequestOutput
-from scheduler.request import SamplingParams
 from scheduler.output import SchedulerStats
+from scheduler.request import SamplingParams
 
 MAX_TOKENS = 3
 
@@ -45,18 +45,28 @@ async def outcome(engine: AsyncEngine, request_id: str, prompt: list[int], p: Sa
     return tokens
 
 
-def arrive_together(path: Path, limits: QueueLimits, requests: list[tuple[list[int], SamplingParams]],
-                    max_num_seqs: int = 1) -> list[Any]:
+def arrive_together(
+    path: Path, limits: QueueLimits, requests: list[tuple[list[int], SamplingParams]], max_num_seqs: int = 1
+) -> list[Any]:
     """All requests reach an idle engine in one event-loop tick, before it schedules a step."""
 
     async def main() -> list[Any]:
         # In-process: the queue is counted in the front either way (tests/engine/test_engine_proc.py covers
         # the engine process), and a process per case would cost seconds each.
-        engine = AsyncEngine.from_config(EngineConfig(model=str(path), dtype="float32", kv_cache_memory="8MiB",
-                                                      max_num_seqs=max_num_seqs, engine_process=False))
+        engine = AsyncEngine.from_config(
+            EngineConfig(
+                model=str(path),
+                dtype="float32",
+                kv_cache_memory="8MiB",
+                max_num_seqs=max_num_seqs,
+                engine_process=False,
+            )
+        )
         await engine.start(limits)
         try:
-            results = await asyncio.gather(*(outcome(engine, f"r{i}", prompt, p) for i, (prompt, p) in enumerate(requests)))
+            results = await asyncio.gather(
+                *(outcome(engine, f"r{i}", prompt, p) for i, (prompt, p) in enumerate(requests))
+            )
             later = await outcome(engine, "later", requests[0][0], requests[0][1])  # the queue has drained
             assert engine.stats().num_kv_pages_used == 0
             return [*results, later]
@@ -72,11 +82,14 @@ def refused(result: Any) -> bool:
 
 @pytest.mark.parametrize(("max_num_seqs", "bound"), [(1, 1), (2, 2), (2, 4), (4, 1)])
 def test_engine_admits_the_free_batch_slots_plus_exactly_max_queued_requests(
-    qwen3_ckpt: Path, max_num_seqs: int, bound: int,
+    qwen3_ckpt: Path,
+    max_num_seqs: int,
+    bound: int,
 ) -> None:
     admitted = max_num_seqs + bound
-    results = arrive_together(qwen3_ckpt, QueueLimits(max_queued_requests=bound), [([5, 6, 7], params())] * 8,
-                              max_num_seqs)
+    results = arrive_together(
+        qwen3_ckpt, QueueLimits(max_queued_requests=bound), [([5, 6, 7], params())] * 8, max_num_seqs
+    )
     assert results[:admitted] == [[MAX_TOKENS]] * admitted  # admitted ones finish whole
     assert all(refused(r) for r in results[admitted:8])
     assert f"{bound} requests are already waiting for a batch slot (limit {bound})" in str(results[admitted])
@@ -85,34 +98,47 @@ def test_engine_admits_the_free_batch_slots_plus_exactly_max_queued_requests(
 
 def test_each_of_n_samples_counts_against_the_request_bound(qwen3_ckpt: Path) -> None:
     # One slot: the first request's second sample is the one queued; 1 + 2 > 2, then 1 + 1 fits.
-    results = arrive_together(qwen3_ckpt, QueueLimits(max_queued_requests=2),
-                              [([5, 6], params(n=2)), ([5, 6], params(n=2)), ([5, 6], params(n=1))])
+    results = arrive_together(
+        qwen3_ckpt,
+        QueueLimits(max_queued_requests=2),
+        [([5, 6], params(n=2)), ([5, 6], params(n=2)), ([5, 6], params(n=1))],
+    )
     assert results[0] == [MAX_TOKENS, MAX_TOKENS] and refused(results[1]) and results[2] == [MAX_TOKENS]
 
 
 def test_engine_bounds_queued_prompt_tokens_but_an_empty_queue_takes_a_big_prompt(qwen3_ckpt: Path) -> None:
     big, eight = list(range(1, 31)), list(range(1, 9))
     # One slot: the first request runs; the big one is the first to wait, so it is taken.
-    results = arrive_together(qwen3_ckpt, QueueLimits(max_queued_tokens=20),
-                              [(eight, params()), (big, params()), (eight, params())])
+    results = arrive_together(
+        qwen3_ckpt, QueueLimits(max_queued_tokens=20), [(eight, params()), (big, params()), (eight, params())]
+    )
     assert results[:2] == [[MAX_TOKENS]] * 2 and refused(results[2])  # 30 waiting + 8 > 20
     assert "30 prompt tokens are already waiting" in str(results[2])
     results = arrive_together(qwen3_ckpt, QueueLimits(max_queued_tokens=20), [(eight, params())] * 4)
     assert results[:3] == [[MAX_TOKENS]] * 3 and refused(results[3])  # 8 + 8 waiting, + 8 > 20
 
 
-def admission_with(bound_requests: int | None = None, bound_tokens: int | None = None, *, waiting: int = 0,
-                   running: int = 0, queued_tokens: int = 0, max_num_seqs: int = 4) -> Admission:
+def admission_with(
+    bound_requests: int | None = None,
+    bound_tokens: int | None = None,
+    *,
+    waiting: int = 0,
+    running: int = 0,
+    queued_tokens: int = 0,
+    max_num_seqs: int = 4,
+) -> Admission:
     """An Admission whose core last reported `running` and `waiting` requests."""
     admission = Admission(QueueLimits(bound_requests, bound_tokens), max_num_seqs)
     admission.on_sent(running + waiting, 1)
-    admission.on_stats(SchedulerStats(running, waiting, 0, 1, 0, 0, 0, num_added=running + waiting,
-                                      num_queued_tokens=queued_tokens))
+    admission.on_stats(
+        SchedulerStats(running, waiting, 0, 1, 0, 0, 0, num_added=running + waiting, num_queued_tokens=queued_tokens)
+    )
     return admission
 
 
-@pytest.mark.parametrize(("bound", "waiting", "running", "room"),
-                         [(1, 0, 4, 1), (3, 0, 4, 3), (3, 2, 4, 1), (2, 0, 0, 6), (2, 5, 0, 1)])
+@pytest.mark.parametrize(
+    ("bound", "waiting", "running", "room"), [(1, 0, 4, 1), (3, 0, 4, 3), (3, 2, 4, 1), (2, 0, 0, 6), (2, 5, 0, 1)]
+)
 def test_early_check_counts_requests_being_tokenized(bound: int, waiting: int, running: int, room: int) -> None:
     admission = admission_with(bound, waiting=waiting, running=running)  # 4 slots, `running` of them taken
     with ExitStack() as preparing:

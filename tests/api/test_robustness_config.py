@@ -9,13 +9,13 @@ from collections.abc import Callable
 
 import pytest
 
+from api.access.limits import RequestLimits
 from api.app import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig
 from api.cli import build_parser, main, server_config
-from api.access.limits import RequestLimits
 from api.server import log_settings
-from engine.front.admission import QueueLimits
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from engine.front.admission import QueueLimits
 
 
 def parse(*argv: str) -> ServerConfig:
@@ -25,18 +25,39 @@ def parse(*argv: str) -> ServerConfig:
 def test_defaults_bound_the_queue_and_each_request() -> None:
     config = parse()
     assert config.queue == QueueLimits(max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS, max_queued_tokens=None)
-    assert config.limits == RequestLimits(max_n=16, max_output_tokens=None, max_logprobs=20, max_stop=16,
-                                          max_stop_length=256, max_tools=128)
+    assert config.limits == RequestLimits(
+        max_n=16, max_output_tokens=None, max_logprobs=20, max_stop=16, max_stop_length=256, max_tools=128
+    )
     assert (config.request_timeout_s, config.shutdown_timeout_s) == (None, DEFAULT_SHUTDOWN_TIMEOUT_S)
 
 
 def test_every_robustness_flag_maps_onto_its_field() -> None:
-    config = parse("--max-queued-requests", "none", "--max-queued-tokens", "5000", "--max-n", "4",
-                   "--max-output-tokens", "256", "--max-logprobs", "5", "--max-stop", "2", "--max-stop-length", "8",
-                   "--max-tools", "3", "--request-timeout", "30.5", "--shutdown-timeout", "0")
+    config = parse(
+        "--max-queued-requests",
+        "none",
+        "--max-queued-tokens",
+        "5000",
+        "--max-n",
+        "4",
+        "--max-output-tokens",
+        "256",
+        "--max-logprobs",
+        "5",
+        "--max-stop",
+        "2",
+        "--max-stop-length",
+        "8",
+        "--max-tools",
+        "3",
+        "--request-timeout",
+        "30.5",
+        "--shutdown-timeout",
+        "0",
+    )
     assert config.queue == QueueLimits(max_queued_requests=None, max_queued_tokens=5000)
-    assert config.limits == RequestLimits(max_n=4, max_output_tokens=256, max_logprobs=5, max_stop=2,
-                                          max_stop_length=8, max_tools=3)
+    assert config.limits == RequestLimits(
+        max_n=4, max_output_tokens=256, max_logprobs=5, max_stop=2, max_stop_length=8, max_tools=3
+    )
     assert (config.request_timeout_s, config.shutdown_timeout_s) == (30.5, 0.0)
 
 
@@ -70,11 +91,22 @@ def test_help_documents_the_overload_contract_and_each_default(capsys: pytest.Ca
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for words in ("Retry-After: 1", '"type": "overloaded_error"', '"code": "server_overloaded"',
-                  "the OpenAI SDK retries it", "exits with status 1", "code request_timeout",
-                  "x-should-retry: false", "code server_stopping", f"(default: {DEFAULT_MAX_QUEUED_REQUESTS})",
-                  f"(default: {DEFAULT_SHUTDOWN_TIMEOUT_S})", "--max-n N most choices (n) per prompt (default: 16)",
-                  "(default: 256)", "(default: 128)", "A second signal stops the wait at once"):
+    for words in (
+        "Retry-After: 1",
+        '"type": "overloaded_error"',
+        '"code": "server_overloaded"',
+        "the OpenAI SDK retries it",
+        "exits with status 1",
+        "code request_timeout",
+        "x-should-retry: false",
+        "code server_stopping",
+        f"(default: {DEFAULT_MAX_QUEUED_REQUESTS})",
+        f"(default: {DEFAULT_SHUTDOWN_TIMEOUT_S})",
+        "--max-n N most choices (n) per prompt (default: 16)",
+        "(default: 256)",
+        "(default: 128)",
+        "A second signal stops the wait at once",
+    ):
         assert words in text
 
 

@@ -17,9 +17,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from api.app import ServerConfig, build_app
-from engine.front.async_engine import MAX_CONSECUTIVE_FAILURES, AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.front.async_engine import MAX_CONSECUTIVE_FAILURES, AsyncEngine
 from engine.model_runner import StepResult
 from scheduler.output import SchedulerOutput
 from tests.server_utils import DONE, InProcessServer, in_process_server, metric, read_stream, start_in_process
@@ -82,8 +82,13 @@ def serve(faults: FaultyCore, **config: Any) -> InProcessServer:
 
 
 def chat(max_tokens: int, stream: bool, content: str = "Tell me a story.") -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": stream,
-            "ignore_eos": True, "temperature": 0}
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
 
 async def wait_running(client: httpx.AsyncClient, count: int, timeout: float = 20.0) -> None:
@@ -107,22 +112,33 @@ async def wait_drained(client: httpx.AsyncClient, timeout: float = 5.0) -> str:
     deadline = time.monotonic() + timeout
     while True:
         text = (await client.get("/metrics")).text
-        if all(metric(text, name) == 0 for name in (
-            "fp4serve_num_requests_running", "fp4serve_num_requests_waiting", "fp4serve_kv_cache_usage_ratio",
-        )):
+        if all(
+            metric(text, name) == 0
+            for name in (
+                "fp4serve_num_requests_running",
+                "fp4serve_num_requests_waiting",
+                "fp4serve_kv_cache_usage_ratio",
+            )
+        ):
             return text
         assert time.monotonic() < deadline, text
         await asyncio.sleep(0.02)
 
 
 def content_chunks(events: list[Any]) -> list[str]:
-    return [e["choices"][0]["delta"]["content"] for e in events
-            if isinstance(e, dict) and e.get("choices") and e["choices"][0]["delta"].get("content")]
+    return [
+        e["choices"][0]["delta"]["content"]
+        for e in events
+        if isinstance(e, dict) and e.get("choices") and e["choices"][0]["delta"].get("content")
+    ]
 
 
 def finish_reasons(events: list[Any]) -> list[str]:
-    return [e["choices"][0]["finish_reason"] for e in events
-            if isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]]
+    return [
+        e["choices"][0]["finish_reason"]
+        for e in events
+        if isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]
+    ]
 
 
 def error_of(events: list[Any]) -> dict[str, Any]:
@@ -135,8 +151,9 @@ def error_of(events: list[Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def server(core: EngineCore) -> Iterator[tuple[InProcessServer, FaultyCore]]:
     faulty = FaultyCore(core)
-    with in_process_server(ServerConfig(engine=ENGINE, request_timeout_s=REQUEST_TIMEOUT_S),
-                           loader=lambda _: AsyncEngine(faulty)) as running:  # type: ignore[arg-type]
+    with in_process_server(
+        ServerConfig(engine=ENGINE, request_timeout_s=REQUEST_TIMEOUT_S), loader=lambda _: AsyncEngine(faulty)
+    ) as running:  # type: ignore[arg-type]
         yield running, faulty
 
 
@@ -147,8 +164,10 @@ def test_a_failed_forward_fails_every_in_flight_request_and_the_next_one_is_serv
 
     async def scenario() -> tuple[list[list[Any]], httpx.Response, httpx.Response, str]:
         async with httpx.AsyncClient(base_url=running.base_url, timeout=30) as client:
-            streams = [asyncio.create_task(read_stream(client, "/v1/chat/completions", chat(60, True, f"{i}")))
-                       for i in range(2)]
+            streams = [
+                asyncio.create_task(read_stream(client, "/v1/chat/completions", chat(60, True, f"{i}")))
+                for i in range(2)
+            ]
             whole = asyncio.create_task(client.post("/v1/chat/completions", json=chat(60, False)))
             await wait_running(client, 3)
             faulty.fail_next_steps(1)
@@ -203,16 +222,21 @@ def test_request_timeout_ends_streamed_and_whole_requests_with_an_error_and_free
 
 def test_repeated_failures_kill_the_engine_and_health_turns_503(core: EngineCore, faults: FaultyCore) -> None:
     fatal: list[int] = []
-    app = build_app(ServerConfig(engine=ENGINE), loader=lambda _: AsyncEngine(faults),  # type: ignore[arg-type]
-                    on_fatal=lambda: fatal.append(1))
+    app = build_app(
+        ServerConfig(engine=ENGINE),
+        loader=lambda _: AsyncEngine(faults),  # type: ignore[arg-type]
+        on_fatal=lambda: fatal.append(1),
+    )
     faults.fail_next_steps(100)
     with TestClient(app, raise_server_exceptions=False) as client:
         deadline = time.monotonic() + 20
         while client.get("/health").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        statuses = [client.post("/v1/chat/completions", json=chat(4, False)).status_code
-                    for _ in range(MAX_CONSECUTIVE_FAILURES)]
+        statuses = [
+            client.post("/v1/chat/completions", json=chat(4, False)).status_code
+            for _ in range(MAX_CONSECUTIVE_FAILURES)
+        ]
         health = client.get("/health")
         refused = client.post("/v1/chat/completions", json=chat(4, False))
     assert statuses == [500] * MAX_CONSECUTIVE_FAILURES

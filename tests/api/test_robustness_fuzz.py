@@ -22,16 +22,34 @@ pytestmark = pytest.mark.slow  # real servers in subprocesses: `make test-fast` 
 
 MODEL = "fp4serve-demo-qwen3"
 FINISH_REASONS = {"stop", "length", "tool_calls"}
-FUZZ = settings(max_examples=70, derandomize=True, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=70,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
     # Small limits keep every valid example to a couple of engine steps.
-    with running_server("--max-model-len", "512", "--kv-cache-memory", "32MiB", "--max-output-tokens", "2",
-                        "--max-n", "2", "--max-request-bytes", "65536", "--tool-parser", "auto",
-                        "--reasoning-parser", "qwen3") as s:
+    with running_server(
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        "32MiB",
+        "--max-output-tokens",
+        "2",
+        "--max-n",
+        "2",
+        "--max-request-bytes",
+        "65536",
+        "--tool-parser",
+        "auto",
+        "--reasoning-parser",
+        "qwen3",
+    ) as s:
         yield s
 
 
@@ -44,10 +62,14 @@ def http(server: RunningServer) -> Iterator[httpx.Client]:
 # ---- strategies -------------------------------------------------------------------------------------
 # Valid bodies (which must be served), and the same bodies with one or two fields, top-level or
 # inside a message, replaced by any JSON at all (which must be served or refused cleanly).
-scalars = (st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats(allow_nan=False)
-           | st.text(max_size=12))
-anything = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                            max_size=3), max_leaves=8)
+scalars = (
+    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats(allow_nan=False) | st.text(max_size=12)
+)
+anything = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
 VOCAB = 151_669  # the demo tokenizer's; the model's embedding has padding rows past it
 text = st.text(max_size=20)
 words = st.text(min_size=1, max_size=20)
@@ -63,13 +85,31 @@ def corrupted(draw: st.DrawFn, valid: st.SearchStrategy[dict[str, Any]], fields:
 
 
 def messages_of(corrupt: bool) -> st.SearchStrategy[list[dict[str, Any]]]:
-    plain = st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user"]),
-                                   "content": text | st.lists(st.fixed_dictionaries(
-                                       {"type": st.sampled_from(["text", "input_text"]), "text": text}), max_size=2)})
-    call = st.fixed_dictionaries({"id": words, "type": st.just("function"), "function": st.fixed_dictionaries(
-        {"name": st.sampled_from(["get_time", "f"]), "arguments": st.sampled_from(['{"x": 1}', "{}", '{"trunc'])})})
-    assistant = st.fixed_dictionaries({"role": st.just("assistant")}, optional={
-        "content": text, "tool_calls": st.lists(call, min_size=1, max_size=2), "reasoning_content": text})
+    plain = st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "developer", "user"]),
+            "content": text
+            | st.lists(
+                st.fixed_dictionaries({"type": st.sampled_from(["text", "input_text"]), "text": text}), max_size=2
+            ),
+        }
+    )
+    call = st.fixed_dictionaries(
+        {
+            "id": words,
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {
+                    "name": st.sampled_from(["get_time", "f"]),
+                    "arguments": st.sampled_from(['{"x": 1}', "{}", '{"trunc']),
+                }
+            ),
+        }
+    )
+    assistant = st.fixed_dictionaries(
+        {"role": st.just("assistant")},
+        optional={"content": text, "tool_calls": st.lists(call, min_size=1, max_size=2), "reasoning_content": text},
+    )
     tool_reply = st.fixed_dictionaries({"role": st.just("tool"), "content": text, "tool_call_id": words})
     message = plain | assistant | tool_reply
     if corrupt:
@@ -78,10 +118,22 @@ def messages_of(corrupt: bool) -> st.SearchStrategy[list[dict[str, Any]]]:
     return st.tuples(st.lists(message, max_size=2), user).map(lambda parts: [*parts[0], parts[1]])
 
 
-tools = st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
-    {"name": st.sampled_from(["get_time", "f"])},
-    optional={"description": text, "parameters": st.just({"type": "object", "properties": {"x": {"type": "integer"}}})},
-)}), min_size=1, max_size=2)
+tools = st.lists(
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {"name": st.sampled_from(["get_time", "f"])},
+                optional={
+                    "description": text,
+                    "parameters": st.just({"type": "object", "properties": {"x": {"type": "integer"}}}),
+                },
+            ),
+        }
+    ),
+    min_size=1,
+    max_size=2,
+)
 sampling = {
     "model": st.just(MODEL),
     "n": st.integers(1, 2),
@@ -106,27 +158,44 @@ sampling = {
     "response_format": st.just({"type": "text"}),
     "return_token_ids": st.booleans(),
 }
-valid_chats = st.fixed_dictionaries({"messages": messages_of(corrupt=False)}, optional={
-    **sampling,
-    "logprobs": st.just(True),
-    "top_logprobs": st.integers(0, 20),
-    "tools": tools,
-    "tool_choice": st.sampled_from(["none", "auto"]),
-    "parallel_tool_calls": st.booleans(),
-    "chat_template_kwargs": st.fixed_dictionaries({"enable_thinking": st.booleans()}),
-    "enable_thinking": st.booleans(),
-}).map(lambda body: {**body, "logprobs": True} if "top_logprobs" in body else body)
-valid_completions = st.fixed_dictionaries({"prompt": words | st.lists(words, min_size=1, max_size=2)
-                                           | st.lists(token_id, min_size=1, max_size=6)},
-                                          optional={**sampling, "logprobs": st.integers(0, 5), "echo": st.booleans(),
-                                                    "prompt_logprobs": st.integers(0, 3)})
-CHAT_FIELDS = [*sampling, "messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-               "chat_template_kwargs", "enable_thinking", "add_generation_prompt", "max_completion_tokens"]
+valid_chats = st.fixed_dictionaries(
+    {"messages": messages_of(corrupt=False)},
+    optional={
+        **sampling,
+        "logprobs": st.just(True),
+        "top_logprobs": st.integers(0, 20),
+        "tools": tools,
+        "tool_choice": st.sampled_from(["none", "auto"]),
+        "parallel_tool_calls": st.booleans(),
+        "chat_template_kwargs": st.fixed_dictionaries({"enable_thinking": st.booleans()}),
+        "enable_thinking": st.booleans(),
+    },
+).map(lambda body: {**body, "logprobs": True} if "top_logprobs" in body else body)
+valid_completions = st.fixed_dictionaries(
+    {"prompt": words | st.lists(words, min_size=1, max_size=2) | st.lists(token_id, min_size=1, max_size=6)},
+    optional={**sampling, "logprobs": st.integers(0, 5), "echo": st.booleans(), "prompt_logprobs": st.integers(0, 3)},
+)
+CHAT_FIELDS = [
+    *sampling,
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+    "enable_thinking",
+    "add_generation_prompt",
+    "max_completion_tokens",
+]
 COMPLETION_FIELDS = [*sampling, "prompt", "logprobs", "echo", "prompt_logprobs", "suffix"]
 bad_chats = corrupted(valid_chats, CHAT_FIELDS) | st.fixed_dictionaries({"messages": messages_of(corrupt=True)})
 bad_completions = corrupted(valid_completions, COMPLETION_FIELDS)
-raw_bodies = st.one_of(st.binary(max_size=64), anything.map(lambda v: json.dumps(v).encode()),
-                       valid_chats.map(lambda b: json.dumps(b).encode()[:-3]))  # truncated JSON
+raw_bodies = st.one_of(
+    st.binary(max_size=64),
+    anything.map(lambda v: json.dumps(v).encode()),
+    valid_chats.map(lambda b: json.dumps(b).encode()[:-3]),
+)  # truncated JSON
 
 
 # ---- checks ---------------------------------------------------------------------------------------------
@@ -197,7 +266,9 @@ def test_any_completion_body_gets_a_completion_or_an_openai_error(http: httpx.Cl
 
 @settings(FUZZ, max_examples=30)
 @given(content=raw_bodies, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
-def test_bodies_that_are_not_a_request_object_get_an_openai_error(http: httpx.Client, content: bytes, path: str) -> None:
+def test_bodies_that_are_not_a_request_object_get_an_openai_error(
+    http: httpx.Client, content: bytes, path: str
+) -> None:
     response = http.post(path, content=content, headers={"content-type": "application/json"})
     check_error(response)
     assert response.status_code in (400, 404)  # 404: a JSON object naming another model

@@ -21,8 +21,13 @@ MAX_TOKENS = 24
 
 def test_sigterm_mid_stream_lets_the_stream_finish_refuses_new_work_and_exits_0() -> None:
     server = start_server("--max-model-len", "128", "--kv-cache-memory", "32MiB", "--shutdown-timeout", "60")
-    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": MAX_TOKENS, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
 
     async def scenario() -> tuple[list[Any], httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:

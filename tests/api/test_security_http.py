@@ -9,7 +9,6 @@ import select
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import h2.events
@@ -46,9 +45,22 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     keys = tmp_path_factory.mktemp("keys") / "keys.toml"
     keys.write_text(KEYS)
     # A body timeout longer than any wait below: what is released, is released by the client leaving.
-    s = start_server("--model", MODEL, "--max-model-len", "256", "--kv-cache-memory", "16MiB",
-                     "--api-keys-file", str(keys), "--max-request-bytes", str(LIMIT), "--body-timeout", "120",
-                     "--grammar-cache-bytes", f"{GRAMMAR_BUDGET}")
+    s = start_server(
+        "--model",
+        MODEL,
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "16MiB",
+        "--api-keys-file",
+        str(keys),
+        "--max-request-bytes",
+        str(LIMIT),
+        "--body-timeout",
+        "120",
+        "--grammar-cache-bytes",
+        f"{GRAMMAR_BUDGET}",
+    )
     try:
         yield s
     finally:
@@ -78,8 +90,14 @@ def read_until_closed(sock: socket.socket, timeout_s: float = 30.0) -> bytes:
 
 # ---- request smuggling (RFC 9112 §6.3) -------------------------------------------------------------
 def completion_request(key: str, framing: bytes, body: bytes) -> bytes:
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
-            b"\r\nContent-Type: application/json\r\n" + framing + b"\r\n" + body)
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + key.encode()
+        + b"\r\nContent-Type: application/json\r\n"
+        + framing
+        + b"\r\n"
+        + body
+    )
 
 
 def test_a_request_with_content_length_and_transfer_encoding_is_refused_and_the_smuggled_one_never_runs(
@@ -136,8 +154,9 @@ def test_http2_body_streaming_past_the_limit_gets_413(server: RunningServer) -> 
         streamed = http.post("/v1/chat/completions", content=body(), headers={"Authorization": "Bearer sk-root"})
         # Sent without waiting for an answer: more body frames than hypercorn queues for an app
         # that answered without reading them.
-        declared = http.post("/v1/chat/completions", content=b" " * (8 * LIMIT),
-                             headers={"Authorization": "Bearer sk-root"})
+        declared = http.post(
+            "/v1/chat/completions", content=b" " * (8 * LIMIT), headers={"Authorization": "Bearer sk-root"}
+        )
         ok = http.get("/v1/models", headers={"Authorization": "Bearer sk-root"})
     assert streamed.http_version == declared.http_version == "HTTP/2"
     assert streamed.status_code == declared.status_code == 413
@@ -166,8 +185,11 @@ def test_http2_client_leaving_releases_its_in_flight_count_and_its_key_slot_at_o
     wait_for_metric(server, "fp4serve_num_requests_running", 0)
     # Alice's one slot is free again.
     with httpx.Client(http1=False, http2=True, base_url=server.base_url, timeout=60) as http:
-        reply = http.post("/v1/completions", headers={"Authorization": "Bearer sk-alice"},
-                          json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        reply = http.post(
+            "/v1/completions",
+            headers={"Authorization": "Bearer sk-alice"},
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+        )
     assert reply.status_code == 200, reply.text
     log = server.log()
     assert "client left while sending the body" in log
@@ -178,8 +200,11 @@ def test_http2_client_leaving_releases_its_in_flight_count_and_its_key_slot_at_o
 def test_a_request_naming_two_keys_is_refused_everywhere_a_key_is_read(server: RunningServer) -> None:
     root, mallory = ("authorization", "Bearer sk-root"), ("authorization", "Bearer sk-mallory")
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
-        created = http.post("/v1/responses", headers=[root],
-                            json={"model": MODEL, "input": "hello", "max_output_tokens": 2, "store": True})
+        created = http.post(
+            "/v1/responses",
+            headers=[root],
+            json={"model": MODEL, "input": "hello", "max_output_tokens": 2, "store": True},
+        )
         assert created.status_code == 200, created.text
         path = f"/v1/responses/{created.json()['id']}"
         # Authentication read the first header and the store's owner the last: either order is refused.
@@ -197,11 +222,22 @@ def test_a_request_naming_two_keys_is_refused_everywhere_a_key_is_read(server: R
 def test_compiled_grammars_stay_within_the_budget_across_keys(server: RunningServer) -> None:
     def pick(key: str, salt: str) -> httpx.Response:
         # ~340 KiB compiled each (xgrammar's size, the Qwen vocabulary): three fit the 1 MiB budget, six do not.
-        schema = {"type": "object", "properties": {"v": {"enum": [f"{salt}-{i}" for i in range(4000)]}},
-                  "required": ["v"]}
-        return httpx.post(server.url("/v1/chat/completions"), headers={"Authorization": f"Bearer {key}"}, timeout=120,
-                          json={"model": MODEL, "messages": [{"role": "user", "content": "pick"}], "max_tokens": 24,
-                                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
+        schema = {
+            "type": "object",
+            "properties": {"v": {"enum": [f"{salt}-{i}" for i in range(4000)]}},
+            "required": ["v"],
+        }
+        return httpx.post(
+            server.url("/v1/chat/completions"),
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=120,
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "pick"}],
+                "max_tokens": 24,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+            },
+        )
 
     for i, key in enumerate(["sk-root", "sk-mallory"] * 3):
         assert pick(key, f"s{i}").status_code == 200
@@ -222,8 +258,9 @@ def test_http2_connection_lost_while_a_response_waits_for_flow_control_releases_
     in_flight = "fp4serve_http_requests_in_flight"
     wait_for_metric(server, in_flight, 0)
     client = H2(server.port)
-    body = orjson.dumps({"model": MODEL, "prompt": "hello " * 200, "max_tokens": 1, "echo": True, "logprobs": 20,
-                         "n": 4})  # ~0.5 MB of JSON: far past the 64 KiB window this client never opens
+    body = orjson.dumps(
+        {"model": MODEL, "prompt": "hello " * 200, "max_tokens": 1, "echo": True, "logprobs": 20, "n": 4}
+    )  # ~0.5 MB of JSON: far past the 64 KiB window this client never opens
     stream_id = client.start("POST", "/v1/completions", "sk-root", content_length=len(body))
     client.conn.send_data(stream_id, body, end_stream=True)
     client.flush()
@@ -234,8 +271,11 @@ def test_http2_connection_lost_while_a_response_waits_for_flow_control_releases_
         assert time.monotonic() < deadline, f"only {received} bytes of the response came"
         ready, _, _ = select.select([client.sock], [], [], 0.1)
         if ready:
-            received += sum(len(e.data) for e in client.conn.receive_data(client.sock.recv(1 << 16))
-                            if isinstance(e, h2.events.DataReceived))
+            received += sum(
+                len(e.data)
+                for e in client.conn.receive_data(client.sock.recv(1 << 16))
+                if isinstance(e, h2.events.DataReceived)
+            )
             client.flush()
     assert metric(httpx.get(server.url("/metrics")).text, in_flight) == 1
     client.close()

@@ -36,8 +36,22 @@ def test_sigterm_while_loading_exits_within_5_s(qwen3_ckpt: Path, tmp_path: Path
     weights.unlink()
     os.mkfifo(weights)  # opening it for reading blocks until a writer comes: the load never ends
     log = Path(tempfile.mkstemp(prefix="fp4serve-test-", suffix=".log")[1])
-    command = [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
-               "--model", str(ckpt), "--dtype", "float32", "--kv-cache-memory", "16MiB"]
+    command = [
+        sys.executable,
+        "-m",
+        "api.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "--model",
+        str(ckpt),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "16MiB",
+    ]
     with log.open("wb") as out:
         server = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     children: list[int] = []
@@ -54,8 +68,11 @@ def test_sigterm_while_loading_exits_within_5_s(qwen3_ckpt: Path, tmp_path: Path
         assert took < EXIT_WITHIN_S, f"exited {took:.1f} s after SIGTERM:\n{text[-3000:]}"
         assert code == 0, text[-3000:]
         assert "stopped while loading: killed 1 engine process being loaded" in text, text[-3000:]
-        assert not [pid for pid in children if Path(f"/proc/{pid}").exists()
-                    and Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"], "an engine was left"
+        assert not [
+            pid
+            for pid in children
+            if Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+        ], "an engine was left"
     finally:
         if server.poll() is None:
             server.kill()

@@ -57,8 +57,18 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(keys_file: Path) -> Iterator[RunningServer]:
-    s = start_server("--max-model-len", "256", "--kv-cache-memory", "16MiB", "--api-keys-file", str(keys_file),
-                     "--body-timeout", "1", "--max-prompts", "2")
+    s = start_server(
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "16MiB",
+        "--api-keys-file",
+        str(keys_file),
+        "--body-timeout",
+        "1",
+        "--max-prompts",
+        "2",
+    )
     try:
         yield s
     finally:
@@ -70,8 +80,9 @@ def client(server: RunningServer, key: str) -> openai.OpenAI:
 
 
 def complete(c: openai.OpenAI, max_tokens: int = 4) -> openai.types.Completion:
-    return c.completions.create(model=MODEL, prompt="hello there", max_tokens=max_tokens,
-                                extra_body={"ignore_eos": True})
+    return c.completions.create(
+        model=MODEL, prompt="hello there", max_tokens=max_tokens, extra_body={"ignore_eos": True}
+    )
 
 
 def test_rpm_limit_answers_429_with_openai_headers(server: RunningServer) -> None:
@@ -96,8 +107,9 @@ def test_rpm_limit_answers_429_with_openai_headers(server: RunningServer) -> Non
 
 def test_tpm_and_concurrency_limits(server: RunningServer) -> None:
     bob = client(server, "sk-bob-secret")
-    stream = bob.completions.create(model=MODEL, prompt="hello", max_tokens=40, stream=True,
-                                    extra_body={"ignore_eos": True})
+    stream = bob.completions.create(
+        model=MODEL, prompt="hello", max_tokens=40, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))  # running: bob's one concurrent slot is taken
     with pytest.raises(openai.RateLimitError) as caught:
         complete(bob)
@@ -124,8 +136,10 @@ def test_usage_and_key_labels(server: RunningServer) -> None:
         everyone = http.get("/v1/usage", headers={"Authorization": "Bearer sk-root-secret"}).json()
         text = http.get("/metrics").text
         per_key = http.get("/metrics/keys", headers={"Authorization": "Bearer sk-root-secret"})
-        refused = [http.get("/metrics/keys", headers=headers).status_code
-                   for headers in ({}, {"Authorization": "Bearer sk-nobody"}, {"Authorization": "Bearer sk-bob-secret"})]
+        refused = [
+            http.get("/metrics/keys", headers=headers).status_code
+            for headers in ({}, {"Authorization": "Bearer sk-nobody"}, {"Authorization": "Bearer sk-bob-secret"})
+        ]
         assert http.get("/v1/usage").status_code == 401
         assert http.get("/v1/usage", headers={"Authorization": "Bearer sk-nobody"}).status_code == 401
     # The open /metrics names no key; per-key series are for admin keys only.
@@ -159,8 +173,10 @@ def test_sighup_reloads_keys(server: RunningServer, keys_file: Path) -> None:
 
 def _raw_request(server: RunningServer, body_sent: bytes, declared: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-root-secret\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: " + str(declared).encode() + b"\r\n\r\n" + body_sent)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-root-secret\r\n"
+        b"Content-Type: application/json\r\nContent-Length: " + str(declared).encode() + b"\r\n\r\n" + body_sent
+    )
     return sock
 
 

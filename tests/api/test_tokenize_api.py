@@ -14,23 +14,34 @@ import pytest
 
 from api.app import ServerConfig
 from engine.config import EngineConfig
-from engine.weights.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.front.tokenizer import Tokenizer
+from engine.weights.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from tests.server_utils import InProcessServer, in_process_server
 
 ENGINE = EngineConfig(kv_cache_memory="16MiB", max_model_len=1024)
 KEY = "sk-tokenize-test"
 VOCAB = 151_669  # the demo tokenizer's, added tokens included
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CHATS = {
     "one-user-turn": {"messages": [{"role": "user", "content": "Hello there!"}]},
-    "system-and-turns": {"messages": [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Weather?"},
-    ]},
-    "thinking-off": {"messages": [{"role": "user", "content": "2+2?"}],
-                     "chat_template_kwargs": {"enable_thinking": False}},
+    "system-and-turns": {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Weather?"},
+        ]
+    },
+    "thinking-off": {
+        "messages": [{"role": "user", "content": "2+2?"}],
+        "chat_template_kwargs": {"enable_thinking": False},
+    },
     "with-tools": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]},
 }
 TEXTS = ["hello world", "  leading spaces and ünïcödé 🙂\n\ttabs", "<|im_start|>user\nhi<|im_end|>", "数字 12345"]
@@ -86,8 +97,12 @@ def test_messages_count_what_the_chat_endpoint_bills(
     client = openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0, timeout=60)
     extra = {k: v for k, v in chat.items() if k not in ("messages", "tools")}
     completion = client.chat.completions.create(
-        model=DEMO_MODEL_NAME, messages=chat["messages"], tools=chat.get("tools", openai.omit), max_tokens=1,
-        temperature=0, extra_body={**extra, "return_token_ids": True},
+        model=DEMO_MODEL_NAME,
+        messages=chat["messages"],
+        tools=chat.get("tools", openai.omit),
+        max_tokens=1,
+        temperature=0,
+        extra_body={**extra, "return_token_ids": True},
     )
     assert completion.usage.prompt_tokens == tokenized["count"]
     assert completion.model_extra["prompt_token_ids"] == tokenized["tokens"]
@@ -117,18 +132,22 @@ def test_an_empty_prompt_and_no_tokens_are_empty(http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
-@pytest.mark.parametrize(("headers", "message"), [
-    ({}, "missing API key: send 'Authorization: Bearer <key>'"),
-    ({"Authorization": "Bearer sk-wrong"}, "invalid API key"),
-    ({"Authorization": f"Basic {KEY}"}, "invalid API key"),
-])
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        ({}, "missing API key: send 'Authorization: Bearer <key>'"),
+        ({"Authorization": "Bearer sk-wrong"}, "invalid API key"),
+        ({"Authorization": f"Basic {KEY}"}, "invalid API key"),
+    ],
+)
 def test_the_routes_need_the_api_key(server: InProcessServer, path: str, headers: dict[str, str], message: str) -> None:
     body = {"prompt": "hi"} if path == "/tokenize" else {"tokens": [1]}
     response = httpx.post(server.url(path), json=body, headers=headers, timeout=30)
     assert response.status_code == 401
     assert response.headers["www-authenticate"] == "Bearer"
-    assert response.json() == {"error": {"message": message, "type": "authentication_error", "param": None,
-                                         "code": "invalid_api_key"}}
+    assert response.json() == {
+        "error": {"message": message, "type": "authentication_error", "param": None, "code": "invalid_api_key"}
+    }
 
 
 BAD_REQUESTS = {
@@ -136,8 +155,12 @@ BAD_REQUESTS = {
     "both": ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),
     "prompt-not-text": ("/tokenize", {"prompt": [1, 2]}, 400, "prompt"),
     "bad-message": ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
-    "bad-template-kwargs": ("/tokenize", {"messages": [{"role": "user", "content": "x"}],
-                                          "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs"),
+    "bad-template-kwargs": (
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}},
+        400,
+        "chat_template_kwargs",
+    ),
     "unknown-model": ("/tokenize", {"model": "gpt-4o", "prompt": "x"}, 404, "model"),
     "tokens-missing": ("/detokenize", {}, 400, "tokens"),
     "tokens-not-ids": ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),

@@ -15,8 +15,8 @@ import xgrammar as xgr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.parsers import parse_text
 from api.grammars.tool_grammar import tool_call_spec
+from api.parsers import parse_text
 from engine.grammars import ebnf
 from engine.grammars.schema import Rules, SchemaGrammar
 from scheduler.structured_output import Reasoning
@@ -71,8 +71,15 @@ def xml_call(name: str, values: dict[str, str]) -> str:
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 
-def tool_call_grammar(tools: Any, tool_choice: Any, tool_parser: str | None, reasoning: bool, *,
-                      starts_in_reasoning: bool = False, parallel_tool_calls: bool = True) -> str | None:
+def tool_call_grammar(
+    tools: Any,
+    tool_choice: Any,
+    tool_parser: str | None,
+    reasoning: bool,
+    *,
+    starts_in_reasoning: bool = False,
+    parallel_tool_calls: bool = True,
+) -> str | None:
     """The api's spec for tool_choice, as the engine's grammar text (None: nothing enforced)."""
     mode = Reasoning.OPEN if starts_in_reasoning else Reasoning.OPTIONAL if reasoning else Reasoning.NONE
     spec = tool_call_spec(tools, tool_choice, tool_parser, mode, parallel_tool_calls=parallel_tool_calls)
@@ -93,8 +100,13 @@ def parsed_calls(fmt: str, text: str, reasoning: bool = False) -> list[tuple[str
 # ---- what is enforced at all -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("tools", "tool_choice", "tool_parser"),
-    [(TOOLS, "auto", "qwen3"), (TOOLS, "none", "qwen3"), (TOOLS, None, "qwen3"), (None, "required", "qwen3"),
-     (TOOLS, "required", None)],
+    [
+        (TOOLS, "auto", "qwen3"),
+        (TOOLS, "none", "qwen3"),
+        (TOOLS, None, "qwen3"),
+        (None, "required", "qwen3"),
+        (TOOLS, "required", None),
+    ],
     ids=["auto", "none", "absent", "no-tools", "no-tool-parser"],
 )
 def test_nothing_is_enforced_unless_a_call_is_required(tools: Any, tool_choice: Any, tool_parser: str | None) -> None:
@@ -109,8 +121,17 @@ def test_an_unknown_tool_format_is_refused() -> None:
 # ---- real calls are accepted and read back -----------------------------------------------------------------
 JSON_CALLS = [
     ("get_weather", {"city": "Paris", "days": 3}),
-    ("get_weather", {"city": "Zürich \"old town\"\n", "days": 14, "unit": "celsius", "metric": False,
-                     "hours": [9, 12, 18], "note": None}),
+    (
+        "get_weather",
+        {
+            "city": 'Zürich "old town"\n',
+            "days": 14,
+            "unit": "celsius",
+            "metric": False,
+            "hours": [9, 12, 18],
+            "note": None,
+        },
+    ),
     ("get_weather", {"city": "", "days": 1, "hours": [], "note": "bring \\ an umbrella"}),
     ("now", {}),
 ]
@@ -129,10 +150,14 @@ def test_the_chat_templates_own_rendering_of_a_call_is_accepted(accepts: Accepts
     from engine.weights.demo_model import ensure_demo_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(ensure_demo_model()))
-    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "hours": [9]}}}
+    call = {
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "hours": [9]}},
+    }
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}],
-        tools=TOOLS, tokenize=False,
+        tools=TOOLS,
+        tokenize=False,
     )
     block = rendered[rendered.rindex("<tool_call>") : rendered.rindex("</tool_call>") + len("</tool_call>")]
     assert accepts(grammar("qwen3"), block)
@@ -140,9 +165,24 @@ def test_the_chat_templates_own_rendering_of_a_call_is_accepted(accepts: Accepts
 
 XML_CALLS = [
     ({"city": "Paris", "days": "3"}, {"city": "Paris", "days": 3}),
-    ({"city": "São Paulo\nline two", "days": "7", "unit": "fahrenheit", "metric": "true", "hours": "[6, 18]",
-      "note": "null"}, {"city": "São Paulo\nline two", "days": 7, "unit": "fahrenheit", "metric": True,
-                        "hours": [6, 18], "note": None}),
+    (
+        {
+            "city": "São Paulo\nline two",
+            "days": "7",
+            "unit": "fahrenheit",
+            "metric": "true",
+            "hours": "[6, 18]",
+            "note": "null",
+        },
+        {
+            "city": "São Paulo\nline two",
+            "days": 7,
+            "unit": "fahrenheit",
+            "metric": True,
+            "hours": [6, 18],
+            "note": None,
+        },
+    ),
     ({"city": "<b>Paris</b> </param", "days": "-0"}, {"city": "<b>Paris</b> </param", "days": 0}),
 ]
 
@@ -167,8 +207,10 @@ def weather_arguments(draw: st.DrawFn) -> dict[str, Any]:
     text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
     args: dict[str, Any] = {"city": draw(text), "days": draw(st.integers(1, 10**12))}
     optional = {
-        "unit": st.sampled_from(["celsius", "fahrenheit"]), "metric": st.booleans(),
-        "hours": st.lists(st.integers(-(2**62), 2**62), max_size=4), "note": st.none() | text,
+        "unit": st.sampled_from(["celsius", "fahrenheit"]),
+        "metric": st.booleans(),
+        "hours": st.lists(st.integers(-(2**62), 2**62), max_size=4),
+        "note": st.none() | text,
     }
     for key, strategy in optional.items():  # declared order, any subset
         if draw(st.booleans()):
@@ -178,7 +220,9 @@ def weather_arguments(draw: st.DrawFn) -> dict[str, Any]:
 
 @settings(max_examples=60, deadline=None)
 @given(arguments=weather_arguments())
-def test_any_arguments_that_fit_the_schema_are_accepted_and_parse_back(accepts: Accepts, arguments: dict[str, Any]) -> None:
+def test_any_arguments_that_fit_the_schema_are_accepted_and_parse_back(
+    accepts: Accepts, arguments: dict[str, Any]
+) -> None:
     text = json_call("get_weather", arguments)
     assert accepts(grammar("qwen3"), text)
     assert parsed_calls("qwen3", text) == [("get_weather", arguments)]
@@ -232,15 +276,26 @@ def test_a_named_function_allows_that_function_once(accepts: Accepts, fmt: str) 
     call = (lambda name: json_call(name, {})) if fmt == "qwen3" else (lambda name: xml_call(name, {}))
     g = grammar(fmt, tool_choice=NAMED_NOW)
     assert accepts(g, call("now"))
-    assert not accepts(g, xml_call("get_weather", {"city": "P", "days": "1"}) if fmt == "qwen3_coder"
-                       else json_call("get_weather", {"city": "P", "days": 1}))
+    assert not accepts(
+        g,
+        xml_call("get_weather", {"city": "P", "days": "1"})
+        if fmt == "qwen3_coder"
+        else json_call("get_weather", {"city": "P", "days": 1}),
+    )
     assert not accepts(g, call("now") + "\n" + call("now"))
 
 
 @pytest.mark.parametrize("fmt", ["qwen3", "qwen3_coder"])
-@pytest.mark.parametrize(("parallel", "num_calls", "accepted"), [
-    (True, 1, True), (True, 2, True), (True, 3, True), (False, 1, True), (False, 2, False),
-])
+@pytest.mark.parametrize(
+    ("parallel", "num_calls", "accepted"),
+    [
+        (True, 1, True),
+        (True, 2, True),
+        (True, 3, True),
+        (False, 1, True),
+        (False, 2, False),
+    ],
+)
 def test_several_calls_only_with_parallel_tool_calls(
     accepts: Accepts, fmt: str, parallel: bool, num_calls: int, accepted: bool
 ) -> None:
@@ -251,15 +306,18 @@ def test_several_calls_only_with_parallel_tool_calls(
         assert [name for name, _ in parsed_calls(fmt, text)] == ["now"] * num_calls
 
 
-@pytest.mark.parametrize(("think", "accepted"), [
-    ("<think>\nI should call it.\n</think>\n\n", True),
-    ("<think></think>", True),
-    ("\n<think>\n<b>a < b</b> </thin k>\n</think>\n", True),
-    ("", True),  # reasoning may be skipped
-    ("<think>\none</think>two</think>\n", False),
-    ("<think>\nnever closed\n", False),
-    ("Thinking: <think>x</think>", False),
-])
+@pytest.mark.parametrize(
+    ("think", "accepted"),
+    [
+        ("<think>\nI should call it.\n</think>\n\n", True),
+        ("<think></think>", True),
+        ("\n<think>\n<b>a < b</b> </thin k>\n</think>\n", True),
+        ("", True),  # reasoning may be skipped
+        ("<think>\none</think>two</think>\n", False),
+        ("<think>\nnever closed\n", False),
+        ("Thinking: <think>x</think>", False),
+    ],
+)
 def test_a_think_block_may_precede_the_calls_when_reasoning(accepts: Accepts, think: str, accepted: bool) -> None:
     text = think + json_call("get_weather", {"city": "Paris", "days": 3})
     assert accepts(grammar("qwen3", reasoning=True), text) is accepted
@@ -267,12 +325,15 @@ def test_a_think_block_may_precede_the_calls_when_reasoning(accepts: Accepts, th
         assert parsed_calls("qwen3", text, reasoning=True) == [("get_weather", {"city": "Paris", "days": 3})]
 
 
-@pytest.mark.parametrize(("text", "accepted"), [
-    ("I should call it.\n</think>\n\n" + xml_call("now", {}), True),
-    ("</think>" + xml_call("now", {}), True),
-    (xml_call("now", {}), False),  # the open block must be closed first
-    ("<think>x</think>" + xml_call("now", {}), True),  # a repeated opening tag is just reasoning text
-])
+@pytest.mark.parametrize(
+    ("text", "accepted"),
+    [
+        ("I should call it.\n</think>\n\n" + xml_call("now", {}), True),
+        ("</think>" + xml_call("now", {}), True),
+        (xml_call("now", {}), False),  # the open block must be closed first
+        ("<think>x</think>" + xml_call("now", {}), True),  # a repeated opening tag is just reasoning text
+    ],
+)
 def test_an_open_think_block_from_the_prompt_must_close_before_the_calls(
     accepts: Accepts, text: str, accepted: bool
 ) -> None:
@@ -281,7 +342,9 @@ def test_an_open_think_block_from_the_prompt_must_close_before_the_calls(
 
 WHITESPACE_REFUSED = {
     "no-separator-spaces": json_call("get_weather", {"city": "Paris", "days": 3}, (",", ":")),
-    "newline-and-tab-after-colon": json_call("get_weather", {"city": "Paris", "days": 3}).replace('"days": 3', '"days":\n\t3'),
+    "newline-and-tab-after-colon": json_call("get_weather", {"city": "Paris", "days": 3}).replace(
+        '"days": 3', '"days":\n\t3'
+    ),
     "space-inside-braces": json_call("now", {}).replace("{}", "{ }"),
     "pretty-printed": '<tool_call>\n{\n  "name": "now",\n  "arguments": {}\n}\n</tool_call>',
     "newline-before-the-closing-brace": json_call("now", {}).replace("{}}", "{}\n}"),
@@ -293,7 +356,7 @@ WHITESPACE_REFUSED = {
 
 @pytest.mark.parametrize("fmt", ["qwen3", "qwen3_coder"])
 def test_json_is_compact_with_the_separators_json_dumps_writes(accepts: Accepts, fmt: str) -> None:
-    hours = '<parameter=hours>\n[9, 12]\n</parameter>\n'
+    hours = "<parameter=hours>\n[9, 12]\n</parameter>\n"
     g = grammar(fmt)
     if fmt == "qwen3":
         assert accepts(g, json_call("get_weather", {"city": "Paris", "days": 3, "hours": [9, 12]}))
@@ -319,25 +382,48 @@ TREE = {
     "type": "object",
     "properties": {"value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
     "required": ["value"],
-    "$defs": {"node": {"type": "object", "properties": {"value": {"type": "integer"},
-                                                        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
-                       "required": ["value"]}},
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "value": {"type": "integer"},
+                "children": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+            },
+            "required": ["value"],
+        }
+    },
 }
 SCHEMA_CASES = [
-    ("recursive-ref", TREE, [{"value": 1, "children": [{"value": 2, "children": [{"value": 3}]}]}],
-     [{"value": 1, "children": [{"children": []}]}]),
+    (
+        "recursive-ref",
+        TREE,
+        [{"value": 1, "children": [{"value": 2, "children": [{"value": 3}]}]}],
+        [{"value": 1, "children": [{"children": []}]}],
+    ),
     ("any-of", {"anyOf": [{"type": "integer"}, {"type": "string", "enum": ["auto"]}]}, [5, "auto"], ["5", 1.5, None]),
     ("const", {"const": {"mode": "fast"}}, [{"mode": "fast"}], [{"mode": "slow"}]),
     ("nullable", {"type": "integer", "nullable": True}, [None, 0], ["null", True]),
     ("type-list", {"type": ["boolean", "null"]}, [True, False, None], [0, "true"]),
-    ("string-map", {"type": "object", "additionalProperties": {"type": "integer"}}, [{}, {"a": 1, "b c": -2}],
-     [{"a": "1"}]),
+    (
+        "string-map",
+        {"type": "object", "additionalProperties": {"type": "integer"}},
+        [{}, {"a": 1, "b c": -2}],
+        [{"a": "1"}],
+    ),
     ("no-extras-allowed", {"type": "object", "additionalProperties": False}, [{}], [{"a": 1}]),
     ("free-object", {"type": "object"}, [{}, {"a": [1, {"b": None}], "c": "d"}], [[]]),
-    ("items-bounds", {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
-     [[1], [1, 2, 3]], [[], [1, 2, 3, 4]]),
-    ("all-optional", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
-     [{}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2}], [{"b": 2, "a": 1}]),
+    (
+        "items-bounds",
+        {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+        [[1], [1, 2, 3]],
+        [[], [1, 2, 3, 4]],
+    ),
+    (
+        "all-optional",
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        [{}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2}],
+        [{"b": 2, "a": 1}],
+    ),
     ("numbers", {"type": "number"}, [0, -1.5, 2.25e-5, 1e300, 12345678901234567], ["1", True]),
     ("non-negative", {"type": "number", "minimum": 0}, [0, 3.5], [-0.5]),
     ("all-of-one", {"allOf": [{"type": "string"}]}, ["x"], [1]),
@@ -345,7 +431,9 @@ SCHEMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("schema", "valid", "invalid"), [c[1:] for c in SCHEMA_CASES], ids=[c[0] for c in SCHEMA_CASES])
+@pytest.mark.parametrize(
+    ("schema", "valid", "invalid"), [c[1:] for c in SCHEMA_CASES], ids=[c[0] for c in SCHEMA_CASES]
+)
 def test_schema_keywords(accepts: Accepts, schema: dict[str, Any], valid: list[Any], invalid: list[Any]) -> None:
     rules = Rules()
     g = rules.grammar(SchemaGrammar(rules, schema).value(schema, 0))
@@ -358,7 +446,10 @@ def test_schema_keywords(accepts: Accepts, schema: dict[str, Any], valid: list[A
 
 
 def test_unusual_function_names_are_written_verbatim(accepts: Accepts) -> None:
-    tool = {"type": "function", "function": {"name": 'say "hi"\\ünï', "parameters": {"type": "object", "properties": {}}}}
+    tool = {
+        "type": "function",
+        "function": {"name": 'say "hi"\\ünï', "parameters": {"type": "object", "properties": {}}},
+    }
     g = tool_call_grammar([tool], "required", "qwen3", reasoning=False)
     assert g is not None
     assert accepts(g, json_call('say "hi"\\ünï', {}))

@@ -21,13 +21,13 @@ import openai
 import pytest
 
 from api.app import ServerConfig
-from engine.front.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.front.tokenizer import Tokenizer
-from engine.weights.demo_model import DEMO_MODEL_NAME, EOS_TOKEN_ID
-from engine.model_runner import StepResult
 from engine.core_types import SampledToken
+from engine.front.async_engine import AsyncEngine
+from engine.front.tokenizer import Tokenizer
+from engine.model_runner import StepResult
+from engine.weights.demo_model import DEMO_MODEL_NAME, EOS_TOKEN_ID
 from scheduler.output import SchedulerOutput
 from tests.server_utils import InProcessServer, in_process_server
 
@@ -198,7 +198,9 @@ def test_with_thinking_disabled_there_is_no_reasoning_and_the_call_is_parsed(
     assert choice.finish_reason == "tool_calls"
 
 
-def test_max_tokens_cutting_a_call_finishes_with_length(fmt: str, scripted: ScriptedCore, client: openai.OpenAI) -> None:
+def test_max_tokens_cutting_a_call_finishes_with_length(
+    fmt: str, scripted: ScriptedCore, client: openai.OpenAI
+) -> None:
     num_tokens = scripted.expect(call_text(fmt, "get_weather", ARGUMENTS))
     with pytest.raises(openai.LengthFinishReasonError) as cut:
         stream(client, max_tokens=num_tokens - 6)  # ends inside the arguments
@@ -208,10 +210,13 @@ def test_max_tokens_cutting_a_call_finishes_with_length(fmt: str, scripted: Scri
     # arguments are a strict prefix of the whole call's (no invented closing quote or brace).
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather"
-    assert json.dumps(ARGUMENTS).startswith(call.function.arguments) and call.function.arguments != json.dumps(ARGUMENTS)
+    assert json.dumps(ARGUMENTS).startswith(call.function.arguments) and call.function.arguments != json.dumps(
+        ARGUMENTS
+    )
     scripted.expect(call_text(fmt, "get_weather", ARGUMENTS))
-    whole = client.chat.completions.create(model=DEMO_MODEL_NAME, messages=MESSAGES, tools=TOOLS,
-                                           max_tokens=num_tokens - 6, extra_body=NO_THINKING)
+    whole = client.chat.completions.create(
+        model=DEMO_MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=num_tokens - 6, extra_body=NO_THINKING
+    )
     # Not streamed: an unclosed call is no call; its text stays in content.
     assert whole.choices[0].finish_reason == "length"
     assert not whole.choices[0].message.tool_calls
@@ -225,8 +230,13 @@ def test_parallel_calls_get_indices_0_and_1(fmt: str, scripted: ScriptedCore, cl
     [choice] = completion.choices
     assert calls_of(choice.message) == [("get_weather", ARGUMENTS), ("now", {})]
     assert [c.index for c in choice.message.tool_calls] == [0, 1]
-    announced = [(d.index, d.function.name) for c in chunks if c.choices
-                 for d in c.choices[0].delta.tool_calls or [] if d.id is not None]
+    announced = [
+        (d.index, d.function.name)
+        for c in chunks
+        if c.choices
+        for d in c.choices[0].delta.tool_calls or []
+        if d.id is not None
+    ]
     assert announced == [(0, "get_weather"), (1, "now")]
     assert len({c.id for c in choice.message.tool_calls}) == 2
     assert choice.finish_reason == "tool_calls"
@@ -242,19 +252,34 @@ def test_an_answer_without_a_call_finishes_with_stop(fmt: str, scripted: Scripte
 
 # ---- tool_choice enforced by a grammar, on the unscripted random model --------------------------------------
 # Arguments the random model cannot run on forever: enums, integers and booleans only.
-MODE = {"type": "function", "function": {"name": "set_mode", "parameters": {
-    "type": "object",
-    "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}, "level": {"type": "integer"},
-                   "force": {"type": "boolean"}},
-    "required": ["mode", "level"],
-}}}
+MODE = {
+    "type": "function",
+    "function": {
+        "name": "set_mode",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "mode": {"type": "string", "enum": ["fast", "slow"]},
+                "level": {"type": "integer"},
+                "force": {"type": "boolean"},
+            },
+            "required": ["mode", "level"],
+        },
+    },
+}
 BOUNDED_TOOLS = [MODE, NOW]
 
 
 def random_model_answer(client: openai.OpenAI, max_tokens: int = 300, **kwargs: Any) -> Any:
     return client.chat.completions.create(
-        model=DEMO_MODEL_NAME, messages=MESSAGES, tools=BOUNDED_TOOLS, max_tokens=max_tokens, temperature=0,
-        parallel_tool_calls=False, extra_body=NO_THINKING, **kwargs,
+        model=DEMO_MODEL_NAME,
+        messages=MESSAGES,
+        tools=BOUNDED_TOOLS,
+        max_tokens=max_tokens,
+        temperature=0,
+        parallel_tool_calls=False,
+        extra_body=NO_THINKING,
+        **kwargs,
     ).choices[0]
 
 

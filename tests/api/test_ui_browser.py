@@ -15,12 +15,12 @@ import httpx
 import pytest
 
 from api.app import ServerConfig
-from engine.front.async_engine import AsyncEngine
 from engine.core import EngineCore
+from engine.front.async_engine import AsyncEngine
 from scheduler.output import SchedulerOutput
+from tests.api.test_tools_e2e import ENGINE, ScriptedCore
 from tests.browser import by_testid, chromium, console_errors, screenshot, wait_for
 from tests.server_utils import InProcessServer, in_process_server
-from tests.api.test_tools_e2e import ENGINE, ScriptedCore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test may install chromium
 
@@ -33,8 +33,8 @@ REPLY = (
 MARKDOWN_REPLY = (
     "<think>\nThe user asks how to stream with the OpenAI SDK; a short example will do.\n</think>\n\n"
     "Use **stream=True** and read the deltas as they arrive:\n\n"
-    "```python\nfor chunk in client.chat.completions.create(model=\"m\", messages=msgs, stream=True):\n"
-    "    print(chunk.choices[0].delta.content or \"\", end=\"\")\n```\n\n"
+    '```python\nfor chunk in client.chat.completions.create(model="m", messages=msgs, stream=True):\n'
+    '    print(chunk.choices[0].delta.content or "", end="")\n```\n\n'
     "- the first chunk carries the role\n- the last one carries `usage` when asked"
 )
 HOSTILE_LINE = (
@@ -189,13 +189,16 @@ def test_markdown_reasoning_and_code_render_as_elements(page: Any, core: PacedCo
     code = text_of(reply, ".content pre code")
     assert code.startswith("for chunk in client.chat.completions.create(") and code.endswith('end="")')
     assert [li.get_attribute("textContent") for li in reply.find_elements(By.CSS_SELECTOR, ".content ul li")] == [
-        "the first chunk carries the role", "the last one carries usage when asked",
+        "the first chunk carries the role",
+        "the last one carries usage when asked",
     ]
     assert text_of(reply, ".content li code") == "usage"
     wait_for(lambda: by_testid(page, "metric-generation-tokens")[0].text not in ("–", "0"), what="the dashboard")
     for chart in ("ttft-chart", "itl-chart"):  # the screenshot shows the charts with points
-        wait_for(lambda: sum(page.execute_script(COUNT_PIXELS, chart, rgb) for rgb in SERIES_RGB) > 10,
-                 what=f"the {chart} lines")
+        wait_for(
+            lambda: sum(page.execute_script(COUNT_PIXELS, chart, rgb) for rgb in SERIES_RGB) > 10,  # noqa: B023
+            what=f"the {chart} lines",
+        )
     screenshot(page, "chat-markdown")
 
 
@@ -237,8 +240,7 @@ def test_model_reply_with_a_script_tag_is_shown_as_text(page: Any, core: PacedCo
     assert [u.text for u in by_testid(page, "chat-message-user")] == ["Say something dangerous"]
     # The CSP's Trusted Types: the browser itself refuses any string written as HTML on this page.
     refused = page.execute_script(
-        "try { document.createElement('div').innerHTML = '<b>x</b>'; return 'allowed'; }"
-        " catch (e) { return e.name; }"
+        "try { document.createElement('div').innerHTML = '<b>x</b>'; return 'allowed'; } catch (e) { return e.name; }"
     )
     assert refused == "TypeError"
     assert ["TrustedHTML" in e["message"] for e in console_errors(page)] == [True]  # (reading drains the log)
@@ -287,8 +289,10 @@ def test_dashboard_token_counter_rises_after_a_chat(page: Any, core: PacedCore, 
     num_tokens = core.expect("Short answer.")
     send(page, "Hi")
     wait_done(page)
-    wait_for(lambda: counter.text.isdigit() and int(counter.text) >= before + num_tokens,
-             what=f"the counter to rise from {before} by {num_tokens}")
+    wait_for(
+        lambda: counter.text.isdigit() and int(counter.text) >= before + num_tokens,
+        what=f"the counter to rise from {before} by {num_tokens}",
+    )
     assert int(counter.text) == stats(server)["tokens"]["generation_total"]
     assert re.fullmatch(r"\d+\.\d%", by_testid(page, "metric-kv-usage")[0].text)
     assert by_testid(page, "metric-waiting")[0].text == "0"
@@ -298,8 +302,10 @@ def test_dashboard_token_counter_rises_after_a_chat(page: Any, core: PacedCore, 
     # The live charts drew the percentiles: pixels in a series' colour (p99 is drawn last, on top
     # of the others where they are equal, as they are with one request).
     for chart in ("ttft-chart", "itl-chart"):
-        wait_for(lambda: sum(page.execute_script(COUNT_PIXELS, chart, rgb) for rgb in SERIES_RGB) > 10,
-                 what=f"the {chart} lines")
+        wait_for(
+            lambda: sum(page.execute_script(COUNT_PIXELS, chart, rgb) for rgb in SERIES_RGB) > 10,  # noqa: B023
+            what=f"the {chart} lines",
+        )
 
 
 USAGE_ROWS = """
@@ -321,8 +327,10 @@ def test_usage_by_key_shows_the_keys_completion_tokens_rising_after_a_chat(
     num_tokens = core.expect("Short answer.")
     send(page, "Hi")
     wait_done(page)
-    after = wait_for(lambda: (c := usage_cells(page, "default")) and int(c[2]) >= int(before[2]) + num_tokens and c,
-                     what=f"the key's completion tokens to rise from {before[2]} by {num_tokens}")
+    after = wait_for(
+        lambda: (c := usage_cells(page, "default")) and int(c[2]) >= int(before[2]) + num_tokens and c,
+        what=f"the key's completion tokens to rise from {before[2]} by {num_tokens}",
+    )
     [served] = httpx.get(server.url("/v1/usage"), timeout=5).json()["data"]
     assert after[:3] == [str(served["requests"]), str(served["prompt_tokens"]), str(served["completion_tokens"])]
     assert int(after[0]) == int(before[0]) + 1 and int(after[1]) > int(before[1])
@@ -380,17 +388,25 @@ import('/ui/markdown.js').then((md) => done(texts.map((text) => {
 @pytest.mark.parametrize(
     ("text", "html"),
     [
-        ("**bold**, *it* and `a<b>`",
-         '<p><strong>bold</strong>, <em>it</em> and <code class="inline">a&lt;b&gt;</code></p>'),
+        (
+            "**bold**, *it* and `a<b>`",
+            '<p><strong>bold</strong>, <em>it</em> and <code class="inline">a&lt;b&gt;</code></p>',
+        ),
         ("<script>alert(1)</script>\nline 2", "<p>&lt;script&gt;alert(1)&lt;/script&gt;<br>line 2</p>"),
-        ("## Title\n1. one\n2. **two**",
-         '<h4 class="md-heading">Title</h4><ol><li>one</li><li><strong>two</strong></li></ol>'),
-        ("> quoted\n\n- a\n  more\n- b\n\n---",
-         "<blockquote><p>quoted</p></blockquote><ul><li>a<br>more</li><li>b</li></ul><hr>"),
+        (
+            "## Title\n1. one\n2. **two**",
+            '<h4 class="md-heading">Title</h4><ol><li>one</li><li><strong>two</strong></li></ol>',
+        ),
+        (
+            "> quoted\n\n- a\n  more\n- b\n\n---",
+            "<blockquote><p>quoted</p></blockquote><ul><li>a<br>more</li><li>b</li></ul><hr>",
+        ),
         ("[x](javascript:alert(1)) [y](/relative)", "<p>[x](javascript:alert(1)) [y](/relative)</p>"),
-        ("[docs](https://example.org/a?b=1)",
-         '<p><a href="https://example.org/a?b=1" target="_blank" rel="noopener noreferrer nofollow" '
-         'title="https://example.org/a?b=1">docs</a></p>'),
+        (
+            "[docs](https://example.org/a?b=1)",
+            '<p><a href="https://example.org/a?b=1" target="_blank" rel="noopener noreferrer nofollow" '
+            'title="https://example.org/a?b=1">docs</a></p>',
+        ),
     ],
 )
 def test_markdown_renderer_builds_elements_and_escapes_everything_else(page: Any, text: str, html: str) -> None:
@@ -399,5 +415,5 @@ def test_markdown_renderer_builds_elements_and_escapes_everything_else(page: Any
 
 def test_a_code_block_still_streaming_renders_open(page: Any) -> None:
     [html] = page.execute_async_script(RENDER_MARKDOWN, ["Code:\n```python\nprint('<b>')"])
-    assert html.startswith("<p>Code:</p><div class=\"code-block\">")
+    assert html.startswith('<p>Code:</p><div class="code-block">')
     assert '<pre class="open"><code data-lang="python">print(\'&lt;b&gt;\')</code></pre>' in html

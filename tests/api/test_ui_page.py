@@ -15,9 +15,9 @@ from starlette.testclient import TestClient
 
 from api.app import ServerConfig, build_app
 from api.cli import build_parser, server_config
-from api.transport.metrics import ServerMetrics
 from api.ops.stats import LATENCY_WINDOW_S, REUSE_S, Histogram, StatsFeed, StatsWindow, read_snapshot, summarize
 from api.ops.ui import CONTENT_SECURITY_POLICY
+from api.transport.metrics import ServerMetrics
 from engine.config import EngineConfig
 from engine.front.metrics import EngineMetrics
 from scheduler.output import SchedulerStats
@@ -109,10 +109,17 @@ def test_histogram_quantile_edge_cases() -> None:
 
 
 def observe_step(engine: EngineMetrics, running: int, prefix: tuple[int, int] = (0, 0)) -> None:
-    engine.observe_scheduler(SchedulerStats(
-        num_running=running, num_waiting=2, num_used_blocks=16, num_blocks=64,
-        prefix_cache_queried_tokens=prefix[0], prefix_cache_hit_tokens=prefix[1], num_preemptions=0,
-    ))
+    engine.observe_scheduler(
+        SchedulerStats(
+            num_running=running,
+            num_waiting=2,
+            num_used_blocks=16,
+            num_blocks=64,
+            prefix_cache_queried_tokens=prefix[0],
+            prefix_cache_hit_tokens=prefix[1],
+            num_preemptions=0,
+        )
+    )
 
 
 def test_stats_summarize_the_engine_metrics_with_rates_and_a_latency_window() -> None:
@@ -190,9 +197,14 @@ def metric_over_keys(text: str, name: str) -> float:
 def test_stats_on_a_real_server_agree_with_metrics(server: InProcessServer) -> None:
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         before = http.get("/stats").json()
-        reply = http.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "ignore_eos": True,
-        })
+        reply = http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 8,
+                "ignore_eos": True,
+            },
+        )
         assert reply.status_code == 200
         stats = before
         while stats["time"] == before["time"]:  # a newer reading (dashboards share one for REUSE_S)

@@ -57,9 +57,15 @@ def rows(response: httpx.Response) -> dict[str, dict[str, Any]]:
 def test_admin_sees_every_key_a_user_only_its_own_and_stats_names_none(team: InProcessServer) -> None:
     with httpx.Client(base_url=team.base_url, timeout=30) as http:
         before = rows(usage(http, "sk-ops"))
-        chat = http.post("/v1/chat/completions", headers={"Authorization": "Bearer sk-alice"}, json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "ignore_eos": True,
-        })
+        chat = http.post(
+            "/v1/chat/completions",
+            headers={"Authorization": "Bearer sk-alice"},
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 6,
+                "ignore_eos": True,
+            },
+        )
         assert chat.status_code == 200, chat.text
         everyone = rows(usage(http, "sk-ops"))
         alice, bob = rows(usage(http, "sk-alice")), rows(usage(http, "sk-bob"))
@@ -67,7 +73,9 @@ def test_admin_sees_every_key_a_user_only_its_own_and_stats_names_none(team: InP
         stats = http.get("/stats")  # open, as before: no key needed
     assert set(everyone) == {"alice", "bob", "ops"}
     assert everyone["alice"]["completion_tokens"] == before["alice"]["completion_tokens"] + 6
-    assert everyone["alice"]["prompt_tokens"] == before["alice"]["prompt_tokens"] + chat.json()["usage"]["prompt_tokens"]
+    assert (
+        everyone["alice"]["prompt_tokens"] == before["alice"]["prompt_tokens"] + chat.json()["usage"]["prompt_tokens"]
+    )
     assert everyone["alice"]["requests"] == before["alice"]["requests"] + 1
     assert everyone["alice"]["mean_ttft_seconds"] > 0
     assert everyone["bob"]["completion_tokens"] == 0 and everyone["bob"]["mean_ttft_seconds"] is None
@@ -85,4 +93,3 @@ def test_a_keyless_server_shows_the_one_default_key() -> None:
     body = response.json()
     assert body["key"] == "default"
     assert [(row["key"], row["requests"], row["completion_tokens"]) for row in body["data"]] == [("default", 0, 0)]
-

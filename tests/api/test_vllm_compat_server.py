@@ -26,15 +26,27 @@ SEED = "7"
 BLOCK = 16
 # Each family: its type, and the labels every sample carries (histograms: besides `le`).
 VLLM_FAMILIES = {
-    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
-    "vllm:kv_cache_usage_perc": "gauge", "vllm:gpu_cache_usage_perc": "gauge",
-    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter",
-    "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
-    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
-    "vllm:time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
-    "vllm:request_decode_time_seconds": "histogram", "vllm:request_time_per_output_token_seconds": "histogram",
-    "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
-    "vllm:iteration_tokens_total": "histogram", "vllm:cache_config_info": "gauge", "vllm:lora_requests_info": "gauge",
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
+    "vllm:cache_config_info": "gauge",
+    "vllm:lora_requests_info": "gauge",
 }
 
 
@@ -45,8 +57,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSe
     os.environ["PYTHONHASHSEED"] = SEED  # the server inherits it: vLLM's hash seed
     try:
         # 32 pages of 16 tokens: two long requests fit at once, and a few prompts cycle the cache.
-        running = start_server("--served-model-name", MODEL, "--max-num-seqs", "2", "--kv-cache-memory", "1MiB",
-                               "--kv-events-config", orjson.dumps(config).decode())
+        running = start_server(
+            "--served-model-name",
+            MODEL,
+            "--max-num-seqs",
+            "2",
+            "--kv-cache-memory",
+            "1MiB",
+            "--kv-events-config",
+            orjson.dumps(config).decode(),
+        )
     finally:
         del os.environ["PYTHONHASHSEED"]
     try:
@@ -57,8 +77,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSe
 
 def scrape(server: RunningServer) -> dict[str, tuple[str, list[tuple[str, dict[str, str], float]]]]:
     text = httpx.get(server.url("/metrics"), timeout=10).text
-    return {f.name: (f.type, [(s.name, s.labels, s.value) for s in f.samples])
-            for f in text_string_to_metric_families(text)}
+    return {
+        f.name: (f.type, [(s.name, s.labels, s.value) for s in f.samples]) for f in text_string_to_metric_families(text)
+    }
 
 
 def value(families: dict, sample: str, **labels: str) -> float:
@@ -87,14 +108,23 @@ def test_metrics_carry_vllms_names_types_labels_and_buckets(server: tuple[Runnin
             if name == "vllm:lora_requests_info":
                 assert labels == {"max_lora": "0", "waiting_lora_adapters": "", "running_lora_adapters": ""}
             elif name == "vllm:cache_config_info":
-                assert labels["block_size"] == str(BLOCK) and labels["num_gpu_blocks"] == "32" and labels["engine"] == "0"
+                assert (
+                    labels["block_size"] == str(BLOCK) and labels["num_gpu_blocks"] == "32" and labels["engine"] == "0"
+                )
             else:
                 assert {k: v for k, v in labels.items() if k not in ("le", "finished_reason")} == {
-                    "model_name": MODEL, "engine": "0"}, f"{name}: {labels}"
-    reasons = {labels["finished_reason"] for n, labels, _ in families["vllm:request_success"][1] if n.endswith("_total")}
+                    "model_name": MODEL,
+                    "engine": "0",
+                }, f"{name}: {labels}"
+    reasons = {
+        labels["finished_reason"] for n, labels, _ in families["vllm:request_success"][1] if n.endswith("_total")
+    }
     assert reasons == {"stop", "length", "abort", "error"}
-    for name, buckets in (("vllm:time_to_first_token_seconds", TTFT_BUCKETS), ("vllm:inter_token_latency_seconds", ITL_BUCKETS),
-                          ("vllm:e2e_request_latency_seconds", REQUEST_LATENCY_BUCKETS)):
+    for name, buckets in (
+        ("vllm:time_to_first_token_seconds", TTFT_BUCKETS),
+        ("vllm:inter_token_latency_seconds", ITL_BUCKETS),
+        ("vllm:e2e_request_latency_seconds", REQUEST_LATENCY_BUCKETS),
+    ):
         bounds = [float(labels["le"]) for n, labels, _ in families[name][1] if n.endswith("_bucket")]
         assert bounds == [*buckets, float("inf")], name
     assert 0 < value(families, "vllm:lora_requests_info", max_lora="0") <= time.time()  # a timestamp, as vLLM's
@@ -132,14 +162,24 @@ def test_running_and_waiting_gauges_follow_the_load(server: tuple[RunningServer,
         seen: list[dict[str, float]] = []
         async with httpx.AsyncClient(timeout=120) as client:
             body = {"model": MODEL, "max_tokens": 40, "ignore_eos": True}
-            requests = [asyncio.create_task(client.post(running.url("/v1/completions"), json={**body, "prompt": f"load {i}"}))
-                        for i in range(4)]
+            requests = [
+                asyncio.create_task(client.post(running.url("/v1/completions"), json={**body, "prompt": f"load {i}"}))
+                for i in range(4)
+            ]
             # --max-num-seqs 2: two run, two wait. Scrape until a scrape shows it (or all finished).
             while not all(r.done() for r in requests):
                 families = await asyncio.to_thread(scrape, running)
-                seen.append({k: value(families, k) for k in (
-                    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                    "vllm:gpu_cache_usage_perc")})
+                seen.append(
+                    {
+                        k: value(families, k)
+                        for k in (
+                            "vllm:num_requests_running",
+                            "vllm:num_requests_waiting",
+                            "vllm:kv_cache_usage_perc",
+                            "vllm:gpu_cache_usage_perc",
+                        )
+                    }
+                )
                 if seen[-1]["vllm:num_requests_running"] == 2 and seen[-1]["vllm:num_requests_waiting"] >= 1:
                     break
             assert all(r.status_code == 200 for r in await asyncio.gather(*requests))
@@ -156,7 +196,8 @@ def test_running_and_waiting_gauges_follow_the_load(server: tuple[RunningServer,
 
 
 def test_a_subscriber_sees_block_stored_then_block_removed_when_the_cache_reuses_the_pages(
-        server: tuple[RunningServer, str]) -> None:
+    server: tuple[RunningServer, str],
+) -> None:
     running, endpoint = server
     sub = vllm.Subscriber(endpoint, "kv-events")
     try:
@@ -172,7 +213,11 @@ def test_a_subscriber_sees_block_stored_then_block_removed_when_the_cache_reuses
         expected = vllm.vllm_block_hashes(prompt, BLOCK, SEED)
         events = sub.until(lambda e: isinstance(e, vllm.BlockStored) and e.token_ids[:BLOCK] == prompt[:BLOCK])
         stored = [e for e in events if isinstance(e, vllm.BlockStored) and e.token_ids[:BLOCK] == prompt[:BLOCK]][0]
-        assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids) == (expected, None, prompt[:3 * BLOCK])
+        assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids) == (
+            expected,
+            None,
+            prompt[: 3 * BLOCK],
+        )
         assert (stored.block_size, stored.medium, stored.group_idx) == (BLOCK, "GPU", 0)
         # 32 pages: distinct prompts of 4 pages each reuse the free pages oldest-first, ours among them.
         removed: set[int] = set()
@@ -186,4 +231,3 @@ def test_a_subscriber_sees_block_stored_then_block_removed_when_the_cache_reuses
         assert sub.seqs == list(range(sub.seqs[0], sub.seqs[0] + len(sub.seqs))), "a batch went missing"
     finally:
         sub.close()
-

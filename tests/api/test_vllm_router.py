@@ -33,8 +33,10 @@ pytestmark = pytest.mark.slow
 
 MODEL = "replica"
 NUM_CONVERSATIONS = 8
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
-         "romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
+    "romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
 # The router takes a dead replica out after its first failed attempt (circuit breaker) or health
 # check, and retries the request elsewhere; with its defaults (10 failures, a check a minute) the
 # requests right after a kill fail while it retries the dead replica.
@@ -70,9 +72,22 @@ def replicas() -> Iterator[list[tuple[RunningServer, int]]]:
 def router(replicas: list[tuple[RunningServer, int]], policy: str, *extra: str) -> Iterator[str]:
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="vllm-router-", suffix=".log")[1])
-    command = [router_command(), "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-               "--prometheus-port", str(free_port()), "--worker-urls", *(s.base_url for s, _ in replicas),
-               "--policy", policy, *extra]
+    command = [
+        router_command(),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--worker-urls",
+        *(s.base_url for s, _ in replicas),
+        "--policy",
+        policy,
+        *extra,
+    ]
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -109,8 +124,12 @@ def prefix_hits(server: RunningServer) -> float:
 def held(server: RunningServer) -> float:
     """Requests the replica holds: running + waiting, by its vLLM-named gauges."""
     text = httpx.get(server.url("/metrics"), timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text)
-               if f.name in ("vllm:num_requests_running", "vllm:num_requests_waiting") for s in f.samples)
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        if f.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        for s in f.samples
+    )
 
 
 def run_conversations(url: str, servers: list[RunningServer], seed: int) -> None:
@@ -122,13 +141,13 @@ def run_conversations(url: str, servers: list[RunningServer], seed: int) -> None
     def words(n: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(n))
 
-    conversations = [[{"role": "system", "content": f"Conversation {seed}-{i}. {words(120)}"}]
-                     for i in range(NUM_CONVERSATIONS)]
+    conversations = [
+        [{"role": "system", "content": f"Conversation {seed}-{i}. {words(120)}"}] for i in range(NUM_CONVERSATIONS)
+    ]
 
     async def turn(client: openai.AsyncOpenAI, messages: list[dict[str, str]]) -> openai.types.CompletionUsage:
         messages.append({"role": "user", "content": words(25)})
-        response = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
-                                                        temperature=0)
+        response = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
         assert response.choices[0].message.content is not None
         messages.append({"role": "assistant", "content": response.choices[0].message.content})
         assert response.usage is not None
@@ -149,7 +168,9 @@ def run_conversations(url: str, servers: list[RunningServer], seed: int) -> None
     hits = [b - a for a, b in zip(before, after)]
     assert sum(hits) == cached_tokens  # the replicas' counters say what the clients were told
     assert all(h > 0 for h in hits), f"one replica served no later turn: {hits}"
-    assert sum(hits) >= 0.6 * prompt_tokens, f"later turns: {sum(hits)} of {prompt_tokens} prompt tokens cached ({hits})"
+    assert sum(hits) >= 0.6 * prompt_tokens, (
+        f"later turns: {sum(hits)} of {prompt_tokens} prompt tokens cached ({hits})"
+    )
 
 
 def test_cache_aware_router_keeps_conversations_on_their_replica(replicas: list[tuple[RunningServer, int]]) -> None:
@@ -168,6 +189,7 @@ def test_kv_aware_router_routes_on_the_replicas_kv_events(replicas: list[tuple[R
 def test_a_killed_replica_costs_only_the_requests_it_held(replicas: list[tuple[RunningServer, int]]) -> None:
     servers = [s for s, _ in replicas]
     with router(replicas, "cache_aware", *FAILOVER_FLAGS) as url:
+
         async def run() -> tuple[list[object], float, list[str]]:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
             started = 0
@@ -177,8 +199,12 @@ def test_a_killed_replica_costs_only_the_requests_it_held(replicas: list[tuple[R
                 nonlocal started
                 try:
                     chunks = await client.chat.completions.create(
-                        model=MODEL, messages=[{"role": "user", "content": f"stream {i} " * 30}], max_tokens=120,
-                        stream=True, extra_body={"ignore_eos": True})
+                        model=MODEL,
+                        messages=[{"role": "user", "content": f"stream {i} " * 30}],
+                        max_tokens=120,
+                        stream=True,
+                        extra_body={"ignore_eos": True},
+                    )
                     count = 0
                     async for _ in chunks:
                         count += 1
@@ -199,7 +225,8 @@ def test_a_killed_replica_costs_only_the_requests_it_held(replicas: list[tuple[R
             for i in range(8):
                 try:
                     response = await client.chat.completions.create(
-                        model=MODEL, messages=[{"role": "user", "content": f"after the kill {i}"}], max_tokens=4)
+                        model=MODEL, messages=[{"role": "user", "content": f"after the kill {i}"}], max_tokens=4
+                    )
                     after.append(response.choices[0].finish_reason or "")
                 except openai.APIError as e:
                     after.append(repr(e))

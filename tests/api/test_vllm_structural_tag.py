@@ -13,15 +13,28 @@ import pytest
 
 from tests.api.test_vllm_structured_outputs import chat, client, complete, server  # noqa: F401  (fixtures)
 
-ANSWER = {"type": "object", "properties": {"pick": {"enum": ["alpha", "beta"]}}, "required": ["pick"],
-          "additionalProperties": False}
+ANSWER = {
+    "type": "object",
+    "properties": {"pick": {"enum": ["alpha", "beta"]}},
+    "required": ["pick"],
+    "additionalProperties": False,
+}
 # A regex inside the tag: a JSON schema there would let the random model write whitespace until
 # max_tokens (xgrammar's JSON allows any), which says nothing about the tag.
-TAG = {"type": "structural_tag", "format": {"type": "tag", "begin": "<answer>",
-                                            "content": {"type": "regex", "pattern": '\\{"pick": "(alpha|beta)"\\}'},
-                                            "end": "</answer>"}}
-LEGACY = {"type": "structural_tag", "triggers": ["<function="],
-          "structures": [{"begin": "<function=pick>", "schema": ANSWER, "end": "</function>"}]}
+TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "tag",
+        "begin": "<answer>",
+        "content": {"type": "regex", "pattern": '\\{"pick": "(alpha|beta)"\\}'},
+        "end": "</answer>",
+    },
+}
+LEGACY = {
+    "type": "structural_tag",
+    "triggers": ["<function="],
+    "structures": [{"begin": "<function=pick>", "schema": ANSWER, "end": "</function>"}],
+}
 
 
 def text_of(choice: Any) -> str:
@@ -36,7 +49,7 @@ def test_a_tag_binds_the_whole_output(client: openai.OpenAI, call: Any, as_text:
     text = text_of(choice)
     assert choice.finish_reason == "stop", text
     assert text.startswith("<answer>") and text.endswith("</answer>"), text
-    assert json.loads(text[len("<answer>"):-len("</answer>")])["pick"] in ("alpha", "beta")
+    assert json.loads(text[len("<answer>") : -len("</answer>")])["pick"] in ("alpha", "beta")
 
 
 def test_the_older_structures_and_triggers_form_is_taken(client: openai.OpenAI) -> None:  # noqa: F811
@@ -45,15 +58,29 @@ def test_the_older_structures_and_triggers_form_is_taken(client: openai.OpenAI) 
     assert choice.finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize(("tag", "words", "param"), [
-    ("{not json", "structural_tag is not JSON", "structural_tag"),
-    (json.dumps({"type": "structural_tag", "format": {"type": "nope"}}), "invalid structural_tag", "structural_tag"),
-    (json.dumps({"structures": [{"begin": "<a>"}], "triggers": ["<a"]}), "needs begin, schema and end",
-     "structural_tag"),
-    ("", "structural_tag must be xgrammar's structural tag as JSON text", "structured_outputs"),
-])
-def test_a_malformed_structural_tag_is_a_400_naming_it(client: openai.OpenAI, tag: str, words: str,  # noqa: F811
-                                                       param: str) -> None:
+@pytest.mark.parametrize(
+    ("tag", "words", "param"),
+    [
+        ("{not json", "structural_tag is not JSON", "structural_tag"),
+        (
+            json.dumps({"type": "structural_tag", "format": {"type": "nope"}}),
+            "invalid structural_tag",
+            "structural_tag",
+        ),
+        (
+            json.dumps({"structures": [{"begin": "<a>"}], "triggers": ["<a"]}),
+            "needs begin, schema and end",
+            "structural_tag",
+        ),
+        ("", "structural_tag must be xgrammar's structural tag as JSON text", "structured_outputs"),
+    ],
+)
+def test_a_malformed_structural_tag_is_a_400_naming_it(
+    client: openai.OpenAI,  # noqa: F811  (the fixture)
+    tag: str,
+    words: str,
+    param: str,
+) -> None:
     for call in (chat, complete):
         with pytest.raises(openai.BadRequestError) as e:
             call(client, {"structured_outputs": {"structural_tag": tag}})

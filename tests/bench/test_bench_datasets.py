@@ -11,8 +11,17 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from bench.datasets import (COMMON_WORDS, ApproximateTokenizer, Conversation, DatasetSpec,
-                            LocalTokenizer, Turn, build_dataset, load_tokenizer, read_records)
+from bench.datasets import (
+    COMMON_WORDS,
+    ApproximateTokenizer,
+    Conversation,
+    DatasetSpec,
+    LocalTokenizer,
+    Turn,
+    build_dataset,
+    load_tokenizer,
+    read_records,
+)
 
 
 def train_tokenizer(path: Path, vocab_size: int) -> Path:
@@ -21,9 +30,12 @@ def train_tokenizer(path: Path, vocab_size: int) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        ),
+    )
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     return path
@@ -40,8 +52,7 @@ def spec(name: str = "random", **kw: object) -> DatasetSpec:
 
 
 @pytest.mark.parametrize("input_len", [1, 2, 7, 64, 333, 1024])
-def test_random_prompts_have_exactly_input_len_tokens(
-        tokenizer: LocalTokenizer, input_len: int) -> None:
+def test_random_prompts_have_exactly_input_len_tokens(tokenizer: LocalTokenizer, input_len: int) -> None:
     convs = build_dataset(spec(input_len=input_len, output_len=9), tokenizer)
     assert len(convs) == 12
     for conv in convs:
@@ -52,8 +63,7 @@ def test_random_prompts_have_exactly_input_len_tokens(
 
 
 def test_range_ratio_draws_lengths_within_bounds(tokenizer: LocalTokenizer) -> None:
-    convs = build_dataset(spec(num_requests=40, input_len=100, output_len=50, range_ratio=0.5),
-                          tokenizer)
+    convs = build_dataset(spec(num_requests=40, input_len=100, output_len=50, range_ratio=0.5), tokenizer)
     ins = [c.turns[0].num_tokens for c in convs]
     outs = [c.turns[0].max_tokens for c in convs]
     assert all(50 <= n <= 150 for n in ins) and len(set(ins)) > 10
@@ -72,9 +82,11 @@ def test_same_seed_same_prompts_other_seed_others(tokenizer: LocalTokenizer) -> 
 
 @pytest.mark.parametrize(("num_requests", "num_groups"), [(12, 3), (7, 4), (5, 1)])
 def test_shared_prefix_groups_share_exactly_the_prefix(
-        tokenizer: LocalTokenizer, num_requests: int, num_groups: int) -> None:
-    convs = build_dataset(spec("shared-prefix", num_requests=num_requests, input_len=16,
-                               prefix_len=48, num_groups=num_groups), tokenizer)
+    tokenizer: LocalTokenizer, num_requests: int, num_groups: int
+) -> None:
+    convs = build_dataset(
+        spec("shared-prefix", num_requests=num_requests, input_len=16, prefix_len=48, num_groups=num_groups), tokenizer
+    )
     assert len(convs) == num_requests
     by_group: dict[int, set[str]] = {}
     for conv in convs:
@@ -92,8 +104,7 @@ def test_shared_prefix_groups_share_exactly_the_prefix(
     assert len({c.turns[0].text for c in convs}) == num_requests
 
 
-def test_multi_turn_builds_enough_conversations_for_the_request_count(
-        tokenizer: LocalTokenizer) -> None:
+def test_multi_turn_builds_enough_conversations_for_the_request_count(tokenizer: LocalTokenizer) -> None:
     convs = build_dataset(spec("multi-turn", num_requests=10, num_turns=3), tokenizer)
     assert len(convs) == math.ceil(10 / 3)
     assert all(len(c.turns) == 3 and all(t.num_tokens == 32 for t in c.turns) for c in convs)
@@ -103,8 +114,10 @@ def test_later_turns_carry_the_previous_answers() -> None:
     conv = Conversation(0, (Turn("q0", 1, 4), Turn("q1", 1, 4), Turn("q2", 1, 4)), "sys", 1)
     assert conv.messages(2, ["a0", "a1"]) == [
         {"role": "system", "content": "sys"},
-        {"role": "user", "content": "q0"}, {"role": "assistant", "content": "a0"},
-        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q0"},
+        {"role": "assistant", "content": "a0"},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
         {"role": "user", "content": "q2"},
     ]
     assert conv.prompt(1, ["a0"]) == "sys\n\nq0\n\na0\n\nq1"
@@ -115,18 +128,23 @@ def write_jsonl(path: Path, items: list[object]) -> Path:
     return path
 
 
-SHAREGPT = {"conversations": [
-    {"from": "system", "value": "be brief"}, {"from": "human", "value": "what is the time"},
-    {"from": "gpt", "value": "the time is now"}, {"from": "human", "value": "ignored"}]}
-OPENAI_ROLES = {"messages": [{"role": "user", "content": "one two"},
-                             {"role": "assistant", "content": "three"}]}
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "be brief"},
+        {"from": "human", "value": "what is the time"},
+        {"from": "gpt", "value": "the time is now"},
+        {"from": "human", "value": "ignored"},
+    ]
+}
+OPENAI_ROLES = {"messages": [{"role": "user", "content": "one two"}, {"role": "assistant", "content": "three"}]}
 PROMPT_LINE = {"prompt": "hello there", "max_tokens": 7}
 
 
 def test_jsonl_reads_sharegpt_role_and_prompt_shapes(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", [
-        SHAREGPT, OPENAI_ROLES, PROMPT_LINE, {"conversations": [{"from": "gpt", "value": "x"}]},
-        {"prompt": ""}])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [SHAREGPT, OPENAI_ROLES, PROMPT_LINE, {"conversations": [{"from": "gpt", "value": "x"}]}, {"prompt": ""}],
+    )
     assert read_records(path) == [
         ("be brief", "what is the time", "the time is now", None),
         (None, "one two", "three", None),
@@ -147,8 +165,7 @@ def test_jsonl_bad_line_names_its_line(tmp_path: Path) -> None:
         read_records(path)
 
 
-def test_jsonl_output_lengths_come_from_line_answer_or_flag(
-        tmp_path: Path, tokenizer: LocalTokenizer) -> None:
+def test_jsonl_output_lengths_come_from_line_answer_or_flag(tmp_path: Path, tokenizer: LocalTokenizer) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [SHAREGPT, PROMPT_LINE, {"prompt": "no length"}])
     convs = build_dataset(spec("jsonl", path=str(path), seed=0), tokenizer)
     by_prompt = {c.turns[0].text: c for c in convs}
@@ -166,8 +183,9 @@ def test_jsonl_takes_at_most_num_requests(tmp_path: Path, tokenizer: LocalTokeni
     assert len(build_dataset(spec("jsonl", path=str(path), num_requests=4), tokenizer)) == 4
 
 
-@pytest.mark.parametrize("kw", [{"name": "nope"}, {"range_ratio": 1.0}, {"input_len": 0},
-                                {"name": "jsonl"}, {"num_groups": 0}])
+@pytest.mark.parametrize(
+    "kw", [{"name": "nope"}, {"range_ratio": 1.0}, {"input_len": 0}, {"name": "jsonl"}, {"num_groups": 0}]
+)
 def test_bad_dataset_spec_is_rejected(kw: dict[str, object]) -> None:
     name = str(kw.pop("name", "random"))
     with pytest.raises(ValueError):
@@ -182,8 +200,7 @@ def test_multi_token_words_still_report_their_true_length(tmp_path: Path) -> Non
         assert abs(conv.turns[0].num_tokens - 50) <= 1
 
 
-def test_load_tokenizer_prefers_path_then_model_folder_then_approximation(
-        tmp_path: Path) -> None:
+def test_load_tokenizer_prefers_path_then_model_folder_then_approximation(tmp_path: Path) -> None:
     folder = train_tokenizer(tmp_path / "model", 400)
     assert load_tokenizer(str(folder), None, None, None).exact
     assert load_tokenizer(None, None, str(folder), None).name.endswith("tokenizer.json")

@@ -28,8 +28,23 @@ def server() -> Iterator[RunningServer]:
 def bench_serve(server: RunningServer, out: Path, *flags: str) -> list[Result]:
     # temperature 1: a random-weight model decoded greedily can settle on a token that
     # renders as no text, which the bench rightly counts as an empty output.
-    code = main(["serve", "--base-url", server.url("/v1"), "--temperature", "1", "--tokenizer", str(ensure_demo_model()),
-                 "--duration", "120", "--no-progress", "--out", str(out), *flags])
+    code = main(
+        [
+            "serve",
+            "--base-url",
+            server.url("/v1"),
+            "--temperature",
+            "1",
+            "--tokenizer",
+            str(ensure_demo_model()),
+            "--duration",
+            "120",
+            "--no-progress",
+            "--out",
+            str(out),
+            *flags,
+        ]
+    )
     assert code == 0
     return load_results(out)
 
@@ -42,10 +57,23 @@ def prefix_cache_hits(server: RunningServer) -> float:
 
 
 def test_chat_sweep_measures_every_request_with_server_usage(
-        server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "sweep.json"
-    results = bench_serve(server, out, "--concurrency", "1,4", "--num-requests", "4",
-                          "--input-len", "32", "--output-len", "8", "--label", "fp4serve")
+    results = bench_serve(
+        server,
+        out,
+        "--concurrency",
+        "1,4",
+        "--num-requests",
+        "4",
+        "--input-len",
+        "32",
+        "--output-len",
+        "8",
+        "--label",
+        "fp4serve",
+    )
     assert [r["config"]["load_label"] for r in results] == ["c=1", "c=4"]
     for result in results:
         summary, requests = result["summary"], result["requests"]
@@ -66,16 +94,31 @@ def test_chat_sweep_measures_every_request_with_server_usage(
     capsys.readouterr()
     assert main(["plot", str(out), "--out", str(tmp_path / "png")]) == 0
     assert {p.name for p in (tmp_path / "png").glob("*.png")} == {
-        "latency_cdf.png", "latency_vs_throughput.png", "throughput_vs_load.png"}
+        "latency_cdf.png",
+        "latency_vs_throughput.png",
+        "throughput_vs_load.png",
+    }
     assert main(["compare", str(out), str(out)]) == 0
     assert "TTFT p99 (ms)" in capsys.readouterr().out
 
 
-def test_completions_prompts_are_exactly_input_len_tokens(
-        server: RunningServer, tmp_path: Path) -> None:
-    (result,) = bench_serve(server, tmp_path / "c.json", "--endpoint", "completions",
-                            "--concurrency", "2", "--num-requests", "4", "--input-len", "40",
-                            "--output-len", "4", "--range-ratio", "0.5")
+def test_completions_prompts_are_exactly_input_len_tokens(server: RunningServer, tmp_path: Path) -> None:
+    (result,) = bench_serve(
+        server,
+        tmp_path / "c.json",
+        "--endpoint",
+        "completions",
+        "--concurrency",
+        "2",
+        "--num-requests",
+        "4",
+        "--input-len",
+        "40",
+        "--output-len",
+        "4",
+        "--range-ratio",
+        "0.5",
+    )
     requests = result["requests"]
     assert result["summary"]["failed"] == 0
     # Rebuild the same prompts: with no template on /v1/completions the server must count
@@ -90,11 +133,23 @@ def test_completions_prompts_are_exactly_input_len_tokens(
         assert req["output_tokens"] == req["max_tokens"] == turn.max_tokens
 
 
-def test_multi_turn_prompts_grow_by_the_previous_answer(
-        server: RunningServer, tmp_path: Path) -> None:
-    (result,) = bench_serve(server, tmp_path / "m.json", "--dataset", "multi-turn",
-                            "--num-turns", "3", "--concurrency", "2", "--num-requests", "6",
-                            "--input-len", "24", "--output-len", "6")
+def test_multi_turn_prompts_grow_by_the_previous_answer(server: RunningServer, tmp_path: Path) -> None:
+    (result,) = bench_serve(
+        server,
+        tmp_path / "m.json",
+        "--dataset",
+        "multi-turn",
+        "--num-turns",
+        "3",
+        "--concurrency",
+        "2",
+        "--num-requests",
+        "6",
+        "--input-len",
+        "24",
+        "--output-len",
+        "6",
+    )
     assert result["summary"]["failed"] == 0
     by_conv: dict[int, list[tuple[int, int]]] = {}
     for req in result["requests"]:
@@ -107,12 +162,26 @@ def test_multi_turn_prompts_grow_by_the_previous_answer(
         assert all(b - a >= 24 + 3 for a, b in zip(prompts, prompts[1:]))
 
 
-def test_shared_prefix_workload_hits_the_prefix_cache(
-        server: RunningServer, tmp_path: Path) -> None:
+def test_shared_prefix_workload_hits_the_prefix_cache(server: RunningServer, tmp_path: Path) -> None:
     before = prefix_cache_hits(server)
-    (result,) = bench_serve(server, tmp_path / "s.json", "--dataset", "shared-prefix",
-                            "--prefix-len", "64", "--num-groups", "1", "--concurrency", "1",
-                            "--num-requests", "4", "--input-len", "16", "--output-len", "2")
+    (result,) = bench_serve(
+        server,
+        tmp_path / "s.json",
+        "--dataset",
+        "shared-prefix",
+        "--prefix-len",
+        "64",
+        "--num-groups",
+        "1",
+        "--concurrency",
+        "1",
+        "--num-requests",
+        "4",
+        "--input-len",
+        "16",
+        "--output-len",
+        "2",
+    )
     assert result["summary"]["completed"] == 4
     # Three of the four requests reuse at least the prefix's full 16-token pages.
     assert prefix_cache_hits(server) - before >= 3 * 48

@@ -24,9 +24,34 @@ LAYERS = {"qwen3-8b": 1, "qwen3.6-27b": 4, "qwen3-coder-30b-a3b": 1}
 def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     shape = request.param
     out = tmp_path_factory.mktemp(shape) / "gpu.json"
-    assert main(["--device", "cpu", "--tiny", "--shape", shape, "--layers", str(LAYERS[shape]),
-                 "--batch-sizes", *map(str, BATCH_SIZES), "--context", str(CONTEXT), "--reps", "2",
-                 "--num-requests", "4", "--input-len", "16", "--output-len", "4", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--device",
+                "cpu",
+                "--tiny",
+                "--shape",
+                shape,
+                "--layers",
+                str(LAYERS[shape]),
+                "--batch-sizes",
+                *map(str, BATCH_SIZES),
+                "--context",
+                str(CONTEXT),
+                "--reps",
+                "2",
+                "--num-requests",
+                "4",
+                "--input-len",
+                "16",
+                "--output-len",
+                "4",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())
 
 

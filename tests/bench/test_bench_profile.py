@@ -30,9 +30,28 @@ def test_profile_times_each_kind_and_leaves_the_engine_clean(llama_ckpt: Path) -
 
 def test_profile_command_writes_one_profile_per_batch_size(llama_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
-    assert main(["profile", "--model", str(llama_ckpt), "--batch-size", "1,2", "--steps", "2",
-                 "--input-len", "4", "--kv-cache-memory", "16MiB", "--max-model-len", "256",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                str(llama_ckpt),
+                "--batch-size",
+                "1,2",
+                "--steps",
+                "2",
+                "--input-len",
+                "4",
+                "--kv-cache-memory",
+                "16MiB",
+                "--max-model-len",
+                "256",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = orjson.loads(out.read_bytes())
     assert [p["batch_size"] for p in doc["profiles"]] == [1, 2]
     assert all(p["kind_ms"]["matmuls"] > 0 for p in doc["profiles"])

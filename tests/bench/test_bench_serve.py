@@ -58,12 +58,14 @@ class FakeServer:
         config.bind = [f"127.0.0.1:{self.port}"]
         config.accesslog = None
         config.errorlog = None
-        app = Starlette(routes=[
-            Route("/v1/models", self._models),
-            Route("/v1/chat/completions", self._generate, methods=["POST"]),
-            Route("/v1/completions", self._generate, methods=["POST"]),
-            Route("/tokenize", self._tokenize, methods=["POST"]),
-        ])
+        app = Starlette(
+            routes=[
+                Route("/v1/models", self._models),
+                Route("/v1/chat/completions", self._generate, methods=["POST"]),
+                Route("/v1/completions", self._generate, methods=["POST"]),
+                Route("/tokenize", self._tokenize, methods=["POST"]),
+            ]
+        )
         await hypercorn_serve(app, config, shutdown_trigger=self._stop.wait)  # type: ignore[arg-type]
 
     def start(self) -> None:
@@ -123,8 +125,7 @@ class FakeServer:
                 choice.update({"delta": delta} if chat else {"text": delta.get("content", "")})
                 yield _event({"id": "x", "choices": [choice]})
             if model != "fake-nousage":
-                yield _event({"id": "x", "choices": [],
-                              "usage": {"prompt_tokens": 11, "completion_tokens": n}})
+                yield _event({"id": "x", "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": n}})
             yield b"data: [DONE]\n\n"
         finally:
             self.in_flight -= 1
@@ -145,8 +146,7 @@ def server() -> Iterator[FakeServer]:
     srv = FakeServer()
     srv.start()
     # One request first, so no timing test pays the server's first-call costs.
-    asyncio.run(run_load(Target(srv.base_url, "fake"), Load(concurrency=1, num_requests=1),
-                         convs(1, 1)))
+    asyncio.run(run_load(Target(srv.base_url, "fake"), Load(concurrency=1, num_requests=1), convs(1, 1)))
     yield srv
     srv.stop()
 
@@ -158,8 +158,7 @@ def fake(server: FakeServer) -> FakeServer:
 
 
 def convs(n: int, max_tokens: int = 5, turns: int = 1) -> list[Conversation]:
-    return [Conversation(i, tuple(Turn(f"question {i}.{t}", 3, max_tokens) for t in range(turns)))
-            for i in range(n)]
+    return [Conversation(i, tuple(Turn(f"question {i}.{t}", 3, max_tokens) for t in range(turns))) for i in range(n)]
 
 
 def target(fake: FakeServer, model: str = "fake", **kw: object) -> Target:
@@ -172,8 +171,7 @@ def run(t: Target, load: Load, conversations: list[Conversation]) -> tuple[Reque
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_ttft_itl_and_e2e_match_the_server_delays(fake: FakeServer, endpoint: str) -> None:
-    records = run(target(fake, endpoint=endpoint), Load(concurrency=2, num_requests=4),
-                  convs(4, max_tokens=6))
+    records = run(target(fake, endpoint=endpoint), Load(concurrency=2, num_requests=4), convs(4, max_tokens=6))
     assert [r.index for r in records] == [0, 1, 2, 3]
     # NOTE: the server's delays are lower bounds of what the client measures (a loaded machine only
     # adds to them), and the measures must agree with each other.
@@ -187,8 +185,7 @@ def test_ttft_itl_and_e2e_match_the_server_delays(fake: FakeServer, endpoint: st
 
 
 def test_request_asks_for_exact_length_and_usage(fake: FakeServer) -> None:
-    run(target(fake, extra_body={"top_k": 3}), Load(concurrency=1, num_requests=1),
-        convs(1, max_tokens=4))
+    run(target(fake, extra_body={"top_k": 3}), Load(concurrency=1, num_requests=1), convs(1, max_tokens=4))
     (body,) = fake.bodies
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert (body["max_tokens"], body["min_tokens"], body["ignore_eos"]) == (4, 4, True)
@@ -197,8 +194,7 @@ def test_request_asks_for_exact_length_and_usage(fake: FakeServer) -> None:
 
 
 def test_reasoning_delta_counts_for_ttft_but_not_for_the_answer(fake: FakeServer) -> None:
-    records = run(target(fake, "fake-reasoning"), Load(concurrency=1, num_requests=2),
-                  convs(1, max_tokens=3, turns=2))
+    records = run(target(fake, "fake-reasoning"), Load(concurrency=1, num_requests=2), convs(1, max_tokens=3, turns=2))
     assert all(r.ok and r.ttft >= SLEEP_SLACK * TTFT_S for r in records)
     # The second turn carries the first answer: content only, the reasoning left out.
     assert fake.bodies[1]["messages"][1] == {"role": "assistant", "content": " t1 t2"}
@@ -208,13 +204,20 @@ def test_multi_turn_sends_each_answer_with_the_next_turn(fake: FakeServer) -> No
     records = run(target(fake), Load(concurrency=1, num_requests=3), convs(2, 2, turns=2))
     assert [(r.conversation_id, r.turn) for r in records] == [(0, 0), (0, 1), (1, 0)]
     assert [len(b["messages"]) for b in fake.bodies] == [1, 3, 1]
-    assert fake.bodies[1]["messages"][1:] == [{"role": "assistant", "content": " t0 t1"},
-                                              {"role": "user", "content": "question 0.1"}]
+    assert fake.bodies[1]["messages"][1:] == [
+        {"role": "assistant", "content": " t0 t1"},
+        {"role": "user", "content": "question 0.1"},
+    ]
 
 
-@pytest.mark.parametrize(("model", "kind"), [
-    ("fake-500", "http_500"), ("fake-error", "stream_error"), ("fake-truncated", "truncated_stream"),
-])
+@pytest.mark.parametrize(
+    ("model", "kind"),
+    [
+        ("fake-500", "http_500"),
+        ("fake-error", "stream_error"),
+        ("fake-truncated", "truncated_stream"),
+    ],
+)
 def test_failures_are_counted_by_kind(fake: FakeServer, model: str, kind: str) -> None:
     records = run(target(fake, model), Load(concurrency=2, num_requests=3), convs(3, 4))
     assert [r.error for r in records] == [kind] * 3
@@ -239,20 +242,23 @@ def test_missing_usage_falls_back_to_counting_chunks_and_says_so(fake: FakeServe
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
-def test_closed_loop_keeps_exactly_concurrency_in_flight(
-        fake: FakeServer, concurrency: int) -> None:
-    records = run(target(fake, extra_body={"ttft_s": 0.05, "itl_s": 0.02}),
-                  Load(concurrency=concurrency, num_requests=3 * concurrency),
-                  convs(5 * concurrency, 4))
+def test_closed_loop_keeps_exactly_concurrency_in_flight(fake: FakeServer, concurrency: int) -> None:
+    records = run(
+        target(fake, extra_body={"ttft_s": 0.05, "itl_s": 0.02}),
+        Load(concurrency=concurrency, num_requests=3 * concurrency),
+        convs(5 * concurrency, 4),
+    )
     assert len(records) == 3 * concurrency and all(r.ok for r in records)
     assert fake.peak_in_flight == concurrency
 
 
 def test_duration_bound_cancels_what_is_in_flight(fake: FakeServer) -> None:
     # Each request would take 4 s (20 tokens 0.2 s apart): cancelled ones prove the bound cut them.
-    result = asyncio.run(run_load(target(fake, extra_body={"itl_s": 0.2}),
-                                  Load(concurrency=2, num_requests=50, duration_s=0.6),
-                                  convs(50, 20)))
+    result = asyncio.run(
+        run_load(
+            target(fake, extra_body={"itl_s": 0.2}), Load(concurrency=2, num_requests=50, duration_s=0.6), convs(50, 20)
+        )
+    )
     assert result.timed_out and not result.interrupted
     assert [r.error for r in result.records] == [CANCELLED, CANCELLED]
     assert summarize(result.records, result.duration_s)["cancelled"] == 2
@@ -268,8 +274,12 @@ def test_stop_event_ends_the_run_with_what_was_measured(fake: FakeServer) -> Non
             stop.set()
 
         stopper = asyncio.create_task(stop_after_three())
-        result = await run_load(target(fake, extra_body={"ttft_s": 0.05, "itl_s": 0.02}),
-                                Load(concurrency=1, num_requests=100), convs(100, 3), stop=stop)
+        result = await run_load(
+            target(fake, extra_body={"ttft_s": 0.05, "itl_s": 0.02}),
+            Load(concurrency=1, num_requests=100),
+            convs(100, 3),
+            stop=stop,
+        )
         stopper.cancel()
         return result
 
@@ -314,12 +324,33 @@ def test_remote_tokenizer_counts_through_the_tokenize_route(fake: FakeServer) ->
 
 
 def test_serve_plot_compare_commands_end_to_end(
-        fake: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fake: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "sweep.json"
-    code = main(["serve", "--base-url", fake.base_url, "--concurrency", "1,2",
-                 "--num-requests", "3", "--input-len", "8", "--output-len", "3",
-                 "--extra-body", '{"ttft_s": 0.02, "itl_s": 0.01}', "--slo", "ttft=1000",
-                 "--no-progress", "--label", "fakeserve", "--out", str(out)])
+    code = main(
+        [
+            "serve",
+            "--base-url",
+            fake.base_url,
+            "--concurrency",
+            "1,2",
+            "--num-requests",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--extra-body",
+            '{"ttft_s": 0.02, "itl_s": 0.01}',
+            "--slo",
+            "ttft=1000",
+            "--no-progress",
+            "--label",
+            "fakeserve",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "c=1" in printed and "c=2" in printed and "TTFT" in printed

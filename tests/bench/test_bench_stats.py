@@ -21,11 +21,26 @@ DATA = {
 }
 
 
-def make_record(index: int = 0, *, ttft: float | None = 0.1, e2e: float | None = 1.0,
-                output_tokens: int | None = 10, prompt_tokens: int | None = 100,
-                itls: tuple[float, ...] = (), error: str | None = None) -> RequestRecord:
-    return RequestRecord(index=index, send_time=0.0, ttft=ttft, itls=itls, e2e=e2e,
-                         prompt_tokens=prompt_tokens, output_tokens=output_tokens, error=error)
+def make_record(
+    index: int = 0,
+    *,
+    ttft: float | None = 0.1,
+    e2e: float | None = 1.0,
+    output_tokens: int | None = 10,
+    prompt_tokens: int | None = 100,
+    itls: tuple[float, ...] = (),
+    error: str | None = None,
+) -> RequestRecord:
+    return RequestRecord(
+        index=index,
+        send_time=0.0,
+        ttft=ttft,
+        itls=itls,
+        e2e=e2e,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        error=error,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(DATA))
@@ -37,22 +52,25 @@ def test_percentile_matches_numpy_linear_interpolation(name: str, q: float) -> N
 
 def test_distribution_reports_mean_p50_p90_p99_max() -> None:
     d = distribution(DATA["odd"])
-    assert d == {"mean": 5.0, "p50": 5.0, "p90": pytest.approx(8.2), "p99": pytest.approx(8.92),
-                 "max": 9.0}
+    assert d == {"mean": 5.0, "p50": 5.0, "p90": pytest.approx(8.2), "p99": pytest.approx(8.92), "max": 9.0}
 
 
 def test_distribution_of_nothing_is_all_none() -> None:
     assert distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
 
 
-@pytest.mark.parametrize(("ttft", "e2e", "n", "tpot"), [
-    (0.1, 1.0, 10, 0.1),  # 0.9 s for 9 tokens after the first
-    (0.5, 0.5, 2, 0.0),
-    (0.2, 2.2, 5, 0.5),
-    (0.1, 1.0, 1, None),  # undefined for one token
-])
+@pytest.mark.parametrize(
+    ("ttft", "e2e", "n", "tpot"),
+    [
+        (0.1, 1.0, 10, 0.1),  # 0.9 s for 9 tokens after the first
+        (0.5, 0.5, 2, 0.0),
+        (0.2, 2.2, 5, 0.5),
+        (0.1, 1.0, 1, None),  # undefined for one token
+    ],
+)
 def test_tpot_is_e2e_minus_ttft_over_tokens_after_the_first(
-        ttft: float, e2e: float, n: int, tpot: float | None) -> None:
+    ttft: float, e2e: float, n: int, tpot: float | None
+) -> None:
     got = make_record(ttft=ttft, e2e=e2e, output_tokens=n).tpot
     assert got == (None if tpot is None else pytest.approx(tpot))
 
@@ -71,11 +89,14 @@ def test_goodput_counts_requests_meeting_every_objective() -> None:
     assert goodput(records, slo, duration_s=2.0) == 1.5
 
 
-@pytest.mark.parametrize(("text", "slo"), [
-    ("ttft=200,tpot=50", Slo(ttft_ms=200, tpot_ms=50)),
-    ("e2e=1500", Slo(e2e_ms=1500)),
-    ("ttft_ms=10, e2el=20", Slo(ttft_ms=10, e2e_ms=20)),
-])
+@pytest.mark.parametrize(
+    ("text", "slo"),
+    [
+        ("ttft=200,tpot=50", Slo(ttft_ms=200, tpot_ms=50)),
+        ("e2e=1500", Slo(e2e_ms=1500)),
+        ("ttft_ms=10, e2el=20", Slo(ttft_ms=10, e2e_ms=20)),
+    ],
+)
 def test_slo_parses_milliseconds(text: str, slo: Slo) -> None:
     assert Slo.parse(text) == slo
 
@@ -88,8 +109,7 @@ def test_bad_slo_is_rejected(text: str) -> None:
 
 def test_summary_counts_throughput_and_pooled_itl() -> None:
     records = [
-        make_record(0, ttft=0.1, e2e=1.0, output_tokens=10, prompt_tokens=100,
-                    itls=(0.1, 0.1, 0.2)),
+        make_record(0, ttft=0.1, e2e=1.0, output_tokens=10, prompt_tokens=100, itls=(0.1, 0.1, 0.2)),
         make_record(1, ttft=0.3, e2e=2.0, output_tokens=30, prompt_tokens=50, itls=(0.4,)),
         make_record(2, ttft=None, e2e=None, error="http_500", output_tokens=0),
         make_record(3, ttft=None, e2e=None, error="http_500", output_tokens=0),
@@ -140,10 +160,17 @@ def test_infinite_rate_sends_everything_at_once() -> None:
     assert arrival_times(math.inf, 5, seed=0) == [0.0] * 5
 
 
-@pytest.mark.parametrize("kwargs", [
-    {}, {"concurrency": 2, "request_rate": 1.0}, {"concurrency": 0}, {"request_rate": 0.0},
-    {"concurrency": 1, "num_requests": 0}, {"concurrency": 1, "duration_s": 0.0},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"concurrency": 2, "request_rate": 1.0},
+        {"concurrency": 0},
+        {"request_rate": 0.0},
+        {"concurrency": 1, "num_requests": 0},
+        {"concurrency": 1, "duration_s": 0.0},
+    ],
+)
 def test_load_needs_exactly_one_positive_load(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         Load(**kwargs)  # type: ignore[arg-type]

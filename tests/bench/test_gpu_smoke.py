@@ -30,8 +30,14 @@ class FakeStream:
         for i in range(self.n):
             if not self.burst:
                 self.clock.now += 0.005
-            yield SimpleNamespace(usage=None, choices=[SimpleNamespace(delta=SimpleNamespace(content=f"t{i}"),
-                                                                        finish_reason="length" if i == self.n - 1 else None)])
+            yield SimpleNamespace(
+                usage=None,
+                choices=[
+                    SimpleNamespace(
+                        delta=SimpleNamespace(content=f"t{i}"), finish_reason="length" if i == self.n - 1 else None
+                    )
+                ],
+            )
         yield SimpleNamespace(usage=SimpleNamespace(completion_tokens=self.n), choices=[])
 
 

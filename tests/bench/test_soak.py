@@ -22,7 +22,10 @@ MIB = 1 << 20
 def test_a_short_soak_against_the_spawned_demo_server_passes() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bench", "soak", "--spawn", "--duration", "8", "--concurrency", "8"],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
@@ -38,10 +41,19 @@ def test_a_short_soak_against_the_spawned_demo_server_passes() -> None:
 def clean_report(**end: object) -> SoakReport:
     tally = Tally()
     tally.counts.update(greedy=10, ok=5, refused=3, disconnected=2)
-    state = EndState(num_running=0, num_waiting=0, kv_pages_held=0, settled_s=0.1, rss_warm=800 * MIB,
-                     rss_end=810 * MIB, rss_source="/metrics", exit_code=0)
-    return SoakReport(SoakConfig(base_url="http://h/v1", model="m", max_rss_growth_mib=64), tally,
-                      replace(state, **end), "external")
+    state = EndState(
+        num_running=0,
+        num_waiting=0,
+        kv_pages_held=0,
+        settled_s=0.1,
+        rss_warm=800 * MIB,
+        rss_end=810 * MIB,
+        rss_source="/metrics",
+        exit_code=0,
+    )
+    return SoakReport(
+        SoakConfig(base_url="http://h/v1", model="m", max_rss_growth_mib=64), tally, replace(state, **end), "external"
+    )
 
 
 def test_a_clean_run_passes() -> None:
@@ -94,10 +106,12 @@ ERROR = b'{"error": {"message": "no", "type": "invalid_request_error", "param": 
         (503, {"retry-after": "120"}, ERROR, Outcome("overloaded", retry_after_s=5.0)),
         (503, {}, ERROR, Outcome("failed", "x: 503 without a Retry-After in seconds")),
         (500, {}, ERROR, Outcome("failed", f"x: 500 {ERROR[:160]!r}")),
-        (400, {}, b'{"detail": "no"}', Outcome("failed", "x: 400 without an OpenAI error body: b'{\"detail\": \"no\"}'")),
+        (400, {}, b'{"detail": "no"}', Outcome("failed", 'x: 400 without an OpenAI error body: b\'{"detail": "no"}\'')),
     ],
 )
-def test_refusals_count_only_in_openai_shape(status: int, headers: dict[str, str], body: bytes, expected: Outcome) -> None:
+def test_refusals_count_only_in_openai_shape(
+    status: int, headers: dict[str, str], body: bytes, expected: Outcome
+) -> None:
     assert refusal(status, httpx.Headers(headers), body, "x") == expected
 
 

@@ -21,9 +21,11 @@ CONFIG = AbuseSoakConfig(root_url="http://h:1", model="m", user_key="u", abuser_
 
 def clean() -> AbuseSoakResult:
     return AbuseSoakResult(
-        ttfts=[(1.0, 0.2), (2.0, 0.3)], outcomes=Counter({"smuggle 400+closed": 3, "oversized_h2 413": 2}),
+        ttfts=[(1.0, 0.2), (2.0, 0.3)],
+        outcomes=Counter({"smuggle 400+closed": 3, "oversized_h2 413": 2}),
         samples=[{"t": 0.0, "engine_rss_mib": 700.0, "grammar_cache_mib": 10.0, "grammar_budget_mib": 128.0}],
-        in_flight_after=0.0)
+        in_flight_after=0.0,
+    )
 
 
 def test_a_clean_run_passes_and_reports_ttft_and_memory() -> None:
@@ -37,10 +39,15 @@ def test_a_clean_run_passes_and_reports_ttft_and_memory() -> None:
     ("change", "words"),
     [
         (lambda r: r.user_failures.append("429 b'...'"), "well-behaved: 429"),
-        (lambda r: r.outcomes.update({"FAIL smuggle: the hidden request ran": 1}), "FAIL smuggle: the hidden request ran (x1)"),
+        (
+            lambda r: r.outcomes.update({"FAIL smuggle: the hidden request ran": 1}),
+            "FAIL smuggle: the hidden request ran (x1)",
+        ),
         (lambda r: r.outcomes.update({"FAIL huge_enum 500": 2}), "FAIL huge_enum 500 (x2)"),
-        (lambda r: r.samples.append({"t": 1.0, "grammar_cache_mib": 130.0, "grammar_budget_mib": 128.0}),
-         "grammar cache 130.0 MiB, over its budget"),
+        (
+            lambda r: r.samples.append({"t": 1.0, "grammar_cache_mib": 130.0, "grammar_budget_mib": 128.0}),
+            "grammar cache 130.0 MiB, over its budget",
+        ),
         (lambda r: setattr(r, "in_flight_after", 2.0), "2 requests still in flight"),
         (lambda r: r.ttfts.clear(), "no well-behaved request finished"),
     ],
@@ -55,9 +62,26 @@ def test_each_problem_fails_the_run(change: object, words: str) -> None:
 @pytest.mark.slow
 def test_a_short_abuse_soak_against_the_spawned_demo_server_passes(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "soak", "--spawn", "--abuse", "--duration", "5", "--streams", "1",
-         "--abusers", "2", "--out", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=280,
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "soak",
+            "--spawn",
+            "--abuse",
+            "--duration",
+            "5",
+            "--streams",
+            "1",
+            "--abusers",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[-2] == "PASS" and "exited 0 after SIGTERM" in done.stdout

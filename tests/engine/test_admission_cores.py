@@ -56,8 +56,9 @@ def test_a_request_another_core_can_start_is_admitted_past_the_bound() -> None:
         one_core.admit(1, 1)
 
 
-@pytest.mark.parametrize("running,waiting,in_transit,ahead",
-                         list(itertools.product(range(3), range(3), range(3), range(3))))
+@pytest.mark.parametrize(
+    "running,waiting,in_transit,ahead", list(itertools.product(range(3), range(3), range(3), range(3)))
+)
 def test_one_core_keeps_the_rule_it_had(running: int, waiting: int, in_transit: int, ahead: int) -> None:
     admission = Admission(QueueLimits(), MAX_NUM_SEQS)
     admission.on_stats(report(running, waiting, running + waiting))

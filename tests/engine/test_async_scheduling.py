@@ -103,8 +103,19 @@ def params_for(stop_token: int | None) -> list[SamplingParams]:
     return [
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),  # a chunked prefill, then greedy
         SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2),
-        SamplingParams(max_tokens=9, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=3, ignore_eos=True,
-                       presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=2),
+        SamplingParams(
+            max_tokens=9,
+            temperature=0.8,
+            top_k=20,
+            top_p=0.9,
+            min_p=0.05,
+            seed=3,
+            ignore_eos=True,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            repetition_penalty=1.2,
+            min_tokens=2,
+        ),
         SamplingParams(max_tokens=1, temperature=0.0),
         SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_token,) if stop_token is not None else ()),
     ]
@@ -145,8 +156,14 @@ def run_loop(core: Any, params: list[SamplingParams]) -> tuple[dict[str, list[in
 
     inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
     now = time.monotonic()
-    inbox.put(AddRequests(tuple(EngineCoreRequest(f"r{i}", tuple(prompt), p, (511,), now)
-                                for i, (prompt, p) in enumerate(zip(PROMPTS, params)))))
+    inbox.put(
+        AddRequests(
+            tuple(
+                EngineCoreRequest(f"r{i}", tuple(prompt), p, (511,), now)
+                for i, (prompt, p) in enumerate(zip(PROMPTS, params))
+            )
+        )
+    )
     thread = threading.Thread(target=EngineCoreLoop(core, emit).run, args=(inbox,))
     thread.start()
     assert all_done.wait(120), f"finished only {sorted(finished)}"
@@ -157,8 +174,7 @@ def run_loop(core: Any, params: list[SamplingParams]) -> tuple[dict[str, list[in
 
 @pytest.fixture(scope="module")
 def cores(qwen3_ckpt: Path) -> dict[bool, EngineCore]:
-    base = dict(model=str(qwen3_ckpt), dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16,
-                block_size=4)
+    base = dict(model=str(qwen3_ckpt), dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16, block_size=4)
     return {on: EngineCore(EngineConfig(**base, async_scheduling=on)) for on in (False, True)}  # type: ignore[arg-type]
 
 
@@ -205,8 +221,14 @@ def test_an_abort_while_a_step_is_in_flight_frees_its_pages(cores: dict[bool, En
 
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     now = time.monotonic()
-    inbox.put(AddRequests((EngineCoreRequest("a", (5, 6, 7), greedy, (511,), now),
-                           EngineCoreRequest("b", (8, 9), greedy, (511,), now))))
+    inbox.put(
+        AddRequests(
+            (
+                EngineCoreRequest("a", (5, 6, 7), greedy, (511,), now),
+                EngineCoreRequest("b", (8, 9), greedy, (511,), now),
+            )
+        )
+    )
     thread = threading.Thread(target=EngineCoreLoop(core, emit).run, args=(inbox,))
     thread.start()
     assert b_done.wait(120)

@@ -13,8 +13,8 @@ import torch
 
 from engine.attention.select import choose_backend, flashinfer_import_error, make_backend
 from engine.attention.torch_ref import TorchAttentionBackend
-from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
+from engine.weights.config.model_config import ModelConfig
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 BS = 4  # tokens per KV page in these tests
@@ -31,16 +31,25 @@ def test_auto_picks_flashinfer_on_cuda_when_it_imports_and_covers_the_model() ->
     assert choose_backend("flashinfer", CUDA, True, dtype=torch.float16, head_dim=64) == "flashinfer"
 
 
-@pytest.mark.parametrize(("device", "available", "dtype", "head_dim", "reason"), [
-    # On a CPU, auto takes the compiled paged-attention ops (tests/kernels/test_cpu_attention.py) unless
-    # they do not cover the dtypes, as float16 activations over a bf16 cache.
-    (CPU, True, torch.float16, 16, "paged-attention ops do not cover float16 activations with a bfloat16 KV cache"),
-    (CUDA, False, torch.bfloat16, 128, "flashinfer does not import here"),
-    (CUDA, True, torch.float32, 128, "does not cover dtype float32"),
-    (CUDA, True, torch.bfloat16, 80, "does not cover head_dim 80"),
-])
-def test_auto_falls_back_to_torch_and_logs_why(device: torch.device, available: bool, dtype: torch.dtype,
-                                               head_dim: int, reason: str, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("device", "available", "dtype", "head_dim", "reason"),
+    [
+        # On a CPU, auto takes the compiled paged-attention ops (tests/kernels/test_cpu_attention.py) unless
+        # they do not cover the dtypes, as float16 activations over a bf16 cache.
+        (CPU, True, torch.float16, 16, "paged-attention ops do not cover float16 activations with a bfloat16 KV cache"),
+        (CUDA, False, torch.bfloat16, 128, "flashinfer does not import here"),
+        (CUDA, True, torch.float32, 128, "does not cover dtype float32"),
+        (CUDA, True, torch.bfloat16, 80, "does not cover head_dim 80"),
+    ],
+)
+def test_auto_falls_back_to_torch_and_logs_why(
+    device: torch.device,
+    available: bool,
+    dtype: torch.dtype,
+    head_dim: int,
+    reason: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     with caplog.at_level(logging.INFO, logger="fp4serve.attention"):
         kv_dtype = torch.bfloat16 if device.type == "cpu" else None
         assert choose_backend("auto", device, available, dtype=dtype, head_dim=head_dim, kv_dtype=kv_dtype) == "torch"
@@ -49,13 +58,17 @@ def test_auto_falls_back_to_torch_and_logs_why(device: torch.device, available: 
     assert record.levelno == (logging.WARNING if device.type == "cuda" else logging.INFO)
 
 
-@pytest.mark.parametrize(("device", "available", "dtype", "head_dim", "reason"), [
-    (CPU, True, None, None, "needs a CUDA device, this run uses cpu"),
-    (CUDA, False, None, None, "flashinfer does not import here"),
-    (CUDA, True, torch.float32, 128, "does not cover dtype float32"),
-])
+@pytest.mark.parametrize(
+    ("device", "available", "dtype", "head_dim", "reason"),
+    [
+        (CPU, True, None, None, "needs a CUDA device, this run uses cpu"),
+        (CUDA, False, None, None, "flashinfer does not import here"),
+        (CUDA, True, torch.float32, 128, "does not cover dtype float32"),
+    ],
+)
 def test_flashinfer_where_it_cannot_run_is_a_one_line_config_error(
-        device: torch.device, available: bool, dtype: torch.dtype | None, head_dim: int | None, reason: str) -> None:
+    device: torch.device, available: bool, dtype: torch.dtype | None, head_dim: int | None, reason: str
+) -> None:
     with pytest.raises(ConfigError) as e:
         choose_backend("flashinfer", device, available, dtype=dtype, head_dim=head_dim)
     message = str(e.value)

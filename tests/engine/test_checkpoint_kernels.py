@@ -11,19 +11,31 @@ from typing import Any
 import pytest
 import torch
 
-from engine.batch import ForwardBatch, build_forward_batch
 from engine.attention.checkpoint_pool import CheckpointPool
-from engine.weights.config.hybrid_config import HybridConfig
+from engine.attention.gated_delta import (
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    conv_states_at,
+    sequential_gated_delta_rule,
+)
 from engine.attention.linear_attention import TorchLinearAttentionBackend
 from engine.attention.linear_attention_fla import FlaLinearAttentionBackend, Round
-from engine.attention.gated_delta import (causal_conv1d, chunk_gated_delta_rule, conv_states_at,
-                                       sequential_gated_delta_rule)
 from engine.attention.state_pool import StatePool
+from engine.batch import ForwardBatch, build_forward_batch
+from engine.weights.config.hybrid_config import HybridConfig
 from scheduler.output import CheckpointSave, ScheduledRequest, SchedulerOutput
 
 CPU = torch.device("cpu")
-HYBRID = HybridConfig(layer_types=("linear_attention", "full_attention"), num_k_heads=2, num_v_heads=4,
-                      head_k_dim=8, head_v_dim=8, conv_kernel=4, partial_rotary_factor=0.25, has_vision=False)
+HYBRID = HybridConfig(
+    layer_types=("linear_attention", "full_attention"),
+    num_k_heads=2,
+    num_v_heads=4,
+    head_k_dim=8,
+    head_v_dim=8,
+    conv_kernel=4,
+    partial_rotary_factor=0.25,
+    has_vision=False,
+)
 
 
 def rule_inputs(batch: int, length: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -40,33 +52,55 @@ def test_states_inside_a_row_equal_the_recurrence_over_its_prefix(chunk_size: in
     q, k, v, g, beta, state = rule_inputs(3, 37)
     wanted = [(0, 1), (1, 4), (2, 5), (0, 16), (1, 17), (2, 36), (0, 37), (1, 33)]
     chunked, stepped = torch.empty(len(wanted), 4, 8, 8), torch.empty(len(wanted), 4, 8, 8)
-    out, final = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=chunk_size, snapshots=wanted,
-                                        snapshot_states=chunked)
+    out, final = chunk_gated_delta_rule(
+        q, k, v, g, beta, state, chunk_size=chunk_size, snapshots=wanted, snapshot_states=chunked
+    )
     out2, final2 = sequential_gated_delta_rule(q, k, v, g, beta, state, snapshots=wanted, snapshot_states=stepped)
     torch.testing.assert_close(out, out2, atol=2e-5, rtol=2e-5)  # the snapshots change nothing else
     torch.testing.assert_close(final, final2, atol=2e-5, rtol=2e-5)
     for i, (row, t) in enumerate(wanted):
-        _, ref = sequential_gated_delta_rule(*(x[row:row + 1, :t] for x in (q, k, v, g, beta)), state[row:row + 1])
+        _, ref = sequential_gated_delta_rule(*(x[row : row + 1, :t] for x in (q, k, v, g, beta)), state[row : row + 1])
         torch.testing.assert_close(chunked[i], ref[0], atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(stepped[i], ref[0], atol=1e-6, rtol=1e-6)
 
 
 def test_conv_states_part_way_equal_the_end_state_of_a_shorter_row() -> None:
     g = torch.Generator().manual_seed(1)
-    x, state, weight = torch.randn(2, 6, 9, generator=g), torch.randn(2, 6, 3, generator=g), torch.randn(6, 4, generator=g)
+    x, state, weight = (
+        torch.randn(2, 6, 9, generator=g),
+        torch.randn(2, 6, 3, generator=g),
+        torch.randn(6, 4, generator=g),
+    )
     rows, done = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([1, 2, 3, 5, 9])  # 1 and 2 reach into the old state
     got = conv_states_at(x, state, weight, rows, done)
     for i, (row, n) in enumerate(zip(rows.tolist(), done.tolist())):
-        _, ref = causal_conv1d(x[row:row + 1, :, :n], state[row:row + 1], weight, torch.tensor([n]))
+        _, ref = causal_conv1d(x[row : row + 1, :, :n], state[row : row + 1], weight, torch.tensor([n]))
         torch.testing.assert_close(got[i], ref[0])
 
 
-def batch_of(requests: list[tuple[int, int, int, tuple[int, ...]]], saves: dict[int, list[tuple[int, int]]]) -> ForwardBatch:
+def batch_of(
+    requests: list[tuple[int, int, int, tuple[int, ...]]], saves: dict[int, list[tuple[int, int]]]
+) -> ForwardBatch:
     """(start, new tokens, slot, block table) per request; saves: request -> (tokens done, checkpoint)."""
-    return build_forward_batch(SchedulerOutput(tuple(
-        ScheduledRequest(f"r{i}", tuple(range(1, n + 1)), start, table, True, state_slot=slot,
-                         checkpoint_saves=tuple(CheckpointSave(c, start + d) for d, c in saves.get(i, ())))
-        for i, (start, n, slot, table) in enumerate(requests)), ()), 4, CPU)
+    return build_forward_batch(
+        SchedulerOutput(
+            tuple(
+                ScheduledRequest(
+                    f"r{i}",
+                    tuple(range(1, n + 1)),
+                    start,
+                    table,
+                    True,
+                    state_slot=slot,
+                    checkpoint_saves=tuple(CheckpointSave(c, start + d) for d, c in saves.get(i, ())),
+                )
+                for i, (start, n, slot, table) in enumerate(requests)
+            ),
+            (),
+        ),
+        4,
+        CPU,
+    )
 
 
 def layer_inputs(t: int, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]:
@@ -79,21 +113,34 @@ def layer_inputs(t: int, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], 
     return (x, weight), (q, k, v, decay, torch.rand(t, 4, generator=g))
 
 
-def run_layer(backend: TorchLinearAttentionBackend, batch: ForwardBatch, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def run_layer(
+    backend: TorchLinearAttentionBackend, batch: ForwardBatch, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     (x, weight), rule = layer_inputs(batch.num_tokens, seed)
     backend.plan(batch)
     return backend.conv(0, x, weight), backend.delta_rule(0, *rule)
 
 
-def fla_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 initial_state: torch.Tensor, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
-                 cu_seqlens: torch.Tensor, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def fla_stand_in(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: torch.Tensor,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fla-core's varlen chunk_gated_delta_rule signature over the torch recurrence."""
     assert output_final_state and use_qk_l2norm_in_kernel and q.shape[0] == 1
     outs, finals = [], []
     bounds = cu_seqlens.tolist()
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        o, f = sequential_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state[i:i + 1])
+        o, f = sequential_gated_delta_rule(
+            q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state[i : i + 1]
+        )
         outs.append(o)
         finals.append(f)
     return torch.cat(outs, dim=1), torch.cat(finals)
@@ -143,8 +190,9 @@ def test_backends_keep_the_states_a_split_step_would_end_with(backend_kind: str)
             cut.conv(0, conv_in[0][rows], conv_in[1])
             cut.delta_rule(0, *(x[rows] for x in rule_in))
             torch.testing.assert_close(checkpoints.conv[0, checkpoint_id], alone.conv[0, slot])
-            torch.testing.assert_close(checkpoints.recurrent[0, checkpoint_id], alone.recurrent[0, slot],
-                                       atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(
+                checkpoints.recurrent[0, checkpoint_id], alone.recurrent[0, slot], atol=2e-5, rtol=2e-5
+            )
 
 
 def test_fla_rounds_cut_each_request_at_its_kept_states() -> None:
@@ -164,7 +212,9 @@ def test_the_pool_copies_states_and_pages_both_ways() -> None:
     kv = [torch.randn(8, 2, 4, 2, 8)]
     checkpoints.save(slots, [4, 1], [2, 0])
     checkpoints.save_pages(kv, [4], [6])
-    assert torch.equal(checkpoints.recurrent[:, 4], slots.recurrent[:, 2]) and torch.equal(checkpoints.conv[:, 1], slots.conv[:, 0])
+    assert torch.equal(checkpoints.recurrent[:, 4], slots.recurrent[:, 2]) and torch.equal(
+        checkpoints.conv[:, 1], slots.conv[:, 0]
+    )
     other = StatePool(HYBRID, 4, CPU)
     checkpoints.restore(other, [4], [3])
     checkpoints.restore_pages(kv, [4], [1])

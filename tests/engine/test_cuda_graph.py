@@ -4,7 +4,7 @@ stood in for by re-running the captured function)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +13,14 @@ import torch
 
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch
+from engine.cuda_graph import (
+    PADDING_REQUEST_ID,
+    CudaGraphRunner,
+    DecodeBuckets,
+    graphs_disabled_reason,
+    pad_decode_batch,
+)
 from engine.weights.config.model_config import ModelConfig
-from engine.cuda_graph import PADDING_REQUEST_ID, CudaGraphRunner, DecodeBuckets, graphs_disabled_reason, \
-    pad_decode_batch
 from engine.weights.loader import load_model
 from tests.factories import forward_batch
 from tests.graph_fakes import FakeCapturer, GraphableTorchBackend
@@ -25,17 +30,24 @@ BS = 4  # tokens per KV page in these tests (forward_batch's default)
 
 
 # ---- buckets and padding ---------------------------------------------------------------------------
-@pytest.mark.parametrize(("max_num_seqs", "sizes"), [
-    (1, (1,)), (3, (1, 2, 3)), (16, (1, 2, 4, 8, 16)), (33, (1, 2, 4, 8, 16, 24, 32, 33)),
-    (100, (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100)),
-    (128, (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)),
-])
+@pytest.mark.parametrize(
+    ("max_num_seqs", "sizes"),
+    [
+        (1, (1,)),
+        (3, (1, 2, 3)),
+        (16, (1, 2, 4, 8, 16)),
+        (33, (1, 2, 4, 8, 16, 24, 32, 33)),
+        (100, (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100)),
+        (128, (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)),
+    ],
+)
 def test_buckets_step_finely_then_by_16_and_end_at_max_num_seqs(max_num_seqs: int, sizes: tuple[int, ...]) -> None:
     assert DecodeBuckets.up_to(max_num_seqs).sizes == sizes
 
 
-@pytest.mark.parametrize(("batch_size", "bucket"), [
-    (0, None), (1, 1), (3, 4), (8, 8), (9, 16), (17, 24), (33, 48), (64, 64), (65, None)])
+@pytest.mark.parametrize(
+    ("batch_size", "bucket"), [(0, None), (1, 1), (3, 4), (8, 8), (9, 16), (17, 24), (33, 48), (64, 64), (65, None)]
+)
 def test_a_batch_replays_the_smallest_bucket_that_holds_it(batch_size: int, bucket: int | None) -> None:
     assert DecodeBuckets.up_to(64).bucket_for(batch_size) == bucket
 
@@ -65,8 +77,6 @@ def test_padding_a_full_bucket_is_the_batch_itself() -> None:
 def test_only_pure_decode_batches_are_padded() -> None:
     with pytest.raises(AssertionError, match="pure-decode"):
         pad_decode_batch(forward_batch(("a", 0, 5, [3, 5]), ("b", 8, 1, [0, 1, 2])), 4, scratch_page=40)
-
-
 
 
 # ---- the graph runner, with capture stood in for ---------------------------------------------------------

@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from engine.attention.hybrid_backend import HybridBackend
 from engine.attention.gated_delta import sequential_gated_delta_rule
+from engine.attention.hybrid_backend import HybridBackend
 from engine.attention.linear_attention import TorchLinearAttentionBackend
 from engine.attention.linear_attention_fla import FlaLinearAttentionBackend
 from engine.attention.state_pool import StatePool
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch, build_forward_batch
-from engine.weights.config.model_config import ModelConfig
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason, pad_decode_batch
+from engine.weights.config.model_config import ModelConfig
 from engine.weights.loader import load_model
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from tests.factories import make_hybrid_checkpoint
@@ -48,34 +48,61 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ModelConfig]:
 
 def batch_of(*reqs: Req, slots: dict[str, int] = SLOTS) -> ForwardBatch:
     """Token ids follow the position (a draft's too), so repeated runs feed the same tokens."""
-    return build_forward_batch(SchedulerOutput(tuple(
-        ScheduledRequest(rid, tuple((7 * p + 3) % 500 for p in range(start, start + n)), start, tuple(TABLES[rid]), True,
-                         state_slot=slots[rid], num_draft_tokens=drafts)
-        for rid, start, n, drafts in reqs), ()), BS, CPU)
+    return build_forward_batch(
+        SchedulerOutput(
+            tuple(
+                ScheduledRequest(
+                    rid,
+                    tuple((7 * p + 3) % 500 for p in range(start, start + n)),
+                    start,
+                    tuple(TABLES[rid]),
+                    True,
+                    state_slot=slots[rid],
+                    num_draft_tokens=drafts,
+                )
+                for rid, start, n, drafts in reqs
+            ),
+            (),
+        ),
+        BS,
+        CPU,
+    )
 
 
 def caches_for(cfg: ModelConfig) -> list[torch.Tensor]:
     return [torch.zeros(NUM_PAGES + 1, 2, BS, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_kv_layers)]
 
 
-def graph_runner(tiny: tuple[Any, ModelConfig], sizes: tuple[int, ...], verify_query_len: int | None = None
-                 ) -> tuple[CudaGraphRunner, StrictCapturer, StatePool]:
+def graph_runner(
+    tiny: tuple[Any, ModelConfig], sizes: tuple[int, ...], verify_query_len: int | None = None
+) -> tuple[CudaGraphRunner, StrictCapturer, StatePool]:
     model, cfg = tiny
     attention = GraphableTorchBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, CPU)
     pool = StatePool(cfg.hybrid, NUM_SLOTS, CPU)
     backend = HybridBackend(attention, TorchLinearAttentionBackend(pool, CPU))
     capturer = StrictCapturer(exempt=attention.plan_storages)
-    runner = CudaGraphRunner(model, caches_for(cfg), backend, DecodeBuckets(sizes), SCRATCH_PAGE, 4, capturer,
-                             verify_query_len=verify_query_len)
+    runner = CudaGraphRunner(
+        model,
+        caches_for(cfg),
+        backend,
+        DecodeBuckets(sizes),
+        SCRATCH_PAGE,
+        4,
+        capturer,
+        verify_query_len=verify_query_len,
+    )
     return runner, capturer, pool
 
 
-def eager_runner(tiny: tuple[Any, ModelConfig]) -> tuple[Callable[[ForwardBatch], torch.Tensor], list[torch.Tensor],
-                                                         StatePool]:
+def eager_runner(
+    tiny: tuple[Any, ModelConfig],
+) -> tuple[Callable[[ForwardBatch], torch.Tensor], list[torch.Tensor], StatePool]:
     model, cfg = tiny
     caches, pool = caches_for(cfg), StatePool(cfg.hybrid, NUM_SLOTS, CPU)
-    backend = HybridBackend(TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, CPU),
-                            TorchLinearAttentionBackend(pool, CPU))
+    backend = HybridBackend(
+        TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, CPU),
+        TorchLinearAttentionBackend(pool, CPU),
+    )
 
     def forward(batch: ForwardBatch) -> torch.Tensor:
         backend.plan(batch)
@@ -168,7 +195,9 @@ def test_padded_rows_leave_every_other_slot_and_page_bit_identical(tiny: Any) ->
     runner.forward(batch)
     real = [SLOTS[r] for r in ("r0", "r2", "r4")]
     for slot in range(NUM_SLOTS):
-        same = torch.equal(pool.conv[:, slot], conv[:, slot]) and torch.equal(pool.recurrent[:, slot], recurrent[:, slot])
+        same = torch.equal(pool.conv[:, slot], conv[:, slot]) and torch.equal(
+            pool.recurrent[:, slot], recurrent[:, slot]
+        )
         assert same == (slot not in real), f"slot {slot}"
     written = batch.slot_mapping.tolist()  # page * BS + offset of each real row's new K/V
     for got, before in zip(runner.kv_caches, caches):
@@ -185,10 +214,12 @@ def test_slot_indices_are_refilled_between_replays_of_one_bucket(tiny: Any) -> N
     eager, _, eager_pool = eager_runner(tiny)
     linear = runner.backend.linear  # type: ignore[attr-defined]
     address = linear._graph_slots.data_ptr()
-    for batch in (prefill(*PROMPT),
-                  batch_of(*[(r, PROMPT[r], 1, 0) for r in ("r0", "r1", "r2")]),
-                  batch_of(*[(r, PROMPT[r], 1, 0) for r in ("r3", "r4")]),  # other requests, other slots
-                  batch_of(*[(r, PROMPT[r] + 1, 1, 0) for r in ("r4", "r0", "r3", "r1")])):
+    for batch in (
+        prefill(*PROMPT),
+        batch_of(*[(r, PROMPT[r], 1, 0) for r in ("r0", "r1", "r2")]),
+        batch_of(*[(r, PROMPT[r], 1, 0) for r in ("r3", "r4")]),  # other requests, other slots
+        batch_of(*[(r, PROMPT[r] + 1, 1, 0) for r in ("r4", "r0", "r3", "r1")]),
+    ):
         torch.testing.assert_close(runner.forward(batch), eager(batch), rtol=1e-5, atol=1e-5)
     assert capturer.graphs[0].replays == 3
     assert linear._graph_slots.data_ptr() == address
@@ -225,15 +256,24 @@ def test_verify_graphs_are_skipped_for_backends_without_them(tiny: Any) -> None:
     model, cfg = tiny
     attention = TorchAttentionBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, CPU)
     backend = HybridBackend(attention, TorchLinearAttentionBackend(StatePool(cfg.hybrid, NUM_SLOTS, CPU), CPU))
-    runner = CudaGraphRunner(model, caches_for(cfg), backend, DecodeBuckets((1, 2)), SCRATCH_PAGE, 4, FakeCapturer(),
-                             verify_query_len=1 + K)
+    runner = CudaGraphRunner(
+        model, caches_for(cfg), backend, DecodeBuckets((1, 2)), SCRATCH_PAGE, 4, FakeCapturer(), verify_query_len=1 + K
+    )
     assert runner.verify_query_len is None
 
 
 # ---- the fla backend's graph path (its batch-layout kernel stood in for by the torch recurrence) ------------
-def fla_batch_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       initial_state: torch.Tensor, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
-                       **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def fla_batch_stand_in(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fla-core's fused_recurrent_gated_delta_rule in its batch layout: [B, L, H, D], one sequence per row."""
     assert output_final_state and use_qk_l2norm_in_kernel and kwargs.get("cu_seqlens") is None
     return sequential_gated_delta_rule(q, k, v, g, beta, initial_state)
@@ -265,7 +305,13 @@ def test_fla_graph_step_equals_the_torch_backend_eagerly(tiny: Any, rows: int) -
     decay = -torch.nn.functional.softplus(torch.randn(4 * rows, h.num_v_heads, generator=g))
     beta = torch.rand(4 * rows, h.num_v_heads, generator=g)
     torch.testing.assert_close(fla.conv(0, x, weight)[:t], ref.conv(0, x[:t], weight))
-    torch.testing.assert_close(fla.delta_rule(0, q, k, v, decay, beta)[:t],
-                               ref.delta_rule(0, q[:t], k[:t], v[:t], decay[:t], beta[:t]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fla.delta_rule(0, q, k, v, decay, beta)[:t],
+        ref.delta_rule(0, q[:t], k[:t], v[:t], decay[:t], beta[:t]),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     torch.testing.assert_close(fla_pool.conv[:, :NUM_SLOTS], ref_pool.conv[:, :NUM_SLOTS])
-    torch.testing.assert_close(fla_pool.recurrent[:, :NUM_SLOTS], ref_pool.recurrent[:, :NUM_SLOTS], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        fla_pool.recurrent[:, :NUM_SLOTS], ref_pool.recurrent[:, :NUM_SLOTS], rtol=1e-5, atol=1e-5
+    )

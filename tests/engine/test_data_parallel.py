@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from api.ops.stats import StatsFeed
-from engine.front.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core_types import EngineCoreOutputs, GrammarCacheStats, Owner
+from engine.front.async_engine import AsyncEngine
 from engine.front.metrics import EngineMetrics
 from engine.front.outputs import RequestOutput
 from scheduler.request import SamplingParams
@@ -46,8 +46,10 @@ def finished(engine: AsyncEngine, core: int) -> float:
     """Samples engine core `core` finished, from its vLLM-named series."""
     registry = engine.metrics.registry
     labels = {"model_name": engine.info.model_name, "engine": str(core)}
-    return sum(registry.get_sample_value("vllm:request_success_total", {**labels, "finished_reason": reason}) or 0.0
-               for reason in ("stop", "length", "abort", "error"))
+    return sum(
+        registry.get_sample_value("vllm:request_success_total", {**labels, "finished_reason": reason}) or 0.0
+        for reason in ("stop", "length", "abort", "error")
+    )
 
 
 def prefix_hits(engine: AsyncEngine, core: int) -> float:
@@ -83,8 +85,14 @@ def test_our_series_sum_the_cores_and_vllms_are_per_core(qwen3_ckpt: Path) -> No
         while engine.stats().num_running:  # the last reports
             await asyncio.sleep(0.01)
         registry = engine.metrics.registry
-        ours = {name: registry.get_sample_value(name) or 0.0 for name in (
-            "fp4serve_prefix_cache_queries_total", "fp4serve_prefix_cache_hits_total", "fp4serve_kv_cache_pages_total")}
+        ours = {
+            name: registry.get_sample_value(name) or 0.0
+            for name in (
+                "fp4serve_prefix_cache_queries_total",
+                "fp4serve_prefix_cache_hits_total",
+                "fp4serve_kv_cache_pages_total",
+            )
+        }
         return StatsFeed().read([registry]), ours
 
     stats, ours = run_two_cores(qwen3_ckpt, body)
@@ -172,7 +180,9 @@ def test_a_lost_core_ends_only_the_requests_it_held(qwen3_ckpt: Path) -> None:
     rests, cores, after = run_two_cores(qwen3_ckpt, body)
     for outs, core in zip(rests, cores):
         if core == 1:
-            assert outs[-1].error is not None and "engine core 1 was lost" in outs[-1].error and "retry" in outs[-1].error
+            assert (
+                outs[-1].error is not None and "engine core 1 was lost" in outs[-1].error and "retry" in outs[-1].error
+            )
         else:
             assert outs[-1].error is None and outs[-1].finish_reason == "length" and len(tokens_of(outs)) == 60
     assert after[-1].finish_reason == "length" and len(tokens_of(after)) == GREEDY.max_tokens
@@ -185,8 +195,9 @@ def test_a_core_is_told_the_other_cores_fair_share_counts_before_new_requests(qw
         return [out async for out in engine.generate(prompt, params, request_id, owner=Owner(key=key))]
 
     async def body(engine: AsyncEngine) -> None:
-        await asyncio.gather(*(collect_as(engine, f"{key}{i}", prompt_for(i), key)
-                               for i in range(4) for key in ("heavy", "light")))
+        await asyncio.gather(
+            *(collect_as(engine, f"{key}{i}", prompt_for(i), key) for i in range(4) for key in ("heavy", "light"))
+        )
         schedulers = [client.core.scheduler for client in engine.clients]  # type: ignore[attr-defined]
         charged = [dict(s.fair.charged) for s in schedulers]
         assert all(charged), "both cores should have served"

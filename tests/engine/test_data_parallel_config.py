@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from api.cli import build_parser, main, server_config
-from engine.client import core_client
-from engine.config import EngineConfig
 from engine.cache_events.config import KVEventsConfig
-from engine.errors import ConfigError
+from engine.client import core_client
 from engine.client.core_client import CoreDevice
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 
 EVENTS = dict(enable_kv_cache_events=True, publisher="zmq")
 
@@ -28,21 +28,32 @@ def test_the_flag_and_its_short_form_map_onto_the_config() -> None:
         assert server_config(build_parser().parse_args(["serve", *argv])).engine.data_parallel_size == 3
 
 
-@pytest.mark.parametrize(("argv", "words"), [
-    (["-dp", "0"], "--data-parallel-size: must be positive"),
-    (["-dp", "2", "--in-process-engine"], "drop --in-process-engine"),
-    (["-dp", "2", "--kv-events-config",
-      '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'],
-     "tcp://*:5558"),
-])
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["-dp", "0"], "--data-parallel-size: must be positive"),
+        (["-dp", "2", "--in-process-engine"], "drop --in-process-engine"),
+        (
+            [
+                "-dp",
+                "2",
+                "--kv-events-config",
+                '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}',
+            ],
+            "tcp://*:5558",
+        ),
+    ],
+)
 def test_bad_values_exit_2_saying_why(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", *argv]) == 2
     assert words in capsys.readouterr().err
 
 
 def test_each_core_publishes_on_its_own_sockets() -> None:
-    config = EngineConfig(data_parallel_size=3, kv_events_config=KVEventsConfig(
-        **EVENTS, endpoint="tcp://*:5557", replay_endpoint="tcp://*:5600"))
+    config = EngineConfig(
+        data_parallel_size=3,
+        kv_events_config=KVEventsConfig(**EVENTS, endpoint="tcp://*:5557", replay_endpoint="tcp://*:5600"),
+    )
     ranks = [config.for_rank(rank) for rank in range(3)]
     assert [c.data_parallel_rank for c in ranks] == [0, 1, 2]
     assert [c.kv_events_config.endpoint for c in ranks] == ["tcp://*:5557", "tcp://*:5558", "tcp://*:5559"]
@@ -76,8 +87,7 @@ def test_on_cpus_each_core_gets_its_own_slice(machine: Any) -> None:
     assert crowded == CoreDevice(5, None, (), 1) and crowded.describe() == "every CPU, 1 torch thread"
 
 
-def test_on_gpus_each_core_gets_its_own_and_too_few_is_an_error(machine: Any,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_gpus_each_core_gets_its_own_and_too_few_is_an_error(machine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     machine(2)
     config = EngineConfig(data_parallel_size=2)
     assert [CoreDevice.for_rank(config, r).gpu for r in range(2)] == ["0", "1"]

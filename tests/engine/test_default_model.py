@@ -30,8 +30,11 @@ def test_the_suite_runs_the_demo_by_default_and_users_get_smollm2(monkeypatch: p
     monkeypatch.delenv(DEFAULT_MODEL_ENV)
     assert default_model() == DEFAULT_MODEL_NAME == model_name(None) == "smollm2-135m-instruct"
     monkeypatch.setenv(DEFAULT_MODEL_ENV, "gpt-4")
-    with pytest.raises(ConfigError, match=r"\$FP4SERVE_DEFAULT_MODEL: 'gpt-4' is not one of smollm2-135m-instruct, "
-                       "fp4serve-demo-qwen3"):
+    with pytest.raises(
+        ConfigError,
+        match=r"\$FP4SERVE_DEFAULT_MODEL: 'gpt-4' is not one of smollm2-135m-instruct, "
+        "fp4serve-demo-qwen3",
+    ):
         default_model()
 
 

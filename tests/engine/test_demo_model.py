@@ -27,7 +27,14 @@ from tokenizers import Tokenizer
 
 import engine.weights.demo_model as demo
 import engine.weights.qwen_tokenizer as qwen_tokenizer
-from engine.weights.demo_model import DEMO_DIRNAME, DEMO_MODEL_NAME, MARKER_FILE, DemoArchitecture, demo_weights, ensure_demo_model
+from engine.weights.demo_model import (
+    DEMO_DIRNAME,
+    DEMO_MODEL_NAME,
+    MARKER_FILE,
+    DemoArchitecture,
+    demo_weights,
+    ensure_demo_model,
+)
 from engine.weights.qwen_tokenizer import (
     QWEN3_ADDED_TOKENS,
     QWEN_PRETOKENIZE_REGEX,
@@ -249,13 +256,26 @@ def test_cold_build_logs_its_steps_and_merge_progress(built: DemoBuild) -> None:
 
 # ----------------------------------------------------------------------------- checkpoint
 
+
 def test_checkpoint_config_is_the_demo_qwen3(built: DemoBuild) -> None:
     config = json.loads((built.path / "config.json").read_text())
     expected = {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 256,
-        "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
     }
     assert {key: config[key] for key in expected} == expected
     generation = json.loads((built.path / "generation_config.json").read_text())
@@ -287,7 +307,11 @@ def test_marker_records_every_file_hash(built: DemoBuild) -> None:
     del actual[MARKER_FILE]
     assert hashes == actual
     assert sorted(actual) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
 
 
@@ -424,9 +448,7 @@ def render(hf_tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> 
 def test_system_and_user_render_as_chatml(hf_tokenizer: Any) -> None:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello!"}]
     assert render(hf_tokenizer, messages, add_generation_prompt=True) == (
-        "<|im_start|>system\nYou are terse.<|im_end|>\n"
-        "<|im_start|>user\nHello!<|im_end|>\n"
-        "<|im_start|>assistant\n"
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
     )
     assert render(hf_tokenizer, messages) == (
         "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHello!<|im_end|>\n"
@@ -441,7 +463,9 @@ def test_tools_are_listed_in_the_system_turn(hf_tokenizer: Any, system: str | No
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
     assert render(hf_tokenizer, messages, tools=TOOLS, add_generation_prompt=True) == (
-        "<|im_start|>system\n" + system_prefix + TOOLS_BLOCK
+        "<|im_start|>system\n"
+        + system_prefix
+        + TOOLS_BLOCK
         + "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
     )
 
@@ -490,9 +514,12 @@ def test_tool_calls_and_grouped_tool_results(
 ) -> None:
     rendered = render(hf_tokenizer, tool_call_turns(content, reasoning), tools=TOOLS, add_generation_prompt=True)
     assert rendered == (
-        "<|im_start|>system\n" + TOOLS_BLOCK
+        "<|im_start|>system\n"
+        + TOOLS_BLOCK
         + "<|im_start|>user\nWeather in Paris and Oslo?<|im_end|>\n"
-        + assistant_head + TOOL_CALLS + TOOL_RESULTS
+        + assistant_head
+        + TOOL_CALLS
+        + TOOL_RESULTS
         + "<|im_start|>assistant\n"
     )
 
@@ -514,7 +541,8 @@ def test_tool_call_arguments_render_as_json(hf_tokenizer: Any, arguments: Any, r
     ]
     assert render(hf_tokenizer, messages).endswith(
         '<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n{"name": "search", "arguments": '
-        + rendered_arguments + "}\n</tool_call><|im_end|>\n"
+        + rendered_arguments
+        + "}\n</tool_call><|im_end|>\n"
     )
 
 

@@ -73,4 +73,3 @@ def test_invalid_utf8_is_shown_as_replacement_characters_not_dropped(byte_tokeni
     tail = Detokenizer(byte_tokenizer, (), skip_special_tokens=True, include_stop=False)
     assert "".join(tail.step([i])[0] for i in bad[:2]) == ""  # may still complete...
     assert tail.flush() == byte_tokenizer.decode(bad[:2])  # ...until the sample ends
-

@@ -19,19 +19,26 @@ V = 64
 def tensors(rows: list[SamplingParams], seeds: list[int] | None = None, position: int = 0) -> SamplingTensors:
     f = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
     return SamplingTensors(
-        temperature=f([p.temperature for p in rows]), top_k=torch.tensor([p.top_k for p in rows]),
-        top_p=f([p.top_p for p in rows]), min_p=f([p.min_p for p in rows]),
-        presence=f([p.presence_penalty for p in rows]), frequency=f([p.frequency_penalty for p in rows]),
+        temperature=f([p.temperature for p in rows]),
+        top_k=torch.tensor([p.top_k for p in rows]),
+        top_p=f([p.top_p for p in rows]),
+        min_p=f([p.min_p for p in rows]),
+        presence=f([p.presence_penalty for p in rows]),
+        frequency=f([p.frequency_penalty for p in rows]),
         repetition=f([p.repetition_penalty for p in rows]),
         seed=torch.tensor(seeds if seeds is not None else [p.seed or 0 for p in rows]),
-        position=torch.full((len(rows),), position, dtype=torch.int64))
+        position=torch.full((len(rows),), position, dtype=torch.int64),
+    )
 
 
 def test_greedy_rows_are_bit_identical_to_the_sampler_penalties_included() -> None:
     g = torch.Generator().manual_seed(0)
-    rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, repetition_penalty=1.3,
-                                                            frequency_penalty=0.4, presence_penalty=0.2),
-            SamplingParams(temperature=0.9, top_k=1), SamplingParams(temperature=0.0, top_p=0.5, min_p=0.2)]
+    rows = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+        SamplingParams(temperature=0.9, top_k=1),
+        SamplingParams(temperature=0.0, top_p=0.5, min_p=0.2),
+    ]
     sampler = Sampler(V, torch.device("cpu"))
     ids = [f"r{i}" for i in range(len(rows))]
     for rid, p in zip(ids, rows):
@@ -74,8 +81,12 @@ def test_the_noise_is_a_function_of_seed_position_and_token() -> None:
 
 def test_the_samplers_static_draw_keeps_greedy_rows_and_reproduces_seeded_ones() -> None:
     g = torch.Generator().manual_seed(2)
-    rows = {"g": SamplingParams(temperature=0.0, frequency_penalty=0.5), "s": SamplingParams(temperature=0.8, seed=11),
-            "k": SamplingParams(temperature=1.0, top_k=3, seed=5, min_tokens=2), "u": SamplingParams(temperature=1.0)}
+    rows = {
+        "g": SamplingParams(temperature=0.0, frequency_penalty=0.5),
+        "s": SamplingParams(temperature=0.8, seed=11),
+        "k": SamplingParams(temperature=1.0, top_k=3, seed=5, min_tokens=2),
+        "u": SamplingParams(temperature=1.0),
+    }
     samplers = [Sampler(V, torch.device("cpu"), static_draw=flag) for flag in (False, True, True)]
     for sampler in samplers:
         for rid, p in rows.items():

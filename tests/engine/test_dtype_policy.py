@@ -1,6 +1,7 @@
 """`--dtype auto`: what each checkpoint dtype runs as, on a CPU with and without native bf16
 (the flag probe is replaced, so these run the same on any CPU), on CUDA, and under int8/int4;
-`--quantization auto`: int4 for the built-in SmolLM2 on an AVX512 CPU (int8 without AVX512), with dense copies from a row count
+`--quantization auto`: int4 for the built-in SmolLM2 on an AVX512 CPU (int8 without AVX512), with dense
+copies from a row count
 that follows the CPU's bf16 support; and `--kv-cache-dtype`."""
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch
 import engine.weights.dtype_policy as policy
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from engine.front.offline import OfflineEngine
 from engine.weights.dtype_policy import resolve_dtype, resolve_quantization
 from engine.weights.model_source import DEFAULT_MODEL_ENV, DEFAULT_MODEL_NAME, DEMO_MODEL_KEYWORD
-from engine.front.offline import OfflineEngine
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -94,8 +95,9 @@ def test_quantization_auto_makes_the_builtin_smollm2_int4_on_cpu_only(monkeypatc
     assert resolve_quantization("auto", None, CPU) is None
 
 
-def test_quantization_auto_takes_int8_where_the_int4_kernel_has_no_avx512(monkeypatch: pytest.MonkeyPatch,
-                                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_quantization_auto_takes_int8_where_the_int4_kernel_has_no_avx512(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.delenv(DEFAULT_MODEL_ENV)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     with caplog.at_level(logging.INFO, logger="fp4serve.runner"):

@@ -26,7 +26,6 @@ def prompts_for(vocab: int) -> list[list[int]]:
 
 def hf_greedy(path: Path, prompt: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' greedy decoding with its own KV cache; returns tokens and each step's logits."""
-    from transformers import AutoModelForCausalLM
 
     model = _hf_model(path)
     tokens: list[int] = []
@@ -77,16 +76,26 @@ def capture_logits(engine: OfflineEngine) -> dict[str, list[torch.Tensor]]:
 ROPES = {
     "default": None,
     "linear": {"rope_type": "linear", "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
 }
 
 
 @pytest.mark.parametrize(
     "arch,rope,tie",
-    [("qwen3", "default", True), ("qwen3", "yarn", False), ("qwen3", "linear", True), ("llama", "llama3", False),
-     ("llama", "default", True)],
+    [
+        ("qwen3", "default", True),
+        ("qwen3", "yarn", False),
+        ("qwen3", "linear", True),
+        ("llama", "llama3", False),
+        ("llama", "default", True),
+    ],
 )
 def test_every_step_logits_match_transformers(tmp_path: Path, arch: str, rope: str, tie: bool) -> None:
     path = make_checkpoint(tmp_path / "ckpt", arch, rope_scaling=ROPES[rope], tie=tie)

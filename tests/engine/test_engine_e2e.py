@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.front.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.front.async_engine import AsyncEngine
 from engine.front.input_processor import InputProcessor
 from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
@@ -40,8 +40,14 @@ def alone(path: Path, prompt: list[int], params: SamplingParams, **cfg: Any) -> 
     return r.token_ids[0]
 
 
-async def collect(engine: AsyncEngine, request_id: str, prompt: list[int], params: SamplingParams,
-                  delay: float = 0.0, stop_after: int | None = None) -> list[Any]:
+async def collect(
+    engine: AsyncEngine,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    delay: float = 0.0,
+    stop_after: int | None = None,
+) -> list[Any]:
     await asyncio.sleep(delay)
     outs = []
     agen = engine.generate(prompt, params, request_id)
@@ -127,8 +133,10 @@ def test_aborting_half_mid_stream_returns_every_page(qwen3_ckpt: Path) -> None:
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
     async def body(engine: AsyncEngine) -> None:
-        tasks = [collect(engine, f"r{i}", system + [i + 1, i + 2], params, stop_after=3 if i % 2 else None)
-                 for i in range(16)]
+        tasks = [
+            collect(engine, f"r{i}", system + [i + 1, i + 2], params, stop_after=3 if i % 2 else None)
+            for i in range(16)
+        ]
         results = await asyncio.gather(*tasks)
         for i, outs in enumerate(results):
             assert len(outs) == (3 if i % 2 else 20)
@@ -148,7 +156,9 @@ def test_preempt_and_resume_under_a_tiny_cache_gives_the_same_tokens(qwen3_ckpt:
     big = OfflineEngine.from_config(EngineConfig(model=str(qwen3_ckpt), **CFG))
     expected = [r.token_ids[0] for r in big.generate(prompts, params)]
     # 2 layers x 2 kv heads x 16 dims x 2 (K,V) x 4 bytes = 512 B/token; 24 pages of 4 tokens
-    tiny = OfflineEngine.from_config(EngineConfig(model=str(qwen3_ckpt), **{**CFG, "block_size": 4, "kv_cache_memory": str(512 * 4 * 24)}))
+    tiny = OfflineEngine.from_config(
+        EngineConfig(model=str(qwen3_ckpt), **{**CFG, "block_size": 4, "kv_cache_memory": str(512 * 4 * 24)})
+    )
     results = tiny.generate(prompts, params)
     assert tiny.core.scheduler.num_preemptions > 0
     assert [r.token_ids[0] for r in results] == expected
@@ -206,8 +216,9 @@ def test_prompt_longer_than_max_model_len_is_rejected_with_both_numbers(qwen3_ck
     inputs = InputProcessor(core.info.vocab_size, core.info.max_model_len, core.info.eos_token_ids)
     with pytest.raises(ParamError, match=r"64 tokens.*70 tokens"):
         inputs.validate(list(range(70)), SamplingParams())
-    rejecting = InputProcessor(core.info.vocab_size, core.info.max_model_len, core.info.eos_token_ids,
-                               max_tokens_policy="reject")
+    rejecting = InputProcessor(
+        core.info.vocab_size, core.info.max_model_len, core.info.eos_token_ids, max_tokens_policy="reject"
+    )
     with pytest.raises(ParamError) as e:
         rejecting.validate(list(range(60)), SamplingParams(max_tokens=10))
     assert e.value.param == "max_tokens" and "prompt has 60 tokens and max_tokens asks for 10" in e.value.message

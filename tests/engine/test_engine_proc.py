@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.front.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.front.async_engine import AsyncEngine
 from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
 from tests.server_utils import DONE, running_server, sse_event
@@ -67,8 +67,11 @@ def test_the_engine_process_streams_what_the_in_process_engine_does(qwen3_ckpt: 
         engine = AsyncEngine.from_config(EngineConfig(model=str(qwen3_ckpt), engine_process=True, **CFG))
         await engine.start()
         try:
-            return await asyncio.gather(collect(engine, "a", prompts[0], greedy), collect(engine, "b", prompts[1], sampled),
-                                        collect(engine, "c", prompts[0], with_stop))
+            return await asyncio.gather(
+                collect(engine, "a", prompts[0], greedy),
+                collect(engine, "b", prompts[1], sampled),
+                collect(engine, "c", prompts[0], with_stop),
+            )
         finally:
             await engine.shutdown()
 
@@ -83,8 +86,9 @@ def test_the_engine_process_streams_what_the_in_process_engine_does(qwen3_ckpt: 
 def test_without_restarts_a_dead_engine_process_fails_in_flight_requests_turns_health_503_and_exits_1(
     qwen3_ckpt: Path,
 ) -> None:
-    with running_server("--model", str(qwen3_ckpt), "--dtype", "float32", "--kv-cache-memory", "8MiB",
-                        "--engine-max-restarts", "0") as server:
+    with running_server(
+        "--model", str(qwen3_ckpt), "--dtype", "float32", "--kv-cache-memory", "8MiB", "--engine-max-restarts", "0"
+    ) as server:
         pid = engine_pid(server.log())
 
         async def scenario() -> tuple[int, list[Any], int | None]:
@@ -111,8 +115,10 @@ def test_without_restarts_a_dead_engine_process_fails_in_flight_requests_turns_h
         # (tests/api/test_robustness_engine.py holds a dead engine's 503 with a slower drain).
         assert health in (503, None)
         assert server.process.wait(30) == 1
-        assert ("the engine stopped (the engine process exited (exit code -9); restarts are off "
-                "(--engine-max-restarts 0)): exiting with status 1") in server.log()
+        assert (
+            "the engine stopped (the engine process exited (exit code -9); restarts are off "
+            "(--engine-max-restarts 0)): exiting with status 1"
+        ) in server.log()
 
 
 @pytest.mark.slow
@@ -148,7 +154,8 @@ def test_prompt_logprobs_cross_the_process_boundary_as_ids_and_come_back_as_text
         assert [out.prompt_logprobs is not None for out in mine] == [True, False, False]  # the first output only
         got, want = mine[0].prompt_logprobs, expected.outputs[index][0].prompt_logprobs
         assert got is not None and want is not None and len(got) == len(prompt) and got[0] is None
-        assert [(e.token_id, e.token, [t.token for t in e.top]) for e in got[1:]] == \
-            [(e.token_id, e.token, [t.token for t in e.top]) for e in want[1:]]
+        assert [(e.token_id, e.token, [t.token for t in e.top]) for e in got[1:]] == [
+            (e.token_id, e.token, [t.token for t in e.top]) for e in want[1:]
+        ]
         assert [e.logprob for e in got[1:]] == pytest.approx([e.logprob for e in want[1:]], abs=1e-5)
         assert [e.token_id for e in got[1:]] == prompt[1:] and all(len(e.top) == 2 for e in got[1:])

@@ -22,10 +22,10 @@ import httpx
 import openai
 import pytest
 
-from engine.front.async_engine import AsyncEngine, EngineStats
+from engine.client.supervisor import EngineSupervisor
 from engine.config import EngineConfig
 from engine.core_types import Owner
-from engine.client.supervisor import EngineSupervisor
+from engine.front.async_engine import AsyncEngine, EngineStats
 from scheduler.request import SamplingParams
 from tests.server_utils import RunningServer, metric, start_server
 
@@ -51,8 +51,16 @@ rpm = 5
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     keys = tmp_path_factory.mktemp("keys") / "keys.toml"
     keys.write_text(KEYS)
-    s = start_server("--max-model-len", "256", "--kv-cache-memory", "16MiB", "--api-keys-file", str(keys),
-                     "--engine-step-timeout", str(STEP_TIMEOUT_S))
+    s = start_server(
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "16MiB",
+        "--api-keys-file",
+        str(keys),
+        "--engine-step-timeout",
+        str(STEP_TIMEOUT_S),
+    )
     try:
         yield s
     finally:
@@ -77,8 +85,9 @@ def wait_health(server: RunningServer, status: str, deadline_s: float) -> dict[s
             return body
         seen.append(body["status"])
         time.sleep(0.05)
-    raise AssertionError(f"/health never said {status!r} in {deadline_s:g} s (saw {seen[-3:]}):\n"
-                         f"{server.log()[-3000:]}")
+    raise AssertionError(
+        f"/health never said {status!r} in {deadline_s:g} s (saw {seen[-3:]}):\n{server.log()[-3000:]}"
+    )
 
 
 def alive(pid: int) -> bool:
@@ -98,8 +107,12 @@ async def open_streams(client: openai.AsyncOpenAI, count: int) -> tuple[list[asy
     async def one(i: int) -> str:
         nonlocal first_chunks
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"story {i}"}], max_tokens=230, stream=True,
-            extra_body={"ignore_eos": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": f"story {i}"}],
+            max_tokens=230,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         seen = False
         try:
             async for _ in stream:
@@ -134,24 +147,40 @@ def survive(server: RunningServer, sig: signal.Signals, key: str = "sk-alice") -
         if sig == signal.SIGSTOP:
             # Sent to the frozen engine: it never started, so it gets a 503 it may retry.
             async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as raw:
-                refused = await raw.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json={
-                    "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+                refused = await raw.post(
+                    "/v1/chat/completions",
+                    headers={"Authorization": f"Bearer {key}"},
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                )
         else:
             refused = None
         ended = await asyncio.gather(*streams)
         took = time.monotonic() - signalled
         body = await asyncio.to_thread(wait_health, server, "restarting", 10)
         # Sent during the restart: it waits for the new engine.
-        waiting = asyncio.create_task(client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "during"}], max_tokens=4))
-        return {"ended": ended, "took": took, "restarting": body, "waiting": waiting, "refused": refused,
-                "client": client}
+        waiting = asyncio.create_task(
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "during"}], max_tokens=4)
+        )
+        return {
+            "ended": ended,
+            "took": took,
+            "restarting": body,
+            "waiting": waiting,
+            "refused": refused,
+            "client": client,
+        }
 
     async def after(run: dict[str, Any]) -> list[Any]:
         client: openai.AsyncOpenAI = run["client"]
         served = await run["waiting"]
-        answers = await asyncio.gather(*[client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"next {i}"}], max_tokens=4) for i in range(16)])
+        answers = await asyncio.gather(
+            *[
+                client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": f"next {i}"}], max_tokens=4
+                )
+                for i in range(16)
+            ]
+        )
         return [served, *answers]
 
     loop = asyncio.new_event_loop()
@@ -179,8 +208,11 @@ def test_a_killed_engine_ends_every_stream_and_a_new_one_serves_what_follows(ser
     last = run["health"]["last_restart"]
     assert last["reason"] == "crash" and "exit code -9" in last["detail"] and last["duration_s"] > 0
     assert count_restarts(server, "crash") == crashes + 1
-    restarted = re.findall(r"WARNING fp4serve\.engine: engine core restarted after a crash \(.*exit code -9.*\) in "
-                           r"[\d.]+ s: restart \d of 5 within 600 s", server.log())
+    restarted = re.findall(
+        r"WARNING fp4serve\.engine: engine core restarted after a crash \(.*exit code -9.*\) in "
+        r"[\d.]+ s: restart \d of 5 within 600 s",
+        server.log(),
+    )
     assert restarted, server.log()[-3000:]
 
 
@@ -193,8 +225,11 @@ def test_a_frozen_engine_is_killed_by_the_watchdog_and_replaced(server: RunningS
     last = run["health"]["last_restart"]
     assert last["reason"] == "hang" and f"batch: {NUM_STREAMS} requests" in last["detail"], last
     assert count_restarts(server, "hang") == hangs + 1
-    hang_line = re.search(rf"ERROR fp4serve\.engine: engine hang: .*{NUM_STREAMS} requests, .* tokens: \d+ prefills "
-                          rf"\(\d+ tokens\), \d+ decodes.*killing the engine process {run['pid']}", server.log())
+    hang_line = re.search(
+        rf"ERROR fp4serve\.engine: engine hang: .*{NUM_STREAMS} requests, .* tokens: \d+ prefills "
+        rf"\(\d+ tokens\), \d+ decodes.*killing the engine process {run['pid']}",
+        server.log(),
+    )
     assert hang_line, server.log()[-3000:]
 
 
@@ -249,9 +284,12 @@ def test_an_engine_that_keeps_dying_makes_the_server_back_off_then_exit_1() -> N
         assert server.process.wait(30) == 1
         log = server.log()
         assert "restarting the engine in 1 s" in log and "restarting the engine in 2 s" in log
-        assert re.search(r"the engine stopped \(the engine process exited \(exit code -9\); that is 3 failures "
-                         r"within 600 s \(--engine-max-restarts 2, --engine-restart-window 600\): not restarting it "
-                         r"again\): exiting with status 1", log), log[-3000:]
+        assert re.search(
+            r"the engine stopped \(the engine process exited \(exit code -9\); that is 3 failures "
+            r"within 600 s \(--engine-max-restarts 2, --engine-restart-window 600\): not restarting it "
+            r"again\): exiting with status 1",
+            log,
+        ), log[-3000:]
     finally:
         server.stop()
 
@@ -265,6 +303,7 @@ def test_fair_share_counters_cross_into_the_new_engine(qwen3_ckpt: Path) -> None
         assert isinstance(supervisor, EngineSupervisor)
         await engine.start()
         try:
+
             async def run(key: str, max_tokens: int) -> None:
                 params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
                 outputs = engine.generate(list(range(5, 45)), params, f"{key}-{max_tokens}", owner=Owner(key=key))

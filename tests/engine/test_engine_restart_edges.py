@@ -24,10 +24,9 @@ import pytest
 import zmq
 
 from engine.cache_events.kv_events import ZmqEventPublisher
-
 from tests import vllm_kv_events as vllm
-from tests.server_utils import POLL_S, RunningServer, metric, start_server, wait_for
 from tests.engine.test_engine_restart import RESTART_DEADLINE_S, alive, wait_health
+from tests.server_utils import POLL_S, RunningServer, metric, start_server, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -38,10 +37,25 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messa
 @pytest.fixture(scope="module")
 def server(qwen3_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, str]]:
     sock = tmp_path_factory.mktemp("kv") / "events.sock"
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{sock}",
-              "replay_endpoint": f"ipc://{sock}.replay", "topic": "kv-events"}
-    s = start_server("--model", str(qwen3_ckpt), "--served-model-name", MODEL, "--dtype", "float32",
-                     "--kv-cache-memory", "16MiB", "--kv-events-config", orjson.dumps(events).decode())
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"ipc://{sock}",
+        "replay_endpoint": f"ipc://{sock}.replay",
+        "topic": "kv-events",
+    }
+    s = start_server(
+        "--model",
+        str(qwen3_ckpt),
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "16MiB",
+        "--kv-events-config",
+        orjson.dumps(events).decode(),
+    )
     try:
         yield s, f"ipc://{sock}"
     finally:
@@ -61,18 +75,24 @@ def requests(server: RunningServer) -> list[Callable[[], Awaitable[Any]]]:
     an = anthropic.AsyncAnthropic(base_url=server.base_url, api_key="x", max_retries=0, timeout=120)
     long = {"ignore_eos": True}
     return [
-        lambda: oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "tell a story"}],
-                                           max_tokens=MAX_TOKENS, extra_body=long),
+        lambda: oa.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "tell a story"}], max_tokens=MAX_TOKENS, extra_body=long
+        ),
         lambda: oa.completions.create(model=MODEL, prompt="once upon a time", max_tokens=MAX_TOKENS, extra_body=long),
         # No ignore_eos on these two: greedy, so whether the seeded model stops early is fixed.
         lambda: oa.responses.create(model=MODEL, input="tell a story", max_output_tokens=MAX_TOKENS, temperature=0),
-        lambda: an.messages.create(model=MODEL, max_tokens=MAX_TOKENS, extra_body={"temperature": 0},
-                                   messages=[{"role": "user", "content": "tell a story"}]),
+        lambda: an.messages.create(
+            model=MODEL,
+            max_tokens=MAX_TOKENS,
+            extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": "tell a story"}],
+        ),
     ]
 
 
 def test_a_non_streamed_request_with_tokens_gets_503_and_retry_after_when_the_engine_dies(
-        server: tuple[RunningServer, str]) -> None:
+    server: tuple[RunningServer, str],
+) -> None:
     running, _ = server
     pid = wait_health(running, "ok", RESTART_DEADLINE_S)["engine_pid"]
     before = first_tokens(running)
@@ -107,7 +127,9 @@ def test_a_non_streamed_request_with_tokens_gets_503_and_retry_after_when_the_en
         assert "was lost" in message and "restarting; retry the request" in message, message
     log = running.log()
     for route in ROUTES:
-        assert re.search(rf"WARNING fp4serve\.requests: refused POST {re.escape(route)}: 503 key=\S+ code=engine_restarting ", log), route
+        assert re.search(
+            rf"WARNING fp4serve\.requests: refused POST {re.escape(route)}: 503 key=\S+ code=engine_restarting ", log
+        ), route
     wait_health(running, "ok", RESTART_DEADLINE_S)
     assert not alive(pid)
 
@@ -147,8 +169,11 @@ def test_a_new_engine_announces_all_blocks_cleared_first(server: tuple[RunningSe
     try:
         warm(sub, client, 7)
         os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: httpx.get(running.url("/health"), timeout=5).json()["engine_pid"] not in (None, pid),
-                 RESTART_DEADLINE_S, running.log)
+        wait_for(
+            lambda: httpx.get(running.url("/health"), timeout=5).json()["engine_pid"] not in (None, pid),
+            RESTART_DEADLINE_S,
+            running.log,
+        )
         # The subscription outlives the engine (ZMQ reconnects it to the new one).
         live = [e for batch in warm(sub, client, 200) for e in batch.events]
     finally:

@@ -8,8 +8,8 @@ import torch
 
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch
-from engine.weights.config.model_config import RopeConfig
 from engine.models.layers import PositionedRotary, RMSNorm, RotaryEmbedding
+from engine.weights.config.model_config import RopeConfig
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 32])
@@ -52,13 +52,20 @@ def _decode_batch(seq_lens: list[int], block_size: int, order: list[int]) -> For
     slots = [pages[i][(seq_lens[i] - 1) // block_size] * block_size + (seq_lens[i] - 1) % block_size for i in order]
     num = len(order)
     return ForwardBatch(
-        input_ids=torch.zeros(num, dtype=torch.int64), positions=torch.tensor([seq_lens[i] - 1 for i in order]),
-        qo_indptr=torch.arange(num + 1, dtype=torch.int32), kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32),
+        input_ids=torch.zeros(num, dtype=torch.int64),
+        positions=torch.tensor([seq_lens[i] - 1 for i in order]),
+        qo_indptr=torch.arange(num + 1, dtype=torch.int32),
+        kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32),
         kv_indices=torch.tensor(kv_indices, dtype=torch.int32),
         kv_last_page_len=torch.tensor([(seq_lens[i] - 1) % block_size + 1 for i in order], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots), logits_indices=torch.arange(num), query_lens=[1] * num,
-        seq_lens=[seq_lens[i] for i in order], block_size=block_size,
-        request_ids=[str(i) for i in order], sample_request_ids=[str(i) for i in order])
+        slot_mapping=torch.tensor(slots),
+        logits_indices=torch.arange(num),
+        query_lens=[1] * num,
+        seq_lens=[seq_lens[i] for i in order],
+        block_size=block_size,
+        request_ids=[str(i) for i in order],
+        sample_request_ids=[str(i) for i in order],
+    )
 
 
 # Up to 4 rows take the small-matmul path, more take SDPA.

@@ -10,8 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from engine.attention.flashinfer import FlashInferAttentionBackend, cache_rows, decode_uses_tensor_cores, \
-    host_metadata, prefill_backend_for
+from engine.attention.flashinfer import (
+    FlashInferAttentionBackend,
+    cache_rows,
+    decode_uses_tensor_cores,
+    host_metadata,
+    prefill_backend_for,
+)
 from engine.cuda_graph import pad_decode_batch
 from tests.factories import forward_batch
 
@@ -19,11 +24,14 @@ CPU = torch.device("cpu")
 BS = 4  # tokens per KV page in these tests (forward_batch's default)
 
 
-@pytest.mark.parametrize("reqs", [
-    [("a", 0, 5, [3, 5]), ("b", 8, 1, [0, 1, 2]), ("c", 3, 6, [7, 8, 9])],
-    [("a", 7, 1, [1, 2]), ("b", 3, 1, [4])],
-    [("a", 0, 16, [1, 2, 3, 4])],
-])
+@pytest.mark.parametrize(
+    "reqs",
+    [
+        [("a", 0, 5, [3, 5]), ("b", 8, 1, [0, 1, 2]), ("c", 3, 6, [7, 8, 9])],
+        [("a", 7, 1, [1, 2]), ("b", 3, 1, [4])],
+        [("a", 0, 16, [1, 2, 3, 4])],
+    ],
+)
 def test_host_metadata_equals_the_batch_device_tensors(reqs: list[tuple[str, int, int, list[int]]]) -> None:
     batch = forward_batch(*reqs)
     meta = host_metadata(batch)
@@ -44,14 +52,14 @@ def test_cache_rows_address_k_in_the_flat_view_and_v_one_page_later() -> None:
     assert cache.sum().item() == 9
 
 
-
-
 # ---- the FlashInfer backend against a recording stand-in of flashinfer's API ---------------------------
 class _Wrapper:
     """Records what fp4serve passes to a FlashInfer wrapper; run() checks the new K/V are in
     the cache before attention reads it, and returns zeros."""
 
-    def __init__(self, kind: str, log: list[tuple[Any, ...]], workspace: torch.Tensor, layout: str, **kwargs: Any) -> None:
+    def __init__(
+        self, kind: str, log: list[tuple[Any, ...]], workspace: torch.Tensor, layout: str, **kwargs: Any
+    ) -> None:
         self.kind, self.log, self.layout, self.kwargs = kind, log, layout, kwargs
         log.append(("init", kind, kwargs))
         self.expect_in_cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -72,20 +80,28 @@ def _fake_flashinfer(log: list[tuple[Any, ...]]) -> types.ModuleType:
 
 
 def _flashinfer_backend(log: list[tuple[Any, ...]], heads: tuple[int, int] = (4, 2)) -> FlashInferAttentionBackend:
-    return FlashInferAttentionBackend(*heads, 16, BS, torch.bfloat16, CPU, capability=(9, 0), workspace_bytes=1024,
-                                      api=_fake_flashinfer(log))
+    return FlashInferAttentionBackend(
+        *heads, 16, BS, torch.bfloat16, CPU, capability=(9, 0), workspace_bytes=1024, api=_fake_flashinfer(log)
+    )
 
 
 def _plans(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     return [entry for entry in log if entry[0] == "plan"]
 
 
-@pytest.mark.parametrize(("heads", "capability", "head_dim", "tensor_cores", "prefill"), [
-    ((32, 8), (9, 0), 128, False, "fa3"), ((64, 8), (9, 0), 128, True, "fa3"), ((16, 16), (9, 0), 96, False, "fa2"),
-    ((32, 8), (8, 0), 128, False, "fa2"), ((32, 8), (10, 0), 64, False, "fa2"),
-])
-def test_kernel_families_follow_gqa_group_and_device(heads: tuple[int, int], capability: tuple[int, int],
-                                                     head_dim: int, tensor_cores: bool, prefill: str) -> None:
+@pytest.mark.parametrize(
+    ("heads", "capability", "head_dim", "tensor_cores", "prefill"),
+    [
+        ((32, 8), (9, 0), 128, False, "fa3"),
+        ((64, 8), (9, 0), 128, True, "fa3"),
+        ((16, 16), (9, 0), 96, False, "fa2"),
+        ((32, 8), (8, 0), 128, False, "fa2"),
+        ((32, 8), (10, 0), 64, False, "fa2"),
+    ],
+)
+def test_kernel_families_follow_gqa_group_and_device(
+    heads: tuple[int, int], capability: tuple[int, int], head_dim: int, tensor_cores: bool, prefill: str
+) -> None:
     assert decode_uses_tensor_cores(*heads) is tensor_cores
     assert prefill_backend_for(capability, head_dim) == prefill
 

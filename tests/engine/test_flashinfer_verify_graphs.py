@@ -11,8 +11,8 @@ import torch
 
 from engine.attention.flashinfer import cache_rows
 from engine.cuda_graph import pad_decode_batch
-from tests.factories import forward_batch
 from tests.engine.test_flashinfer_backend import BS, _flashinfer_backend, _plans
+from tests.factories import forward_batch
 
 
 def test_verify_graph_wrappers_are_causal_prefills_over_fixed_buffers() -> None:
@@ -37,8 +37,12 @@ def test_verify_graph_wrappers_are_causal_prefills_over_fixed_buffers() -> None:
     assert indices.tolist() == [3, 5, 0, 1, 2, 9, 9]
     rows = cache_rows(padded.slot_mapping, BS)
     assert torch.equal(backend._k_rows, rows) and backend._k_rows.data_ptr() == backend._verify_k_rows.data_ptr()
-    backend.forward(torch.zeros(12, 4, 16).bfloat16(), torch.zeros(12, 2, 16).bfloat16(),
-                    torch.zeros(12, 2, 16).bfloat16(), torch.zeros(10, 2, BS, 2, 16, dtype=torch.bfloat16))
+    backend.forward(
+        torch.zeros(12, 4, 16).bfloat16(),
+        torch.zeros(12, 2, 16).bfloat16(),
+        torch.zeros(12, 2, 16).bfloat16(),
+        torch.zeros(10, 2, BS, 2, 16, dtype=torch.bfloat16),
+    )
     assert log[-1] == ("run", "prefill", (12, 4, 16))
     with pytest.raises(AssertionError, match="no verify graph wrapper for 4 x 2 rows"):
         backend.plan_graph(pad_decode_batch(forward_batch(("a", 4, 2, [3, 5])), 4, scratch_page=9, query_len=2))

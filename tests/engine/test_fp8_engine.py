@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
+from engine.weights.config.model_config import ModelConfig
 from engine.weights.formats.fp8 import Fp8Dequantizer, Fp8Format, fp8_format
 from engine.weights.loader import load_model
 from kernels.fp8_block import dequantize_block_fp8, quantize_block_fp8
 from scheduler.request import SamplingParams
+from tests.engine.test_engine_correctness import make_engine
 from tests.factories import make_checkpoint, make_hybrid_checkpoint, make_hybrid_moe_checkpoint, make_moe_checkpoint
 from tests.fp8_factory import block_dequantize, block_quantize, dequantized_copy, to_fp8_checkpoint
-from tests.engine.test_engine_correctness import make_engine
 
 NUM_DECODE = 8
 PROMPT_LENS = [1, 6, 19, 70]  # one token; short; over a page; over a 64-token delta-rule chunk
@@ -52,9 +53,15 @@ def transformers_greedy(path: Path, ps: list[list[int]], num_tokens: int) -> lis
     out = []
     for p in ps:
         # NOTE: an explicit mask: generate would mask out prompt tokens equal to pad_token_id
-        ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False, pad_token_id=0)
-        out.append(ids[0, len(p):].tolist())
+        ids = model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out.append(ids[0, len(p) :].tolist())
     return out
 
 
@@ -65,13 +72,16 @@ def fp8_ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return request.param, to_fp8_checkpoint(src, root / "fp8", fused_experts=request.param.endswith("fused"))
 
 
-def test_greedy_output_equals_transformers_on_the_dequantized_weights(fp8_ckpt: tuple[str, Path],
-                                                                      tmp_path: Path) -> None:
+def test_greedy_output_equals_transformers_on_the_dequantized_weights(
+    fp8_ckpt: tuple[str, Path], tmp_path: Path
+) -> None:
     kind, fp8 = fp8_ckpt
     ps = prompts()
     engine = make_engine(fp8)
-    got = [r.token_ids[0] for r in engine.generate(ps, SamplingParams(max_tokens=NUM_DECODE, temperature=0.0,
-                                                                      ignore_eos=True))]
+    got = [
+        r.token_ids[0]
+        for r in engine.generate(ps, SamplingParams(max_tokens=NUM_DECODE, temperature=0.0, ignore_eos=True))
+    ]
     # NOTE: transformers' own FineGrainedFP8 dequantization is not the reference here: it derives
     # the block size from the scale grid (rows // grid rows), which is right only where every
     # dimension is whole 128-blocks (Qwen's releases; test_block_dequantization_is_exact), not in
@@ -104,8 +114,12 @@ def test_loaded_weights_are_the_dequantized_tensors(tmp_path: Path) -> None:
     qkv = torch.cat([ref[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(model.layers[1].self_attn.qkv_proj.weight, qkv)
     experts = model.layers[2].mlp.experts
-    assert torch.equal(experts.w13[5], torch.cat([ref["model.layers.2.mlp.experts.5.gate_proj.weight"],
-                                                  ref["model.layers.2.mlp.experts.5.up_proj.weight"]]))
+    assert torch.equal(
+        experts.w13[5],
+        torch.cat(
+            [ref["model.layers.2.mlp.experts.5.gate_proj.weight"], ref["model.layers.2.mlp.experts.5.up_proj.weight"]]
+        ),
+    )
     assert torch.equal(experts.w2[7], ref["model.layers.2.mlp.experts.7.down_proj.weight"])
     assert torch.equal(model.layers[0].mlp.gate.weight, ref["model.layers.0.mlp.gate.weight"])  # never FP8
 
@@ -117,7 +131,9 @@ def test_dequantizer_pairs_tensors_in_any_order_and_splits_fused_experts() -> No
     assert list(d.feed("model.layers.0.mlp.experts.gate_up_proj_scale_inv", scale)) == []  # held
     out = dict(d.feed("model.layers.0.mlp.experts.gate_up_proj", codes))
     whole = block_dequantize(codes, scale)
-    assert sorted(out) == sorted(f"model.layers.0.mlp.experts.{e}.{p}_proj.weight" for e in range(3) for p in ("gate", "up"))
+    assert sorted(out) == sorted(
+        f"model.layers.0.mlp.experts.{e}.{p}_proj.weight" for e in range(3) for p in ("gate", "up")
+    )
     assert torch.equal(out["model.layers.0.mlp.experts.2.up_proj.weight"], whole[2, 40:])
     w_codes, w_scale = block_quantize(torch.randn(16, 64))
     assert list(d.feed("x.weight", w_codes)) == []  # codes first, scale later (another shard)
@@ -126,7 +142,9 @@ def test_dequantizer_pairs_tensors_in_any_order_and_splits_fused_experts() -> No
     norm = torch.ones(64)
     assert list(d.feed("x.norm.weight", norm)) == [("x.norm.weight", norm)]
     list(d.feed("y.weight", w_codes))
-    with pytest.raises(ConfigError, match=r"^tensor 'y\.weight' is float8_e4m3fn but 'y\.weight_scale_inv' is missing$"):
+    with pytest.raises(
+        ConfigError, match=r"^tensor 'y\.weight' is float8_e4m3fn but 'y\.weight_scale_inv' is missing$"
+    ):
         d.finish()
 
 
@@ -170,15 +188,24 @@ def _edit_config(path: Path, **changes: Any) -> None:
     (path / "config.json").write_text(json.dumps(raw))
 
 
-@pytest.mark.parametrize(("edit", "message"), [
-    ("no-scale", r"tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' is float8_e4m3fn but "
-                 r"'model\.layers\.0\.self_attn\.k_proj\.weight_scale_inv' is missing$"),
-    ("bad-scale", r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight_scale_inv': scale of shape \[2, 2\], "
-                  r"expected \[1, 1\] \(128x128 blocks\)$"),
-    ("per-tensor", r"per-tensor FP8 \(no 'quantization_config\.weight_block_size'\) is not supported"),
-    ("e5m2", r"unsupported FP8 format 'e5m2' in field 'quantization_config\.fmt'"),
-    ("static", r"unsupported FP8 activation scheme 'static'"),
-])
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            "no-scale",
+            r"tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' is float8_e4m3fn but "
+            r"'model\.layers\.0\.self_attn\.k_proj\.weight_scale_inv' is missing$",
+        ),
+        (
+            "bad-scale",
+            r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight_scale_inv': scale of shape \[2, 2\], "
+            r"expected \[1, 1\] \(128x128 blocks\)$",
+        ),
+        ("per-tensor", r"per-tensor FP8 \(no 'quantization_config\.weight_block_size'\) is not supported"),
+        ("e5m2", r"unsupported FP8 format 'e5m2' in field 'quantization_config\.fmt'"),
+        ("static", r"unsupported FP8 activation scheme 'static'"),
+    ],
+)
 def test_bad_fp8_checkpoints_fail_start_up_with_one_line(edit: str, message: str, tmp_path: Path) -> None:
     fp8 = to_fp8_checkpoint(make_checkpoint(tmp_path / "f"), tmp_path / "fp8")
     tensors = load_file(str(fp8 / "model.safetensors"))
@@ -197,11 +224,17 @@ def test_bad_fp8_checkpoints_fail_start_up_with_one_line(edit: str, message: str
 
 
 def test_fp8_format_reads_what_qwen_declares() -> None:
-    declared = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
-                "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate"]}
+    declared = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate"],
+    }
     assert fp8_format(declared) == Fp8Format((128, 128), ("lm_head", "model.layers.0.mlp.gate"))
-    assert fp8_format({**declared, "modules_to_not_convert": None, "ignored_layers": ["lm_head"]}) == \
-        Fp8Format((128, 128), ("lm_head",))
+    assert fp8_format({**declared, "modules_to_not_convert": None, "ignored_layers": ["lm_head"]}) == Fp8Format(
+        (128, 128), ("lm_head",)
+    )
     assert fp8_format({"quant_method": "modelopt"}) is None and fp8_format(None) is None
 
 
@@ -220,8 +253,9 @@ def test_fp4serve_quantize_turns_an_fp8_release_into_nvfp4(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3-moe-fused", "hybrid-moe", "hybrid-vl"])
-def test_the_kept_fp8_path_builds_the_checkpoints_weights(kind: str, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_kept_fp8_path_builds_the_checkpoints_weights(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What a GPU with FP8 tensor cores loads (Fp8Linear / Fp8Experts, built from the codes and scales
     as stored; fused shards and fused experts included), forced on CPU: every FP8 module's weight
     dequantizes to exactly the float model's, each Fp8Linear computes its float twin on activations
@@ -244,10 +278,12 @@ def test_the_kept_fp8_path_builds_the_checkpoints_weights(kind: str, tmp_path: P
     for path, module in kept.named_modules():
         if isinstance(module, Fp8Linear):
             w = module.weight_fp8
-            assert torch.equal(dequantize_block_fp8(w.codes, w.scale, (w.block_n, w.block_k)), floats[path].weight), path
+            assert torch.equal(dequantize_block_fp8(w.codes, w.scale, (w.block_n, w.block_k)), floats[path].weight), (
+                path
+            )
             x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(num_fp8))
             codes, scales = quantize_activation_groups(x, w.block_k)
-            x_q = codes.float() * scales.repeat_interleave(w.block_k, dim=1)[:, :module.in_features]  # [3, K]
+            x_q = codes.float() * scales.repeat_interleave(w.block_k, dim=1)[:, : module.in_features]  # [3, K]
             assert torch.allclose(module(x), F.linear(x_q, floats[path].weight), rtol=1e-5, atol=1e-6), path
             num_fp8 += 1
         elif isinstance(module, Fp8Experts):
@@ -255,6 +291,8 @@ def test_the_kept_fp8_path_builds_the_checkpoints_weights(kind: str, tmp_path: P
                 assert torch.equal(dequantize_block_fp8(ours.codes, ours.scale, (ours.block_n, ours.block_k)), theirs)
             num_fp8 += 1
     assert num_fp8 >= 2 * cfg.num_layers
-    assert isinstance(kept.lm_head, Linear) and all(isinstance(m.gate, Linear) for m in kept.modules() if hasattr(m, "top_k"))
+    assert isinstance(kept.lm_head, Linear) and all(
+        isinstance(m.gate, Linear) for m in kept.modules() if hasattr(m, "top_k")
+    )
     logits = _requantized_logits(fp8, None, max_tokens=2)  # the engine loads with keeps_fp8 still patched
     assert logits.shape == (4, cfg.vocab_size) and torch.isfinite(logits).all()

@@ -12,7 +12,9 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from engine.attention.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
-def inputs(batch: int, length: int, hk: int, hv: int, dk: int = 8, dv: int = 4, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def inputs(
+    batch: int, length: int, hk: int, hv: int, dk: int = 8, dv: int = 4, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, length, hk, dk, generator=g)
     k = torch.randn(batch, length, hk, dk, generator=g)
@@ -26,8 +28,9 @@ def inputs(batch: int, length: int, hk: int, hv: int, dk: int = 8, dv: int = 4, 
 @pytest.mark.parametrize("length,chunk,hk,hv", [(21, 8, 2, 6), (64, 64, 2, 2), (5, 4, 1, 4), (70, 16, 3, 6)])
 def test_chunked_form_matches_transformers(length: int, chunk: int, hk: int, hv: int) -> None:
     q, k, v, g, beta, state = inputs(2, length, hk, hv)
-    ref_out, ref_state = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, initial_state=state,
-                                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref_out, ref_state = hf.torch_chunk_gated_delta_rule(
+        q, k, v, g, beta, chunk_size=chunk, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     out, final = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=chunk)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final, ref_state, atol=1e-5, rtol=1e-5)
@@ -36,8 +39,9 @@ def test_chunked_form_matches_transformers(length: int, chunk: int, hk: int, hv:
 @pytest.mark.parametrize("hk,hv", [(2, 6), (4, 4)])
 def test_recurrent_form_matches_transformers(hk: int, hv: int) -> None:
     q, k, v, g, beta, state = inputs(3, 1, hk, hv)
-    ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state,
-                                                             output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     out, final = recurrent_gated_delta_rule(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
     torch.testing.assert_close(out, ref_out[:, 0], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(final, ref_state, atol=1e-6, rtol=1e-5)
@@ -50,8 +54,15 @@ def test_padded_segments_equal_each_sequence_alone() -> None:
     keep = (torch.arange(13)[None, :] < torch.tensor(lengths)[:, None]).float()[..., None]
     out, final = chunk_gated_delta_rule(q, k, v, g * keep, beta * keep, state, chunk_size=4)
     for i, n in enumerate(lengths):
-        alone_out, alone_state = chunk_gated_delta_rule(q[i : i + 1, :n], k[i : i + 1, :n], v[i : i + 1, :n],
-                                                        g[i : i + 1, :n], beta[i : i + 1, :n], state[i : i + 1], 4)
+        alone_out, alone_state = chunk_gated_delta_rule(
+            q[i : i + 1, :n],
+            k[i : i + 1, :n],
+            v[i : i + 1, :n],
+            g[i : i + 1, :n],
+            beta[i : i + 1, :n],
+            state[i : i + 1],
+            4,
+        )
         torch.testing.assert_close(out[i, :n], alone_out[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(final[i], alone_state[0], atol=1e-5, rtol=1e-5)
 

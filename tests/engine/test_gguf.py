@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.host import cache_folder
-from engine.weights.formats import gguf as gguf_module
-from engine.host.cache_folder import MARKER_FILE, build_once, is_complete
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.weights.formats.gguf import ensure_gguf_checkpoint, gguf_cache_folder, unpermute_qk
 from engine.front.offline import OfflineEngine
+from engine.host import cache_folder
+from engine.host.cache_folder import MARKER_FILE, build_once, is_complete
+from engine.weights.formats import gguf as gguf_module
+from engine.weights.formats.gguf import ensure_gguf_checkpoint, gguf_cache_folder, unpermute_qk
 from scheduler.request import SamplingParams
 from tests.factories import make_checkpoint
 from tests.gguf_factory import CHATML, permute_qk, write_gguf
@@ -30,7 +30,10 @@ CFG = dict(dtype="float32", kv_cache_memory="4MiB")
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf-src")
-    return {"llama": make_checkpoint(root / "llama", "llama", tie=False), "qwen3": make_checkpoint(root / "qwen3", "qwen3")}
+    return {
+        "llama": make_checkpoint(root / "llama", "llama", tie=False),
+        "qwen3": make_checkpoint(root / "qwen3", "qwen3"),
+    }
 
 
 def greedy(path: Path | str, prompt: list[int]) -> list[int]:
@@ -41,7 +44,8 @@ def greedy(path: Path | str, prompt: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_gguf_converts_back_to_the_exact_checkpoint_it_was_written_from(
-        arch: str, ckpts: dict[str, Path], tmp_path: Path) -> None:
+    arch: str, ckpts: dict[str, Path], tmp_path: Path
+) -> None:
     src = ckpts[arch]
     folder = ensure_gguf_checkpoint(write_gguf(src, tmp_path / f"{arch}.gguf"), tmp_path / "cache")
     want, got = load_file(str(src / "model.safetensors")), load_file(str(folder / "model.safetensors"))
@@ -50,7 +54,11 @@ def test_a_gguf_converts_back_to_the_exact_checkpoint_it_was_written_from(
         assert torch.equal(got[name], want[name]), name
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
-    assert (config["head_dim"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (16, 2, arch == "qwen3")
+    assert (config["head_dim"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (
+        16,
+        2,
+        arch == "qwen3",
+    )
     assert "quantization_config" not in config
     prompt = [5, 17, 300, 42, 8]
     assert greedy(tmp_path / f"{arch}.gguf", prompt) == greedy(src, prompt)
@@ -83,14 +91,16 @@ def test_quantized_tensors_are_dequantized_by_the_gguf_package(ckpts: dict[str, 
     src = ckpts["qwen3"]
     folder = ensure_gguf_checkpoint(write_gguf(src, tmp_path / "q8.gguf", quant="Q8_0"), tmp_path / "cache")
     want = load_file(str(src / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"].numpy()
-    expected = gguf.quants.dequantize(gguf.quants.quantize(want, gguf.GGMLQuantizationType.Q8_0),
-                                      gguf.GGMLQuantizationType.Q8_0)
+    expected = gguf.quants.dequantize(
+        gguf.quants.quantize(want, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    )
     got = load_file(str(folder / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"].numpy()
     assert np.array_equal(got, expected) and not np.array_equal(got, want)
 
 
 def test_later_starts_load_the_cached_folder_without_converting(
-        ckpts: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpts: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = write_gguf(ckpts["qwen3"], tmp_path / "m.gguf")
     first = ensure_gguf_checkpoint(path, tmp_path / "cache")
 
@@ -147,7 +157,10 @@ def test_a_damaged_cached_folder_is_rebuilt(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ("architecture", r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen3, qwen3moe, qwen35, qwen35moe$"),
+        (
+            "architecture",
+            r"unsupported GGUF architecture 'gpt2'; supported: llama, qwen3, qwen3moe, qwen35, qwen35moe$",
+        ),
         ("quant", r"unsupported GGUF quant type Q8_1 \(tensor blk\.0\.attn_q\.weight\)$"),
         ("not-gguf", r"not a readable GGUF file \(.*\)$"),
         ("truncated", r"not a readable GGUF file \(.*\)$"),
@@ -155,7 +168,8 @@ def test_a_damaged_cached_folder_is_rebuilt(tmp_path: Path) -> None:
     ],
 )
 def test_bad_files_fail_start_up_with_one_line_naming_the_problem(
-        kind: str, message: str, ckpts: dict[str, Path], tmp_path: Path) -> None:
+    kind: str, message: str, ckpts: dict[str, Path], tmp_path: Path
+) -> None:
     path = tmp_path / ("missing.gguf" if kind == "missing" else "bad.gguf")
     if kind == "architecture":
         write_gguf(ckpts["llama"], path, arch="gpt2")

@@ -8,8 +8,8 @@ original checkpoint token for token, MTP head included."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 from engine.errors import ConfigError
 from engine.weights.formats.gguf import ensure_gguf_checkpoint
 from scheduler.request import SamplingParams
+from tests.engine.test_engine_correctness import make_engine
+from tests.engine.test_fp8_engine import prompts, transformers_greedy
 from tests.factories import make_hybrid_checkpoint, make_hybrid_moe_checkpoint, make_moe_checkpoint
 from tests.gguf_factory import write_llamacpp_gguf
 from tests.mtp_factory import add_mtp_tensors
-from tests.engine.test_engine_correctness import make_engine
-from tests.engine.test_fp8_engine import prompts, transformers_greedy
 
 MAKERS: dict[str, Callable[[Path], Path]] = {
     "qwen3moe": lambda p: make_moe_checkpoint(p),
@@ -61,8 +61,11 @@ def gguf_file(request: pytest.FixtureRequest, build: Callable[[str], Built]) -> 
 
 def test_every_tensor_comes_back_to_the_checkpoint_it_was_written_from(gguf_file: tuple[str, Path, Path, Path]) -> None:
     kind, src, _, folder = gguf_file
-    want = {n.replace("model.language_model.", "model."): t for n, t in load_file(str(src / "model.safetensors")).items()
-            if not n.startswith("model.visual.")}
+    want = {
+        n.replace("model.language_model.", "model."): t
+        for n, t in load_file(str(src / "model.safetensors")).items()
+        if not n.startswith("model.visual.")
+    }
     if json.loads((src / "config.json").read_text()).get("tie_word_embeddings"):
         want.pop("lm_head.weight", None)
     got = load_file(str(folder / "model.safetensors"))
@@ -83,8 +86,9 @@ def test_hybrids_convert_to_what_transformers_own_gguf_loader_reads(kind: str, b
     import transformers
 
     _, _, path, folder = build(kind)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).state_dict()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).state_dict()
     ours = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
     assert sorted(theirs) == sorted(ours)
     for name, value in ours.items():
@@ -94,8 +98,10 @@ def test_hybrids_convert_to_what_transformers_own_gguf_loader_reads(kind: str, b
 def test_greedy_output_equals_transformers_on_the_source_checkpoint(gguf_file: tuple[str, Path, Path, Path]) -> None:
     kind, src, path, _ = gguf_file
     ps = prompts(seed=7)
-    got = [r.token_ids[0] for r in make_engine(path).generate(ps, SamplingParams(max_tokens=8, temperature=0.0,
-                                                                               ignore_eos=True))]
+    got = [
+        r.token_ids[0]
+        for r in make_engine(path).generate(ps, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    ]
     assert got == transformers_greedy(src, ps, 8), kind
 
 
@@ -104,7 +110,14 @@ def test_converted_config(gguf_file: tuple[str, Path, Path, Path]) -> None:
     config = json.loads((folder / "config.json").read_text())
     source = json.loads((src / "config.json").read_text())
     source = {**source, **source.get("text_config", {})}
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+    ):
         assert config[key] == source[key], key
     if kind == "qwen3moe":
         assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["norm_topk_prob"] is True
@@ -127,8 +140,9 @@ def test_the_mtp_block_drafts_from_the_gguf(tmp_path: Path) -> None:
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     ps = prompts(seed=8)[1:3]
     plain = [r.token_ids for r in make_engine(path, enable_prefix_caching=False).generate(ps, params)]
-    engine = make_engine(path, speculative_method="mtp", num_speculative_tokens=2, speculative_max_batch=8,
-                         enable_prefix_caching=False)
+    engine = make_engine(
+        path, speculative_method="mtp", num_speculative_tokens=2, speculative_max_batch=8, enable_prefix_caching=False
+    )
     assert [r.token_ids for r in engine.generate(ps, params)] == plain
 
 
@@ -144,14 +158,22 @@ def test_quantized_hybrid_moe_gguf(tmp_path: Path) -> None:
     original = load_file(str(src / "model.safetensors"))
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
     assert not torch.equal(got[name], original[name]) and torch.allclose(got[name], original[name], atol=2e-3)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
-                                                              dtype=torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     ps = prompts(seed=9)[:2]
-    assert ([r.token_ids[0] for r in make_engine(path).generate(ps, SamplingParams(max_tokens=6, temperature=0.0,
-                                                                                  ignore_eos=True))]
-            == [theirs.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-                for p in ps])
+    assert [
+        r.token_ids[0]
+        for r in make_engine(path).generate(ps, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    ] == [
+        theirs.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=6,
+            min_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
+        for p in ps
+    ]
 
 
 def without_keys(src: Path, dst: Path, drop: set[str]) -> Path:
@@ -163,7 +185,9 @@ def without_keys(src: Path, dst: Path, drop: set[str]) -> Path:
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
             continue
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+        writer.add_key_value(
+            key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None
+        )
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data.copy(), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
@@ -184,7 +208,10 @@ def test_missing_metadata_fails_start_up_with_one_line(tmp_path: Path) -> None:
 def test_expert_widths_come_from_the_tensors_when_the_keys_are_absent(tmp_path: Path) -> None:
     src = make_hybrid_moe_checkpoint(tmp_path / "src", seed=7)
     full = write_llamacpp_gguf(src, tmp_path / "full.gguf")
-    path = without_keys(full, tmp_path / "lean.gguf", {"qwen35moe.expert_feed_forward_length",
-                                                        "qwen35moe.expert_shared_feed_forward_length"})
+    path = without_keys(
+        full,
+        tmp_path / "lean.gguf",
+        {"qwen35moe.expert_feed_forward_length", "qwen35moe.expert_shared_feed_forward_length"},
+    )
     config = json.loads((ensure_gguf_checkpoint(path, tmp_path / "cache") / "config.json").read_text())
     assert (config["moe_intermediate_size"], config["shared_expert_intermediate_size"]) == (32, 48)

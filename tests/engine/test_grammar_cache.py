@@ -20,8 +20,8 @@ from prometheus_client import generate_latest
 
 from engine.config import EngineConfig
 from engine.core_types import Owner
-from engine.structured_output.grammar_cache import GrammarCache
 from engine.front.offline import OfflineEngine
+from engine.structured_output.grammar_cache import GrammarCache
 from engine.structured_output.manager import StructuredOutputs
 from scheduler.request import SamplingParams
 from scheduler.structured_output import StructuredOutput
@@ -78,7 +78,9 @@ def test_kept_bytes_stay_within_the_budget_and_the_oldest_grammars_leave(
     assert cache.stats().hits == 1 and cache.stats().misses == 7
 
 
-def test_a_grammar_larger_than_the_budget_is_served_but_not_kept(compile_fn: Callable[[StructuredOutput], Any], one_size: int) -> None:
+def test_a_grammar_larger_than_the_budget_is_served_but_not_kept(
+    compile_fn: Callable[[StructuredOutput], Any], one_size: int
+) -> None:
     cache = GrammarCache(compile_fn, budget_bytes=one_size // 2)
     grammar = enum_grammar("huge")
     assert cache.get(grammar, "alice").result(timeout=WAIT_S).memory_size_bytes > one_size // 2
@@ -124,7 +126,9 @@ class GatedCompiles:
         return self.compile_fn(grammar)
 
 
-def test_a_small_schema_of_another_key_is_ready_while_a_huge_one_compiles(compile_fn: Callable[[StructuredOutput], Any]) -> None:
+def test_a_small_schema_of_another_key_is_ready_while_a_huge_one_compiles(
+    compile_fn: Callable[[StructuredOutput], Any],
+) -> None:
     gated = GatedCompiles(compile_fn)
     cache = GrammarCache(gated, budget_bytes=64 << 20)
     huge = cache.get(gated.gate(enum_grammar("huge-1")), "mallory")
@@ -153,7 +157,9 @@ def test_keys_take_turns_on_a_busy_pool(compile_fn: Callable[[StructuredOutput],
     assert names == ["a1", "b1", "c1", "a2", "b2", "a3"]
 
 
-def test_a_compile_nobody_waits_for_never_runs(engine: OfflineEngine, compile_fn: Callable[[StructuredOutput], Any]) -> None:
+def test_a_compile_nobody_waits_for_never_runs(
+    engine: OfflineEngine, compile_fn: Callable[[StructuredOutput], Any]
+) -> None:
     structured = StructuredOutputs(engine.tokenizer.hf, engine.core.model_config.vocab_size, compile_workers=1)
     gated = GatedCompiles(compile_fn)
     structured._compile_now = gated  # type: ignore[method-assign]
@@ -195,7 +201,9 @@ def test_in_the_engine_one_keys_huge_grammar_holds_up_only_its_own_requests(
     prompt = engine.tokenizer.encode("Pick one", add_special_tokens=False)
     mallory = add_for_key(engine, "mallory", prompt, SamplingParams(max_tokens=16, temperature=0.0, structured=huge))
     assert gated.running[huge].wait(WAIT_S)
-    alice = add_for_key(engine, "alice", prompt, SamplingParams(max_tokens=8, temperature=0.0, structured=literal("ok")))
+    alice = add_for_key(
+        engine, "alice", prompt, SamplingParams(max_tokens=8, temperature=0.0, structured=literal("ok"))
+    )
     finished: set[str] = set()
     deadline = time.monotonic() + WAIT_S
     while alice not in finished:
@@ -218,7 +226,9 @@ def test_the_engine_keeps_its_grammars_within_the_budget_and_reports_it(
     monkeypatch.setattr(engine.core.runner, "structured", structured)
     prompt = engine.tokenizer.encode("Pick one", add_special_tokens=False)
     grammars = [enum_grammar(f"e{i}") for i in range(5)]
-    results = engine.generate([prompt] * 5, [SamplingParams(max_tokens=16, temperature=0.0, structured=g) for g in grammars])
+    results = engine.generate(
+        [prompt] * 5, [SamplingParams(max_tokens=16, temperature=0.0, structured=g) for g in grammars]
+    )
     for i, result in enumerate(results):
         assert re.fullmatch(rf'"e{i}-value-\d+"', result.texts[0]), result.texts[0]
     stats = structured.stats()

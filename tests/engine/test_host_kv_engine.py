@@ -15,9 +15,9 @@ import torch
 
 from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
+from tests.engine.test_engine_correctness import make_engine
 from tests.factories import make_checkpoint, make_hybrid_checkpoint, make_moe_checkpoint
 from tests.mtp_factory import add_mtp_tensors
-from tests.engine.test_engine_correctness import make_engine
 
 LIN, FULL = "linear_attention", "full_attention"
 HYBRID = dict(num_hidden_layers=4, layer_types=[LIN, FULL] * 2, max_position_embeddings=1024)
@@ -77,12 +77,18 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def small(kind: str, **overrides: Any) -> dict[str, Any]:
     """A device cache of 32 pages of 4 tokens: about one conversation's history. Hybrid: few device
     checkpoints, so snapshots spill to the host too."""
-    return {"block_size": 4, "kv_cache_memory": kv_pages(kind, 32), "max_num_seqs": 2,
-            **(dict(num_state_checkpoints=3) if kind == "hybrid" else {}), **overrides}
+    return {
+        "block_size": 4,
+        "kv_cache_memory": kv_pages(kind, 32),
+        "max_num_seqs": 2,
+        **(dict(num_state_checkpoints=3) if kind == "hybrid" else {}),
+        **overrides,
+    }
 
 
 def test_turns_evicted_from_the_device_come_back_from_the_host_and_equal_tier_off_and_caching_off(
-        model: tuple[str, Path]) -> None:
+    model: tuple[str, Path],
+) -> None:
     kind, path = model
     on = make_engine(path, **small(kind, kv_offloading_size=TIER))
     got, cached = round_robin(on)
@@ -115,7 +121,8 @@ def test_mtp_speculation_with_host_loaded_turns_equals_tier_off(tmp_path: Path) 
 
 
 def test_a_request_cancelled_while_its_loads_run_leaks_nothing_and_its_pages_serve_the_next(
-        model: tuple[str, Path]) -> None:
+    model: tuple[str, Path],
+) -> None:
     kind, path = model
     engine = make_engine(path, **small(kind, kv_offloading_size=TIER))
     reference = make_engine(path, **small(kind, enable_prefix_caching=False))
@@ -144,8 +151,10 @@ def test_preemption_under_a_tiny_device_cache_leaks_nothing_and_equals_caching_o
     params = SamplingParams(max_tokens=12, **GREEDY)
     engine = make_engine(path, **small(kind, kv_offloading_size=TIER, **tight))
     got = [r.token_ids for r in engine.generate(prompts, params)]
-    want = [r.token_ids for r in make_engine(path, **small(kind, enable_prefix_caching=False, **tight)).generate(
-        prompts, params)]
+    want = [
+        r.token_ids
+        for r in make_engine(path, **small(kind, enable_prefix_caching=False, **tight)).generate(prompts, params)
+    ]
     assert got == want
     assert engine.core.scheduler.num_preemptions > 0
     assert_no_leaks(engine)

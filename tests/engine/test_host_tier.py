@@ -28,8 +28,15 @@ def make_request(request_id: str, tokens: list[int], max_tokens: int = 1) -> Req
 
 
 def make_scheduler(num_blocks: int = 4, num_host_pages: int = 3) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=BS, max_model_len=64,
-                                     max_num_batched_tokens=64, num_host_pages=num_host_pages))
+    return Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=BS,
+            max_model_len=64,
+            max_num_batched_tokens=64,
+            num_host_pages=num_host_pages,
+        )
+    )
 
 
 def run_to_end(s: Scheduler, request: Request) -> tuple:
@@ -46,7 +53,7 @@ def run_to_end(s: Scheduler, request: Request) -> tuple:
 def page_hashes(tokens: list[int], n: int) -> list[bytes]:
     hashes, parent = [], ROOT_HASH
     for i in range(n):
-        parent = hash_block(parent, tokens[i * BS:(i + 1) * BS])
+        parent = hash_block(parent, tokens[i * BS : (i + 1) * BS])
         hashes.append(parent)
     return hashes
 
@@ -176,10 +183,13 @@ def test_the_flag_is_declared_with_help_and_maps_onto_the_config(capsys: pytest.
 
 def test_snapshots_take_the_share_of_the_budget_checkpoints_take_on_the_device() -> None:
     # device: 3000 bytes of pages, 1000 of checkpoints -> a quarter of the host budget for snapshots
-    assert split_budget(4000, page_bytes=100, snapshot_bytes=250, device_kv_bytes=3000,
-                        device_checkpoint_bytes=1000) == (30, 4)
-    assert split_budget(1000, page_bytes=100, snapshot_bytes=0, device_kv_bytes=3000,
-                        device_checkpoint_bytes=0) == (10, 0)
+    assert split_budget(
+        4000, page_bytes=100, snapshot_bytes=250, device_kv_bytes=3000, device_checkpoint_bytes=1000
+    ) == (30, 4)
+    assert split_budget(1000, page_bytes=100, snapshot_bytes=0, device_kv_bytes=3000, device_checkpoint_bytes=0) == (
+        10,
+        0,
+    )
 
 
 def test_a_restarted_engine_carries_on_the_host_counters_with_an_empty_tier() -> None:

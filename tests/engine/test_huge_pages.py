@@ -19,8 +19,9 @@ class Tiny(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.layers = nn.ModuleList(Int4Linear.from_float(torch.randn(64, 96, generator=g), None, own_kernel=False)
-                                    for _ in range(3))
+        self.layers = nn.ModuleList(
+            Int4Linear.from_float(torch.randn(64, 96, generator=g), None, own_kernel=False) for _ in range(3)
+        )
         self.lm_head = Int8Linear.from_float(torch.randn(500, 64, generator=g), None, torch.bfloat16)
 
 

@@ -8,16 +8,28 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.weights.config.model_config import ModelConfig
-from engine.errors import ConfigError
 from engine.attention.hybrid_runner import choose_linear_backend
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.weights.config.model_config import ModelConfig
 
-TEXT: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                            linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
-                            linear_value_head_dim=8, linear_conv_kernel_dim=4, eos_token_id=7,
-                            rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.25, "rope_type": "default"})
+TEXT: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    linear_num_key_heads=2,
+    linear_num_value_heads=6,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    eos_token_id=7,
+    rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.25, "rope_type": "default"},
+)
 
 
 def test_causal_lm_layout_defaults_to_three_deltanet_layers_per_attention_layer() -> None:
@@ -32,21 +44,31 @@ def test_causal_lm_layout_defaults_to_three_deltanet_layers_per_attention_layer(
 
 
 def test_conditional_generation_layout_reads_text_config_and_top_level_tie() -> None:
-    raw = {"architectures": ["Qwen3_5ForConditionalGeneration"], "tie_word_embeddings": True,
-           "text_config": {**TEXT, "tie_word_embeddings": False, "layer_types": ["full_attention", "linear_attention"] * 2},
-           "vision_config": {"depth": 1}}
+    raw = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "tie_word_embeddings": True,
+        "text_config": {
+            **TEXT,
+            "tie_word_embeddings": False,
+            "layer_types": ["full_attention", "linear_attention"] * 2,
+        },
+        "vision_config": {"depth": 1},
+    }
     cfg = ModelConfig.from_dict(raw)
     assert cfg.hybrid is not None and cfg.hybrid.has_vision and cfg.tie_word_embeddings
     assert cfg.hybrid.attention_layers == [0, 2] and cfg.eos_token_ids == (7,)
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("linear_num_value_heads", 5, "must be a multiple of linear_num_key_heads"),
-    ("layer_types", ["full_attention"] * 3, "must name 4 layers"),
-    ("layer_types", ["mamba"] * 4, "must name 4 layers"),
-    ("layer_types", ["linear_attention"] * 4, "has no 'full_attention' layer"),
-    ("linear_conv_kernel_dim", None, "'linear_conv_kernel_dim' must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("linear_num_value_heads", 5, "must be a multiple of linear_num_key_heads"),
+        ("layer_types", ["full_attention"] * 3, "must name 4 layers"),
+        ("layer_types", ["mamba"] * 4, "must name 4 layers"),
+        ("layer_types", ["linear_attention"] * 4, "has no 'full_attention' layer"),
+        ("linear_conv_kernel_dim", None, "'linear_conv_kernel_dim' must be a positive integer"),
+    ],
+)
 def test_bad_hybrid_field_is_named(field: str, value: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict({**TEXT, field: value, "architectures": ["Qwen3_5ForCausalLM"]})

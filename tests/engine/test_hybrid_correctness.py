@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from scheduler.request import SamplingParams
-from tests.factories import make_hybrid_checkpoint
 from tests.engine.test_engine_correctness import capture_logits, hf_greedy, make_engine
+from tests.factories import make_hybrid_checkpoint
 
 NUM_DECODE = 12
 # 1 token; short; a page boundary either side; over one 64-token delta-rule chunk; over two.
@@ -24,11 +24,24 @@ LIN, FULL = "linear_attention", "full_attention"
 CONFIGS: dict[str, dict[str, Any]] = {
     # ConditionalGeneration layout would be the released one; CausalLM: model.* names.
     "causal-gva3-untied-k4-3to1": dict(layout="causal", tie=False, linear_num_key_heads=2, linear_num_value_heads=6),
-    "vl-gva1-tied-k3-1to1": dict(layout="vl", tie=True, linear_num_key_heads=4, linear_num_value_heads=4,
-                                 linear_conv_kernel_dim=3, layer_types=[LIN, FULL, LIN, FULL]),
-    "causal-gva4-tied-k2-attn-first": dict(layout="causal", tie=True, linear_num_key_heads=1, linear_num_value_heads=4,
-                                           linear_conv_kernel_dim=2, num_hidden_layers=5,
-                                           layer_types=[FULL, LIN, LIN, FULL, LIN], num_key_value_heads=1),
+    "vl-gva1-tied-k3-1to1": dict(
+        layout="vl",
+        tie=True,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        linear_conv_kernel_dim=3,
+        layer_types=[LIN, FULL, LIN, FULL],
+    ),
+    "causal-gva4-tied-k2-attn-first": dict(
+        layout="causal",
+        tie=True,
+        linear_num_key_heads=1,
+        linear_num_value_heads=4,
+        linear_conv_kernel_dim=2,
+        num_hidden_layers=5,
+        layer_types=[FULL, LIN, LIN, FULL, LIN],
+        num_key_value_heads=1,
+    ),
 }
 
 

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import orjson
 import pytest
 
 from tests import vllm_kv_events as vllm
+from tests.engine.test_hybrid_prefix_cache import LAYOUT_27B
 from tests.factories import make_hybrid_checkpoint
 from tests.server_utils import RunningServer, start_server
-from tests.engine.test_hybrid_prefix_cache import LAYOUT_27B
 
 pytestmark = pytest.mark.slow
 MODEL = "hybrid"
@@ -30,9 +29,22 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSe
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{sock}", "topic": "kv-events"}
     os.environ["PYTHONHASHSEED"] = SEED
     try:
-        s = start_server("--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32",
-                         "--kv-cache-memory", "16MiB", "--max-model-len", "1024", "--num-state-checkpoints", "1",
-                         "--kv-events-config", orjson.dumps(events).decode())
+        s = start_server(
+            "--model",
+            str(checkpoint),
+            "--served-model-name",
+            MODEL,
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "16MiB",
+            "--max-model-len",
+            "1024",
+            "--num-state-checkpoints",
+            "1",
+            "--kv-events-config",
+            orjson.dumps(events).decode(),
+        )
     finally:
         del os.environ["PYTHONHASHSEED"]
     try:
@@ -56,7 +68,8 @@ def announced(batches: list[vllm.KVEventBatch], pages: set[int]) -> set[int]:
 
 
 def test_pages_are_withdrawn_when_their_snapshot_goes_although_they_stay_cached(
-        server: tuple[RunningServer, str]) -> None:
+    server: tuple[RunningServer, str],
+) -> None:
     running, endpoint = server
     client = running.openai()
     sub = vllm.Subscriber(endpoint, "kv-events")

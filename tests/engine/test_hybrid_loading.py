@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
-from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.model_runner import ModelRunner
+from engine.weights.config.model_config import ModelConfig
 from tests.factories import make_hybrid_checkpoint
 
 
@@ -42,8 +42,9 @@ def load(path: Path) -> ModelRunner:
     return ModelRunner(path, ModelConfig.from_checkpoint(path), config, max_model_len=64)
 
 
-def test_vision_and_mtp_weights_are_skipped_with_one_line_each(vl_ckpt: Path, tmp_path: Path,
-                                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_vision_and_mtp_weights_are_skipped_with_one_line_each(
+    vl_ckpt: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     mtp = {"mtp.fc.weight": torch.zeros(64, 128), "mtp.norm.weight": torch.zeros(64)}
     path = copy_with(vl_ckpt, tmp_path / "m", mtp)  # type: ignore[arg-type]
     num_vision = sum(1 for n in load_file(path / "model.safetensors") if n.startswith("model.visual."))

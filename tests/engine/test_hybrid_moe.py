@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from engine.weights.config.model_config import ModelConfig
-from fp4serve_tools.quantize import quantize_checkpoint
 from engine.models.layers import Linear
 from engine.models.moe import Experts, NVFP4Experts, SparseMoeBlock
+from engine.weights.config.model_config import ModelConfig
+from fp4serve_tools.quantize import quantize_checkpoint
 from kernels.nvfp4_matmul import NVFP4Linear
 from scheduler.request import SamplingParams
-from tests.factories import make_hybrid_moe_checkpoint
 from tests.engine.test_engine_correctness import hf_greedy, make_engine
 from tests.engine.test_hybrid_nvfp4 import make_runner, position_logits
+from tests.factories import make_hybrid_moe_checkpoint
 
 NUM_DECODE = 8
 # 1 token; short; over a 16-token page; over one 64-token delta-rule chunk.
@@ -29,8 +29,9 @@ PROMPT_LENS = [1, 5, 17, 70]
 LIN, FULL = "linear_attention", "full_attention"
 CONFIGS: dict[str, dict[str, Any]] = {
     "causal-untied-top2": dict(layout="causal", tie=False),
-    "vl-tied-top3-attn-first": dict(layout="vl", tie=True, num_experts_per_tok=3, seed=1,
-                                    layer_types=[FULL, LIN, LIN, FULL]),
+    "vl-tied-top3-attn-first": dict(
+        layout="vl", tie=True, num_experts_per_tok=3, seed=1, layer_types=[FULL, LIN, LIN, FULL]
+    ),
 }
 
 
@@ -40,7 +41,9 @@ def prompts(lengths: list[int] = PROMPT_LENS, seed: int = 5) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def moe_hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+def moe_hybrid(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[list[int]]]:
     """A checkpoint and transformers' greedy tokens for every prompt."""
     path = make_hybrid_moe_checkpoint(tmp_path_factory.mktemp(request.param), **CONFIGS[request.param])
     return path, [hf_greedy(path, p, NUM_DECODE)[0] for p in prompts()]
@@ -97,8 +100,9 @@ def test_nvfp4_at_load_serves_and_agrees_with_its_float_self(tmp_path: Path) -> 
     print(f"hybrid MoE NVFP4 vs float top-1 next-token agreement: {agree}/{total} = {agree / total:.3f}")
     assert total == 200 and agree / total >= 0.6
     engine = make_engine(src, quantization="nvfp4", max_num_batched_tokens=16, block_size=4)
-    results = engine.generate(prompts([3, 30, 70], seed=2), SamplingParams(max_tokens=8, temperature=0.0,
-                                                                          ignore_eos=True))
+    results = engine.generate(
+        prompts([3, 30, 70], seed=2), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
     assert [len(r.token_ids[0]) for r in results] == [8, 8, 8]
 
 

@@ -13,20 +13,22 @@ import torch
 
 from engine.batch import build_forward_batch
 from engine.config import EngineConfig
-from engine.weights.config.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.weights.config.model_config import ModelConfig
 from fp4serve_tools.quantize import quantize_checkpoint
 from kernels.nvfp4_matmul import NVFP4Linear
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import SamplingParams
-from tests.factories import make_hybrid_checkpoint
 from tests.engine.test_engine_correctness import make_engine
+from tests.factories import make_hybrid_checkpoint
 
 CPU = torch.device("cpu")
 # Layers 0-2 DeltaNet, 3 attention: which of our modules are NVFP4.
-EXPECTED_NVFP4 = {f"layers.{i}.linear_attn.{m}" for i in range(3) for m in ("in_proj_qkvz", "out_proj")} | {
-    "layers.3.self_attn.qkv_proj", "layers.3.self_attn.o_proj"} | {
-    f"layers.{i}.mlp.{m}" for i in range(4) for m in ("gate_up_proj", "down_proj")}
+EXPECTED_NVFP4 = (
+    {f"layers.{i}.linear_attn.{m}" for i in range(3) for m in ("in_proj_qkvz", "out_proj")}
+    | {"layers.3.self_attn.qkv_proj", "layers.3.self_attn.o_proj"}
+    | {f"layers.{i}.mlp.{m}" for i in range(4) for m in ("gate_up_proj", "down_proj")}
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,9 @@ def float_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_runner(path: Path, **overrides: Any) -> ModelRunner:
-    config = EngineConfig(**{"model": str(path), "dtype": "float32", "kv_cache_memory": "2MiB",
-                             "max_num_seqs": 4, **overrides})
+    config = EngineConfig(
+        **{"model": str(path), "dtype": "float32", "kv_cache_memory": "2MiB", "max_num_seqs": 4, **overrides}
+    )
     return ModelRunner(path, ModelConfig.from_checkpoint(path), config, max_model_len=256)
 
 
@@ -47,8 +50,9 @@ def position_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
     batch = build_forward_batch(SchedulerOutput((request,), ()), runner.block_size, runner.device)
     runner.backend.plan(batch)
     with torch.inference_mode():
-        return runner.model.compute_logits(runner.model(batch.input_ids, batch.positions, runner.kv_caches,
-                                                        runner.backend))
+        return runner.model.compute_logits(
+            runner.model(batch.input_ids, batch.positions, runner.kv_caches, runner.backend)
+        )
 
 
 def nvfp4_names(runner: ModelRunner) -> set[str]:
@@ -94,6 +98,7 @@ def test_nvfp4_serves_and_agrees_with_its_float_self(float_ckpt: Path, tmp_path:
     print(f"hybrid NVFP4 vs float top-1 next-token agreement: {agree}/{total} = {agree / total:.3f}")
     assert total == 200 and agree / total >= 0.6
     engine = make_engine(float_ckpt, quantization="nvfp4", max_num_batched_tokens=16, block_size=4)
-    results = engine.generate(prompts([3, 30, 70], seed=2), SamplingParams(max_tokens=8, temperature=0.0,
-                                                                          ignore_eos=True))
+    results = engine.generate(
+        prompts([3, 30, 70], seed=2), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
     assert [len(r.token_ids[0]) for r in results] == [8, 8, 8]

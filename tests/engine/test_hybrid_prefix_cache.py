@@ -15,9 +15,9 @@ import torch
 
 from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
+from tests.engine.test_engine_correctness import hf_greedy, make_engine
 from tests.factories import make_hybrid_checkpoint
 from tests.mtp_factory import DenseMtpReference, add_mtp_tensors
-from tests.engine.test_engine_correctness import hf_greedy, make_engine
 
 LIN, FULL = "linear_attention", "full_attention"
 LAYOUT_27B = dict(num_hidden_layers=8, layer_types=[LIN, LIN, LIN, FULL] * 2, max_position_embeddings=1024)

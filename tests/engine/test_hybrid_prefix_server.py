@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.factories import make_hybrid_checkpoint
-from tests.server_utils import RunningServer, start_server
 from tests.engine.test_engine_correctness import hf_greedy
 from tests.engine.test_hybrid_prefix_cache import LAYOUT_27B, words
+from tests.factories import make_hybrid_checkpoint
+from tests.server_utils import RunningServer, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +32,18 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[RunningServer]:
-    s = start_server("--model", str(checkpoint), "--served-model-name", "hybrid", "--dtype", "float32",
-                     "--kv-cache-memory", "16MiB", "--max-model-len", "1024")
+    s = start_server(
+        "--model",
+        str(checkpoint),
+        "--served-model-name",
+        "hybrid",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "16MiB",
+        "--max-model-len",
+        "1024",
+    )
     try:
         yield s
     finally:
@@ -42,8 +52,12 @@ def server(checkpoint: Path) -> Iterator[RunningServer]:
 
 def chat(server: RunningServer, messages: list[dict[str, str]]) -> Any:
     return server.openai().chat.completions.create(
-        model="hybrid", messages=messages, max_tokens=6, temperature=0.0,  # type: ignore[arg-type]
-        extra_body={"ignore_eos": True, "return_token_ids": True})
+        model="hybrid",
+        messages=messages,
+        max_tokens=6,
+        temperature=0.0,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
 
 
 def test_agent_turns_report_their_cached_prompt_through_the_openai_sdk(server: RunningServer, checkpoint: Path) -> None:
@@ -52,8 +66,10 @@ def test_agent_turns_report_their_cached_prompt_through_the_openai_sdk(server: R
     for turn in range(5):
         r = chat(server, messages)
         shares.append(r.usage.prompt_tokens_details.cached_tokens / r.usage.prompt_tokens)
-        messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                     {"role": "tool" if turn % 2 else "user", "content": text(25, 10 + turn)}]
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "tool" if turn % 2 else "user", "content": text(25, 10 + turn)},
+        ]
     assert shares[0] == 0 and min(shares[1:]) >= 0.8, shares
     prompt, got = r.model_extra["prompt_token_ids"], r.choices[0].model_extra["token_ids"]
     assert got == hf_greedy(checkpoint, prompt, 6)[0]

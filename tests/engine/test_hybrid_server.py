@@ -5,7 +5,6 @@ chat_template_kwargs reach the template, and image content gets a clear 400."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.engine.test_engine_correctness import hf_greedy
 from tests.factories import make_hybrid_checkpoint
 from tests.server_utils import RunningServer, start_server
-from tests.engine.test_engine_correctness import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -35,15 +34,33 @@ QWEN_VOCAB = 151_936
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_hybrid_checkpoint(tmp_path_factory.mktemp("qwen3_5_vl"), layout="vl", tie=False,
-                                  vocab_size=QWEN_VOCAB, chat_template=TEMPLATE)
+    return make_hybrid_checkpoint(
+        tmp_path_factory.mktemp("qwen3_5_vl"), layout="vl", tie=False, vocab_size=QWEN_VOCAB, chat_template=TEMPLATE
+    )
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[RunningServer]:
-    s = start_server("--model", str(checkpoint), "--served-model-name", "qwen3_5_vl", "--dtype", "float32", "--kv-cache-memory", "4MiB",
-                     "--max-model-len", "256", "--num-state-slots", "2", "--max-num-batched-tokens", "32",
-                     "--tool-parser", "auto", "--reasoning-parser", "auto")
+    s = start_server(
+        "--model",
+        str(checkpoint),
+        "--served-model-name",
+        "qwen3_5_vl",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "4MiB",
+        "--max-model-len",
+        "256",
+        "--num-state-slots",
+        "2",
+        "--max-num-batched-tokens",
+        "32",
+        "--tool-parser",
+        "auto",
+        "--reasoning-parser",
+        "auto",
+    )
     try:
         yield s
     finally:
@@ -59,9 +76,18 @@ def test_concurrent_greedy_completions_equal_transformers(server: RunningServer,
 
     async def run() -> list[Any]:
         async with server.async_openai(timeout=120) as client:
-            return await asyncio.gather(*(client.completions.create(
-                model="qwen3_5_vl", prompt=p, max_tokens=10, temperature=0.0,
-                extra_body={"ignore_eos": True, "return_token_ids": True}) for p in prompts))
+            return await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model="qwen3_5_vl",
+                        prompt=p,
+                        max_tokens=10,
+                        temperature=0.0,
+                        extra_body={"ignore_eos": True, "return_token_ids": True},
+                    )
+                    for p in prompts
+                )
+            )
 
     for out, ref in zip(asyncio.run(run()), refs, strict=True):
         assert out.choices[0].model_extra["token_ids"] == ref
@@ -76,12 +102,17 @@ def test_startup_log_names_skipped_weights_slots_and_parsers(server: RunningServ
 
 
 def test_chat_template_kwargs_reach_the_checkpoint_template(server: RunningServer) -> None:
-    messages = [{"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello.", "reasoning_content": "They greet me."},
-                {"role": "user", "content": "Bye"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "They greet me."},
+        {"role": "user", "content": "Bye"},
+    ]
+
     def count(messages: list[dict[str, str]], preserve: bool) -> int:
-        r = httpx.post(server.url("/tokenize"), json={"messages": messages,
-                                                      "chat_template_kwargs": {"preserve_thinking": preserve}})
+        r = httpx.post(
+            server.url("/tokenize"),
+            json={"messages": messages, "chat_template_kwargs": {"preserve_thinking": preserve}},
+        )
         assert r.status_code == 200, r.text
         return r.json()["count"]
 
@@ -95,10 +126,21 @@ def test_chat_with_image_content_is_a_clear_400(server: RunningServer) -> None:
 
     with server.openai(timeout=60) as client:
         with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model="qwen3_5_vl", max_tokens=4, messages=[{"role": "user", "content": [
-                {"type": "text", "text": "what is this"},
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+            client.chat.completions.create(
+                model="qwen3_5_vl",
+                max_tokens=4,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this"},
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                        ],
+                    }
+                ],
+            )
         assert "text only" in str(err.value.body)
-        reply = client.chat.completions.create(model="qwen3_5_vl", max_tokens=4, temperature=0.0,
-                                               messages=[{"role": "user", "content": "Hi"}])
+        reply = client.chat.completions.create(
+            model="qwen3_5_vl", max_tokens=4, temperature=0.0, messages=[{"role": "user", "content": "Hi"}]
+        )
         assert reply.choices[0].finish_reason == "length"  # the server still serves everyone else

@@ -16,24 +16,42 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.factories import make_request
 
 CPU = torch.device("cpu")
-TENSORS = ("input_ids", "positions", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "slot_mapping",
-           "logits_indices")
+TENSORS = (
+    "input_ids",
+    "positions",
+    "qo_indptr",
+    "kv_indptr",
+    "kv_indices",
+    "kv_last_page_len",
+    "slot_mapping",
+    "logits_indices",
+)
 
 
 def assert_same(got: ForwardBatch, want: ForwardBatch) -> None:
     for name in TENSORS:
         g, w = getattr(got, name), getattr(want, name)
         assert g.dtype == w.dtype and g.tolist() == w.tolist(), name
-    for name in ("query_lens", "seq_lens", "block_size", "request_ids", "sample_request_ids", "state_slots",
-                 "interior_saves"):
+    for name in (
+        "query_lens",
+        "seq_lens",
+        "block_size",
+        "request_ids",
+        "sample_request_ids",
+        "state_slots",
+        "interior_saves",
+    ):
         assert getattr(got, name) == getattr(want, name), name
 
 
 @pytest.mark.parametrize("num_blocks", [9, 64])  # 9: pages run short and requests are preempted
 def test_every_step_of_a_scheduled_workload_matches_the_pure_builder(num_blocks: int) -> None:
     bs = 4
-    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, max_model_len=40, block_size=bs,
-                                  num_blocks=num_blocks))
+    s = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=10, max_model_len=40, block_size=bs, num_blocks=num_blocks
+        )
+    )
     # Rows for 4 requests: preempted ones keep theirs until a new request needs one.
     batch = InputBatch(max_num_seqs=4, max_num_tokens=10, max_pages_per_seq=10, block_size=bs, device=CPU)
     shared = list(range(1, 9))  # two full pages: later requests hit them in the prefix cache
@@ -58,11 +76,12 @@ def test_draft_rows_and_a_trimmed_table_match_the_pure_builder() -> None:
         out = SchedulerOutput(tuple(reqs), ())
         assert_same(batch.build(out), build_forward_batch(out, 4, CPU))
 
-    step(ScheduledRequest("a", (1, 2, 3, 4, 5, 6), 0, (7, 3), True),
-         ScheduledRequest("b", (9, 8, 7), 0, (5,), True))
+    step(ScheduledRequest("a", (1, 2, 3, 4, 5, 6), 0, (7, 3), True), ScheduledRequest("b", (9, 8, 7), 0, (5,), True))
     # "a" verifies 3 drafts over a new page; "b" decodes.
-    step(ScheduledRequest("a", (10, 11, 12, 13), 6, (7, 3, 2), True, num_draft_tokens=3),
-         ScheduledRequest("b", (20,), 3, (5,), True))
+    step(
+        ScheduledRequest("a", (10, 11, 12, 13), 6, (7, 3, 2), True, num_draft_tokens=3),
+        ScheduledRequest("b", (20,), 3, (5,), True),
+    )
     # Drafts rejected: page 2 went back and "a" now has page 6 there.
     step(ScheduledRequest("a", (14, 15, 16), 7, (7, 3, 6), True, num_draft_tokens=2))
 

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import CONTEXT_LENGTH_EXCEEDED, ContextLengthError
-from engine.front.input_processor import InputProcessor, MaxTokens, MaxTokensPolicy, child_request_id, resolve_max_tokens
+from engine.front.input_processor import (
+    InputProcessor,
+    MaxTokens,
+    MaxTokensPolicy,
+    child_request_id,
+    resolve_max_tokens,
+)
 from scheduler.request import ParamError, SamplingParams
 from scheduler.structured_output import StructuredOutput
 
@@ -34,20 +40,28 @@ def processor(max_model_len: int = 32, policy: MaxTokensPolicy = "reject") -> In
         ([], {}, "prompt"),
     ],
 )
-def test_bad_input_is_a_param_error_naming_the_parameter(prompt: list[int], params: dict[str, object], param: str) -> None:
+def test_bad_input_is_a_param_error_naming_the_parameter(
+    prompt: list[int], params: dict[str, object], param: str
+) -> None:
     with pytest.raises(ParamError) as excinfo:
         processor().process("r", prompt, SamplingParams(**params))  # type: ignore[arg-type]
     assert excinfo.value.param == param
 
 
-@pytest.mark.parametrize(("num_prompt", "max_len", "cap", "expected"),
-                         [(10, 100, None, 90), (1, 2, None, 1), (99, 100, None, 1), (10, 100, 30, 30), (80, 100, 30, 20)])
+@pytest.mark.parametrize(
+    ("num_prompt", "max_len", "cap", "expected"),
+    [(10, 100, None, 90), (1, 2, None, 1), (99, 100, None, 1), (10, 100, 30, 30), (80, 100, 30, 20)],
+)
 def test_absent_max_tokens_means_the_room_left_capped_by_max_output_tokens(
-    num_prompt: int, max_len: int, cap: int | None, expected: int,
+    num_prompt: int,
+    max_len: int,
+    cap: int | None,
+    expected: int,
 ) -> None:
     assert resolve_max_tokens(None, num_prompt, max_len, cap) == MaxTokens(expected)
     [req] = InputProcessor(VOCAB, max_len, (2,), max_output_tokens=cap).process(
-        "r", [1] * num_prompt, SamplingParams(max_tokens=None))
+        "r", [1] * num_prompt, SamplingParams(max_tokens=None)
+    )
     assert req.params.max_tokens == expected
 
 
@@ -81,8 +95,16 @@ def test_n_samples_become_one_engine_request_each_with_seed_plus_index() -> None
     assert {r.arrival_time for r in reqs} == {5.0}
 
 
-@pytest.mark.parametrize(("field", "value"), [("temperature", 9.0), ("temperature", 2.01), ("top_p", 1.5),
-                                              ("presence_penalty", -2.5), ("frequency_penalty", 3.0)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 9.0),
+        ("temperature", 2.01),
+        ("top_p", 1.5),
+        ("presence_penalty", -2.5),
+        ("frequency_penalty", 3.0),
+    ],
+)
 def test_openai_ranges_are_enforced(field: str, value: float) -> None:
     with pytest.raises(ParamError) as excinfo:
         SamplingParams(**{field: value})  # type: ignore[arg-type]
@@ -129,12 +151,20 @@ def test_echo_shows_a_text_prompt_as_sent_and_decodes_one_sent_as_ids() -> None:
     assert inputs.echo_text(ids, None)[0] == "Hello there, world" and first == "Hello"
 
 
-@pytest.mark.parametrize(("requested", "cap", "expected"),
-                         [(32000, None, MaxTokens(40, "context")), (40, None, MaxTokens(40)), (39, None, MaxTokens(39)),
-                          (30, 8, MaxTokens(8, "cap")), (32000, 100, MaxTokens(40, "context")),
-                          (32000, 40, MaxTokens(40, "context"))])
-def test_clamp_lowers_max_tokens_to_the_room_left_and_the_cap_caps(requested: int, cap: int | None,
-                                                                    expected: MaxTokens) -> None:
+@pytest.mark.parametrize(
+    ("requested", "cap", "expected"),
+    [
+        (32000, None, MaxTokens(40, "context")),
+        (40, None, MaxTokens(40)),
+        (39, None, MaxTokens(39)),
+        (30, 8, MaxTokens(8, "cap")),
+        (32000, 100, MaxTokens(40, "context")),
+        (32000, 40, MaxTokens(40, "context")),
+    ],
+)
+def test_clamp_lowers_max_tokens_to_the_room_left_and_the_cap_caps(
+    requested: int, cap: int | None, expected: MaxTokens
+) -> None:
     assert resolve_max_tokens(requested, 60, 100, cap, policy="clamp") == expected
 
 
@@ -146,7 +176,9 @@ def test_reject_refuses_past_the_room_but_the_cap_still_only_caps() -> None:
 
 def test_a_clamped_request_runs_with_the_room_left_and_one_info_line_says_so(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("INFO", logger="fp4serve.engine"):
-        [req] = processor(max_model_len=100, policy="clamp").process("req-7", [1] * 60, SamplingParams(max_tokens=32000))
+        [req] = processor(max_model_len=100, policy="clamp").process(
+            "req-7", [1] * 60, SamplingParams(max_tokens=32000)
+        )
     assert req.params.max_tokens == 40
     [line] = [r.getMessage() for r in caplog.records if "lowered" in r.getMessage()]
     assert line.startswith("req-7: max_tokens 32000 lowered to 40") and "--max-tokens-policy clamp" in line

@@ -17,16 +17,23 @@ from safetensors.torch import load_file, save_file
 from api.cli import build_parser, server_config
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.host.cpu_kernels import load_cpu_ops
-from kernels.cpu_int4 import int4_gemv_native
-from engine.weights.formats.int4_linear import GROUP_SIZE, Int4Linear, Int4LinearBuilder, check_int4_device, dequantize_int4, \
-    quantize_int4, quantize_padded
-from engine.weights.formats.int8_linear import Int8Linear
 from engine.front.offline import OfflineEngine
+from engine.host.cpu_kernels import load_cpu_ops
+from engine.weights.formats.int4_linear import (
+    GROUP_SIZE,
+    Int4Linear,
+    Int4LinearBuilder,
+    check_int4_device,
+    dequantize_int4,
+    quantize_int4,
+    quantize_padded,
+)
+from engine.weights.formats.int8_linear import Int8Linear
 from engine.weights.formats.nvfp4 import INT4, detect_quantization, is_quantizable
+from kernels.cpu_int4 import int4_gemv_native
 from scheduler.request import SamplingParams
-from tests.factories import make_checkpoint
 from tests.engine.test_engine_correctness import capture_logits
+from tests.factories import make_checkpoint
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 1, 250]
 
@@ -67,8 +74,9 @@ def test_quantize_error_is_half_a_step_and_constant_groups_are_exact() -> None:
 @pytest.mark.parametrize("shape", [(1, 64, 96), (7, 576, 960), (3, 100, 40), (32, 48, 16)])  # K=100, 48: padded
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("own_kernel", [False, True], ids=["torch-kernel", "our-op"])
-def test_int4_linear_equals_the_dequantized_float_reference(shape: tuple[int, int, int], bias: bool,
-                                                            own_kernel: bool) -> None:
+def test_int4_linear_equals_the_dequantized_float_reference(
+    shape: tuple[int, int, int], bias: bool, own_kernel: bool
+) -> None:
     if own_kernel:
         assert load_cpu_ops() is None  # kernels/cpu_int4.cpp
     tokens, k, n = shape
@@ -81,10 +89,13 @@ def test_int4_linear_equals_the_dequantized_float_reference(shape: tuple[int, in
     y = linear(x)
     assert y.dtype == torch.bfloat16 and y.shape == (tokens, n) and linear.in_features == k
     codes, sz = quantize_padded(w)
-    ref = F.linear(F.pad(x.float(), (0, codes.shape[1] - k)), dequantize_int4(codes, sz), None if b is None else
-                   b.to(torch.bfloat16).float())
+    ref = F.linear(
+        F.pad(x.float(), (0, codes.shape[1] - k)),
+        dequantize_int4(codes, sz),
+        None if b is None else b.to(torch.bfloat16).float(),
+    )
     # float32 accumulation, then the output (and the bias add) rounded to bf16: a few ulps
-    torch.testing.assert_close(y.float(), ref, rtol=2 ** -6, atol=2 ** -6)
+    torch.testing.assert_close(y.float(), ref, rtol=2**-6, atol=2**-6)
 
 
 def test_int4_linear_takes_any_leading_shape_and_strided_input() -> None:
@@ -106,14 +117,15 @@ def test_the_dense_copy_serves_large_inputs_with_the_same_weights() -> None:
     large = torch.randn(2, 4, 100, generator=g).to(torch.bfloat16)  # 8 rows: the GEMM
     weight = dequantize_int4(codes, sz)[:, :100].to(torch.bfloat16)
     assert torch.equal(dense(large), F.linear(large, weight, dense.bias))
-    torch.testing.assert_close(dense(large).float(), plain(large).float(), rtol=2 ** -6, atol=2 ** -6)
+    torch.testing.assert_close(dense(large).float(), plain(large).float(), rtol=2**-6, atol=2**-6)
 
 
 def test_builder_fuses_shards_arriving_in_any_order_exactly() -> None:
     g = torch.Generator().manual_seed(1)
     parts = [torch.randn(n, 40, generator=g) for n in (16, 8, 8)]  # K=40: padded to 64
-    builder = Int4LinearBuilder(["q", "k", "v"], [16, 8, 8], 40, torch.zeros(32, dtype=torch.bfloat16),
-                                torch.bfloat16, torch.device("cpu"))
+    builder = Int4LinearBuilder(
+        ["q", "k", "v"], [16, 8, 8], 40, torch.zeros(32, dtype=torch.bfloat16), torch.bfloat16, torch.device("cpu")
+    )
     for shard in (2, 0, 1):
         builder.add(shard, "weight", parts[shard])
         builder.add(shard, "bias", torch.full((parts[shard].shape[0],), float(shard)))
@@ -170,8 +182,10 @@ def test_int4_tracks_the_bf16_float_run_on_q4_1_grid_weights(on_grid: Path, capl
     model = e.core.runner.model
     assert isinstance(model.layers[0].self_attn.qkv_proj, Int4Linear) and isinstance(model.lm_head, Int8Linear)
     assert model.lm_head.cpu_gemv  # the compiled int8 op (kernels/cpu_gemv.cpp), its input Q8_0 with VNNI
-    assert any("int4: 9 linears quantized at load" in r.getMessage() and "lm_head int8" in r.getMessage()
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any(
+        "int4: 9 linears quantized at load" in r.getMessage() and "lm_head int8" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
     assert all(m.dense is None for m in model.modules() if isinstance(m, Int4Linear))  # explicit: no copies
     # the engine loads the CPU ops before the weights: the int4 linears take our op where it has its fast loop
     native, int4 = int4_gemv_native(), [m for m in model.modules() if isinstance(m, Int4Linear)]
@@ -185,8 +199,9 @@ def test_int4_tracks_the_bf16_float_run_on_q4_1_grid_weights(on_grid: Path, capl
     assert (logits[0] - ref_logits[0]).abs().max() < 0.03 * spread
 
 
-def test_int4_with_dense_copies_decodes_small_and_large_batches_alike(on_grid: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int4_with_dense_copies_decodes_small_and_large_batches_alike(
+    on_grid: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """auto's layout (dense copies, from 4 rows here): a request's greedy tokens do not depend on
     whether its steps ran the int4 kernel (alone) or the GEMM (in a batch of 6)."""
     monkeypatch.setattr("engine.model_runner.int8_dense_from_rows", lambda requested, scheme: 4)
@@ -214,8 +229,11 @@ def test_int4_needs_a_cpu_bf16_activations_and_a_float_checkpoint(on_grid: Path,
 def test_the_flag_reaches_the_engine_config_and_the_help() -> None:
     parser = build_parser()
     assert server_config(parser.parse_args(["serve", "--quantization", "int4"])).engine.quantization == "int4"
-    serve = next(a for a in parser._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
-                 if any("--quantization" in o.option_strings for o in a._actions))
+    serve = next(
+        a
+        for a in parser._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+        if any("--quantization" in o.option_strings for o in a._actions)
+    )
     help_text = " ".join(serve.format_help().split())
     assert "{auto,none,nvfp4,int8,int4}" in help_text and "int4 (CPU only" in help_text
 
@@ -237,4 +255,4 @@ def test_a_built_dense_copy_holds_the_checkpoint_weights_not_the_int4_ones() -> 
     assert not torch.equal(int4, dense[:7])  # the codes' rounding shows under the threshold
     codes, sz = zip(quantize_padded(q), quantize_padded(k))
     grid = dequantize_int4(torch.cat(codes), torch.cat(sz, dim=1)).to(torch.bfloat16)  # the int4 weights
-    torch.testing.assert_close(int4.float(), F.linear(x[:7], grid).float(), rtol=2 ** -6, atol=2 ** -6)
+    torch.testing.assert_close(int4.float(), F.linear(x[:7], grid).float(), rtol=2**-6, atol=2**-6)

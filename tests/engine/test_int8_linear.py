@@ -15,16 +15,22 @@ from safetensors.torch import load_file, save_file
 
 from api.cli import build_parser, server_config
 from engine.config import EngineConfig
-from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
-from engine.weights.formats.packed_linear import can_pack
-from engine.weights.formats.int8_linear import Int8Linear, Int8LinearBuilder, check_int8_device, dequantize_int8, quantize_int8
-from engine.weights.loader import load_model
 from engine.front.offline import OfflineEngine
+from engine.weights.config.model_config import ModelConfig
+from engine.weights.formats.int8_linear import (
+    Int8Linear,
+    Int8LinearBuilder,
+    check_int8_device,
+    dequantize_int8,
+    quantize_int8,
+)
 from engine.weights.formats.nvfp4 import INT8, detect_quantization, is_quantizable
+from engine.weights.formats.packed_linear import can_pack
+from engine.weights.loader import load_model
 from scheduler.request import SamplingParams
-from tests.factories import make_checkpoint
 from tests.engine.test_engine_correctness import capture_logits, hf_greedy
+from tests.factories import make_checkpoint
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 1, 250]
 
@@ -40,8 +46,9 @@ def reference(x: torch.Tensor, linear: Int8Linear) -> torch.Tensor:
 # K = 100, 8: not a multiple of 16, which torch's bf16 kernel needs (Int8Linear pads)
 @pytest.mark.parametrize("shape", [(1, 64, 96), (7, 576, 960), (32, 100, 37), (1, 8, 3)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_equals_the_dequantized_float_reference(dtype: torch.dtype, shape: tuple[int, int, int],
-                                                            bias: bool) -> None:
+def test_int8_linear_equals_the_dequantized_float_reference(
+    dtype: torch.dtype, shape: tuple[int, int, int], bias: bool
+) -> None:
     tokens, k, n = shape
     g = torch.Generator().manual_seed(tokens * k + n)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -54,7 +61,7 @@ def test_int8_linear_equals_the_dequantized_float_reference(dtype: torch.dtype, 
     if dtype == torch.float32:  # only the summation order differs
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     else:  # float32 accumulation, then the output (and the bias add) rounded to bf16: a few ulps
-        torch.testing.assert_close(y.float(), ref, rtol=2 ** -6, atol=2 ** -6)
+        torch.testing.assert_close(y.float(), ref, rtol=2**-6, atol=2**-6)
 
 
 def test_int8_linear_takes_any_leading_shape_and_strided_input() -> None:
@@ -142,16 +149,19 @@ def greedy_with_logits(e: OfflineEngine, num_tokens: int) -> tuple[list[int], li
     return result.token_ids[0], next(iter(seen.values()))
 
 
-def test_int8_float32_activations_equal_transformers_on_grid_weights(on_grid: Path,
-                                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_int8_float32_activations_equal_transformers_on_grid_weights(
+    on_grid: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, logger="fp4serve"):
         e = engine(on_grid, dtype="float32", quantization="int8")
     model = e.core.runner.model
     assert isinstance(model.layers[0].self_attn.qkv_proj, Int8Linear)  # fused q/k/v
     assert isinstance(model.layers[1].mlp.gate_up_proj, Int8Linear)  # fused gate/up
     assert isinstance(model.lm_head, Int8Linear) and model.embed_tokens.weight.dtype == torch.float32
-    assert any("int8: 9 linears quantized at load" in r.getMessage() and "lm_head int8 too" in r.getMessage()
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any(
+        "int8: 9 linears quantized at load" in r.getMessage() and "lm_head int8 too" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
     ours, logits = greedy_with_logits(e, 12)
     ref_tokens, ref_logits = hf_greedy(on_grid, PROMPT, 12)
     assert ours == ref_tokens
@@ -202,8 +212,11 @@ def test_int8_refuses_an_already_quantized_checkpoint(tmp_path: Path) -> None:
 def test_the_flag_reaches_the_engine_config_and_the_help() -> None:
     parser = build_parser()
     assert server_config(parser.parse_args(["serve", "--quantization", "int8"])).engine.quantization == "int8"
-    serve = next(a for a in parser._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
-                 if any("--quantization" in o.option_strings for o in a._actions))
+    serve = next(
+        a
+        for a in parser._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+        if any("--quantization" in o.option_strings for o in a._actions)
+    )
     help_text = " ".join(serve.format_help().split())
     assert "{auto,none,nvfp4,int8,int4}" in help_text and "int8 (CPU only" in help_text
     with pytest.raises(SystemExit):
@@ -249,18 +262,20 @@ def test_dense_copy_serves_large_inputs_with_the_same_weights(dtype: torch.dtype
     # The same GEMM over codes * scales (bf16: oneDNN-packed, engine/weights/formats/packed_linear.py).
     assert dense.dense.packed == (dtype == torch.bfloat16 and can_pack(dtype, torch.device("cpu")))
     assert torch.equal(y, F.linear(large, dequantize_int8(dense.weight_codes, dense.scales, dtype), dense.bias))
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
     torch.testing.assert_close(y.float(), reference(large, plain), rtol=tol, atol=tol)
     torch.testing.assert_close(y.float(), plain(large).float(), rtol=tol, atol=tol)
 
 
 def test_quantization_auto_keeps_dense_copies_and_an_explicit_int8_does_not(on_grid: Path) -> None:
     from engine.weights.dtype_policy import AUTO_INT8_DENSE_FROM_ROWS, int8_dense_from_rows
+
     assert int8_dense_from_rows("auto", INT8) == AUTO_INT8_DENSE_FROM_ROWS
     assert int8_dense_from_rows(INT8, INT8) == 0 and int8_dense_from_rows("auto", None) == 0
     cfg = ModelConfig.from_checkpoint(on_grid)
     method = detect_quantization(on_grid, cfg.quantization, INT8)
     from dataclasses import replace
+
     model = load_model(on_grid, cfg, torch.bfloat16, torch.device("cpu"), 64, replace(method, int8_dense_from_rows=4))
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert linears and all(m.dense is not None and m.dense_from_rows == 4 for m in linears)

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from engine.config import EngineConfig
 from engine.cache_events.config import KVEventsConfig
-from engine.errors import ConfigError
 from engine.cache_events.kv_event_hashes import ExternalBlockHashes
-from engine.cache_events.kv_events import KVEventRecorder, ZmqEventPublisher
 from engine.cache_events.kv_events import AllBlocksCleared as OurCleared
+from engine.cache_events.kv_events import KVEventRecorder, ZmqEventPublisher
+from engine.config import EngineConfig
+from engine.errors import ConfigError
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, SamplingParams
 from tests import vllm_kv_events as vllm
@@ -55,9 +55,17 @@ def test_a_prompt_stores_its_full_pages_with_vllms_chained_hashes() -> None:
     compute(bm, make_request("a", tokens))
     [event] = as_dicts(recorder.take())
     assert event == {
-        "type": "BlockStored", "block_hashes": vllm.vllm_block_hashes(tokens, BS, SEED), "parent_block_hash": None,
-        "token_ids": tokens[:8], "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None,
-        "extra_keys": [None, None], "group_idx": 0, "kv_cache_spec_kind": "full_attention",
+        "type": "BlockStored",
+        "block_hashes": vllm.vllm_block_hashes(tokens, BS, SEED),
+        "parent_block_hash": None,
+        "token_ids": tokens[:8],
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None, None],
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
         "kv_cache_spec_sliding_window": None,
     }
     assert recorder.take() == []  # taken once
@@ -74,7 +82,11 @@ def test_decoded_tokens_store_each_page_as_it_fills_chained_on_the_page_before()
     [stored] = recorder.take()
     expected = vllm.vllm_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], BS, SEED)
     assert first[0].block_hashes == expected[:1]
-    assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids) == (expected[1:], expected[0], [5, 6, 7, 8])
+    assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids) == (
+        expected[1:],
+        expected[0],
+        [5, 6, 7, 8],
+    )
 
 
 def test_a_prefix_hit_stores_only_the_new_pages_under_the_cached_parent() -> None:
@@ -88,7 +100,11 @@ def test_a_prefix_hit_stores_only_the_new_pages_under_the_cached_parent() -> Non
     compute(bm, b, hit)
     [event] = recorder.take()
     expected = vllm.vllm_block_hashes(shared + [11, 12, 13, 14], BS, SEED)
-    assert (event.block_hashes, event.parent_block_hash, event.token_ids) == (expected[2:], expected[1], [11, 12, 13, 14])
+    assert (event.block_hashes, event.parent_block_hash, event.token_ids) == (
+        expected[2:],
+        expected[1],
+        [11, 12, 13, 14],
+    )
 
 
 def test_reusing_a_cached_page_removes_its_hash_and_a_reset_clears_all() -> None:
@@ -127,7 +143,11 @@ def test_a_page_whose_content_is_cached_elsewhere_is_not_announced_and_the_chain
     compute(bm, b)
     [event] = recorder.take()
     expected = vllm.vllm_block_hashes(tokens + [30, 31, 32, 33], BS, SEED)
-    assert (event.block_hashes, event.parent_block_hash, event.token_ids) == (expected[2:], expected[1], [30, 31, 32, 33])
+    assert (event.block_hashes, event.parent_block_hash, event.token_ids) == (
+        expected[2:],
+        expected[1],
+        [30, 31, 32, 33],
+    )
 
 
 def test_without_a_sink_the_block_manager_records_nothing() -> None:
@@ -206,8 +226,10 @@ def test_a_taken_endpoint_fails_start_up_with_the_reason() -> None:
 
 # ---- the flag ------------------------------------------------------------------------------------------------
 def test_the_flag_takes_vllms_json_and_defaults() -> None:
-    config = KVEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "zmq", '
-                                      '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}')
+    config = KVEventsConfig.from_json(
+        '{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}'
+    )
     assert config == KVEventsConfig(True, "zmq", "tcp://*:5557", "tcp://*:5558", 10_000, 100_000, 100_000, "kv-events")
     assert config.enabled
     assert KVEventsConfig.from_json('{"enable_kv_cache_events": true}').enabled  # publisher defaults to zmq
@@ -216,14 +238,17 @@ def test_the_flag_takes_vllms_json_and_defaults() -> None:
     assert EngineConfig().kv_events_config is None
 
 
-@pytest.mark.parametrize(("text", "words"), [
-    ("{not json", "invalid JSON"),
-    ("[1]", "expected a JSON object"),
-    ('{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}', "unknown field 'endpont'"),
-    ('{"enable_kv_cache_events": "yes"}', "field 'enable_kv_cache_events' must be bool"),
-    ('{"buffer_steps": 0}', "buffer_steps must be positive"),
-    ('{"publisher": "kafka"}', "publisher 'kafka' is not one of zmq, null"),
-])
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("{not json", "invalid JSON"),
+        ("[1]", "expected a JSON object"),
+        ('{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}', "unknown field 'endpont'"),
+        ('{"enable_kv_cache_events": "yes"}', "field 'enable_kv_cache_events' must be bool"),
+        ('{"buffer_steps": 0}', "buffer_steps must be positive"),
+        ('{"publisher": "kafka"}', "publisher 'kafka' is not one of zmq, null"),
+    ],
+)
 def test_a_bad_flag_value_names_the_field(text: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         KVEventsConfig.from_json(text)

@@ -5,21 +5,31 @@ from __future__ import annotations
 
 import torch
 
-from engine.batch import build_forward_batch
-from engine.weights.config.hybrid_config import HybridConfig
 from engine.attention.linear_attention import LinearAttentionPlan, TorchLinearAttentionBackend
 from engine.attention.state_pool import StatePool
+from engine.batch import build_forward_batch
+from engine.weights.config.hybrid_config import HybridConfig
 from scheduler.output import ScheduledRequest, SchedulerOutput
 
 CPU = torch.device("cpu")
-HYBRID = HybridConfig(layer_types=("linear_attention", "full_attention"), num_k_heads=1, num_v_heads=2,
-                      head_k_dim=8, head_v_dim=4, conv_kernel=3, partial_rotary_factor=0.25, has_vision=False)
+HYBRID = HybridConfig(
+    layer_types=("linear_attention", "full_attention"),
+    num_k_heads=1,
+    num_v_heads=2,
+    head_k_dim=8,
+    head_v_dim=4,
+    conv_kernel=3,
+    partial_rotary_factor=0.25,
+    has_vision=False,
+)
 
 
 def batch(requests: list[tuple[int, int, int]]):  # type: ignore[no-untyped-def]
     """(start position, new tokens, slot) per request."""
-    scheduled = tuple(ScheduledRequest(f"r{i}", tuple(range(1, n + 1)), start, tuple(range(8)), True, state_slot=slot)
-                      for i, (start, n, slot) in enumerate(requests))
+    scheduled = tuple(
+        ScheduledRequest(f"r{i}", tuple(range(1, n + 1)), start, tuple(range(8)), True, state_slot=slot)
+        for i, (start, n, slot) in enumerate(requests)
+    )
     return build_forward_batch(SchedulerOutput(scheduled, ()), 4, CPU)
 
 
@@ -35,8 +45,14 @@ def test_plan_groups_decodes_and_pads_prefill_chunks() -> None:
     assert plan.prefill.flat_rows.tolist() == [0, 1, 2, 4, 5] and plan.prefill.slots.tolist() == [2, 1]
 
 
-def run(backend: TorchLinearAttentionBackend, requests: list[tuple[int, int, int]], x: torch.Tensor,
-        weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+def run(
+    backend: TorchLinearAttentionBackend,
+    requests: list[tuple[int, int, int]],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> torch.Tensor:
     backend.plan(batch(requests))
     mixed = backend.conv(0, x, weight)
     q, k, v = mixed.split([8, 8, 8], dim=-1)
@@ -50,8 +66,9 @@ def test_mixed_batch_equals_each_sequence_alone() -> None:
     inputs = []
     for step in steps:
         t = sum(n for _, n, _ in step)
-        inputs.append((torch.randn(t, 24, generator=gen), -torch.rand(t, 2, generator=gen),
-                       torch.rand(t, 2, generator=gen)))
+        inputs.append(
+            (torch.randn(t, 24, generator=gen), -torch.rand(t, 2, generator=gen), torch.rand(t, 2, generator=gen))
+        )
     together = TorchLinearAttentionBackend(StatePool(HYBRID, 3, CPU), CPU)
     outs = [run(together, step, *inp[:1], weight, *inp[1:]) for step, inp in zip(steps, inputs)]
     for i in range(3):  # sequence i alone, in its own pool, through the same two steps

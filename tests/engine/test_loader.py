@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
-from engine.weights.config.model_config import ModelConfig
-from engine.errors import ConfigError
 from engine.core import EngineCore
+from engine.errors import ConfigError
+from engine.weights.config.model_config import ModelConfig
 
 
 def copy_ckpt(src: Path, dst: Path) -> Path:
@@ -37,7 +37,9 @@ def test_unsupported_architecture_names_the_field(qwen3_ckpt: Path, tmp_path: Pa
     cfg = json.loads((path / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=r"unsupported architecture \['MambaForCausalLM'\] in field 'architectures'") as e:
+    with pytest.raises(
+        ConfigError, match=r"unsupported architecture \['MambaForCausalLM'\] in field 'architectures'"
+    ) as e:
         start(path)
     assert "\n" not in str(e.value)
 
@@ -61,7 +63,9 @@ def test_missing_tensor_is_named(qwen3_ckpt: Path, tmp_path: Path) -> None:
 def test_misshaped_tensor_is_named_with_both_shapes(qwen3_ckpt: Path, tmp_path: Path) -> None:
     path = copy_ckpt(qwen3_ckpt, tmp_path / "m")
     edit_weights(path, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(16, 64)}))
-    with pytest.raises(ConfigError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \[16, 64\], expected \[32, 64\]"):
+    with pytest.raises(
+        ConfigError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \[16, 64\], expected \[32, 64\]"
+    ):
         start(path)
 
 
@@ -83,8 +87,17 @@ def test_sharded_checkpoint_loads_like_a_single_file(qwen3_ckpt: Path, tmp_path:
 
 
 def test_rope_parameters_of_transformers_5_and_rope_scaling_of_4_read_alike() -> None:
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "rms_norm_eps": 1e-5}
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rms_norm_eps": 1e-5,
+    }
     v4 = ModelConfig.from_dict({**base, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
-    v5 = ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}})
+    v5 = ModelConfig.from_dict(
+        {**base, "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}}
+    )
     assert v4.rope == v5.rope and v4.rope.theta == 500000.0 and v4.rope.rope_type == "llama3"

@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.weights.config.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.models.decoder import MLP
 from engine.models.moe import Experts, SparseMoeBlock
+from engine.weights.config.model_config import ModelConfig
 from scheduler.request import SamplingParams
-from tests.factories import make_moe_checkpoint
 from tests.engine.test_engine_correctness import capture_logits, hf_greedy, make_engine, prompts_for
+from tests.factories import make_moe_checkpoint
 
 # name -> Qwen3MoeConfig overrides (3 layers)
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -31,8 +31,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def moe_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {name: make_moe_checkpoint(tmp_path_factory.mktemp(name), seed=i, **kw)
-            for i, (name, kw) in enumerate(CONFIGS.items())}
+    return {
+        name: make_moe_checkpoint(tmp_path_factory.mktemp(name), seed=i, **kw)
+        for i, (name, kw) in enumerate(CONFIGS.items())
+    }
 
 
 def test_layers_follow_mlp_only_layers_and_decoder_sparse_step(moe_ckpts: dict[str, Path]) -> None:
@@ -63,10 +65,14 @@ def test_every_step_logits_match_transformers(moe_ckpts: dict[str, Path], name: 
         assert (a - b).abs().max().item() <= 1e-4, f"step {step}"
 
 
-@pytest.mark.parametrize("name,block_size,max_batched", [("dense-middle-norm", 16, 4096), ("every-2nd-no-norm", 4, 7)],
-                         ids=["concurrent", "concurrent-chunked"])
-def test_concurrent_greedy_equals_transformers_alone(moe_ckpts: dict[str, Path], name: str, block_size: int,
-                                                     max_batched: int) -> None:
+@pytest.mark.parametrize(
+    "name,block_size,max_batched",
+    [("dense-middle-norm", 16, 4096), ("every-2nd-no-norm", 4, 7)],
+    ids=["concurrent", "concurrent-chunked"],
+)
+def test_concurrent_greedy_equals_transformers_alone(
+    moe_ckpts: dict[str, Path], name: str, block_size: int, max_batched: int
+) -> None:
     path = moe_ckpts[name]
     prompts = prompts_for(512)
     refs = [hf_greedy(path, p, 12)[0] for p in prompts]
@@ -118,16 +124,23 @@ def _edit(path: Path, tensors_fn: Any = None, config_fn: Any = None) -> None:
         (path / "config.json").write_text(json.dumps(raw))
 
 
-@pytest.mark.parametrize("case,fragment", [
-    ("missing-expert", "missing tensor for 'model.layers.1.mlp.experts.3.up_proj.weight'"),
-    ("expert-shape", "tensor 'model.layers.0.mlp.experts.2.down_proj.weight' has shape [64, 16], expected [64, 32]"),
-    ("expert-out-of-range", "expert 9 of a model with 8 experts"),
-    ("dense-layer-expert", "layer 1 is not a MoE layer"),
-    ("top-k", "field 'num_experts_per_tok' (9) exceeds num_experts (8)"),
-    ("no-experts", "field 'num_experts' must be a positive integer"),
-])
-def test_bad_moe_checkpoints_fail_with_one_line_naming_the_tensor_or_field(tmp_path: Path, case: str,
-                                                                           fragment: str) -> None:
+@pytest.mark.parametrize(
+    "case,fragment",
+    [
+        ("missing-expert", "missing tensor for 'model.layers.1.mlp.experts.3.up_proj.weight'"),
+        (
+            "expert-shape",
+            "tensor 'model.layers.0.mlp.experts.2.down_proj.weight' has shape [64, 16], expected [64, 32]",
+        ),
+        ("expert-out-of-range", "expert 9 of a model with 8 experts"),
+        ("dense-layer-expert", "layer 1 is not a MoE layer"),
+        ("top-k", "field 'num_experts_per_tok' (9) exceeds num_experts (8)"),
+        ("no-experts", "field 'num_experts' must be a positive integer"),
+    ],
+)
+def test_bad_moe_checkpoints_fail_with_one_line_naming_the_tensor_or_field(
+    tmp_path: Path, case: str, fragment: str
+) -> None:
     path = make_moe_checkpoint(tmp_path / "m", seed=1)
     if case == "missing-expert":
         _edit(path, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"))

@@ -21,8 +21,8 @@ import torch
 import engine.models.moe as moe_module
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch
-from engine.weights.config.model_config import ModelConfig
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets
+from engine.weights.config.model_config import ModelConfig
 from engine.weights.loader import load_model
 from tests.factories import forward_batch, make_moe_checkpoint
 from tests.graph_fakes import GraphableTorchBackend, StrictCapturer
@@ -39,8 +39,10 @@ def moe_triton() -> Iterator[ModuleType]:
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        modules = [importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
-                   for name in ("kernels.nvfp4_triton", "kernels.fused_moe_triton")]
+        modules = [
+            importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+            for name in ("kernels.nvfp4_triton", "kernels.fused_moe_triton")
+        ]
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
@@ -77,13 +79,21 @@ def eager_forward(tiny: tuple[Any, ModelConfig]) -> Callable[[ForwardBatch], tor
 def strict_runner(tiny: tuple[Any, ModelConfig], sizes: tuple[int, ...]) -> CudaGraphRunner:
     model, cfg = tiny
     attention = GraphableTorchBackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, CPU)
-    return CudaGraphRunner(model, caches_for(cfg), attention, DecodeBuckets(sizes), SCRATCH, 4,
-                           StrictCapturer(exempt=attention.plan_storages))
+    return CudaGraphRunner(
+        model,
+        caches_for(cfg),
+        attention,
+        DecodeBuckets(sizes),
+        SCRATCH,
+        4,
+        StrictCapturer(exempt=attention.plan_storages),
+    )
 
 
 @torch.inference_mode()
 def test_moe_decode_captures_with_no_host_sync_and_replays_any_routing(
-        tiny: tuple[Any, ModelConfig], moe_triton: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny: tuple[Any, ModelConfig], moe_triton: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     eager = eager_forward(tiny)  # the grouped torch reference, outside any graph
     runner = strict_runner(tiny, (2, 4))
     steps = [

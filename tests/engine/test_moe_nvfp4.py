@@ -15,20 +15,20 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from engine.front.offline import OfflineEngine
 from engine.models.layers import Linear
 from engine.models.moe import NVFP4Experts, SparseMoeBlock
-from engine.front.offline import OfflineEngine
 from fp4serve_tools.quantize import quantize_checkpoint
 from kernels.fused_moe import NVFP4ExpertWeights
 from kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from kernels.nvfp4_scale_search import quantize_nvfp4_searched
 from scheduler.request import SamplingParams
-from tests.factories import make_moe_checkpoint
 from tests.engine.test_nvfp4_engine import make_runner, position_logits, random_prompts
+from tests.factories import make_moe_checkpoint
 
 CPU = torch.device("cpu")
 FORMATS = ("modelopt", "compressed-tensors")
-E, H, I = 8, 64, 32  # experts, hidden, moe_intermediate_size of the factory's model
+E, H, I = 8, 64, 32  # noqa: E741  experts, hidden, moe_intermediate_size of the factory's model
 MIB = 1 << 20
 
 
@@ -40,8 +40,9 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str | None
     def get(layout: str, fmt: str | None = None) -> Path:
         if (layout, fmt) not in cache:
             if fmt is None:
-                cache[layout, fmt] = make_moe_checkpoint(tmp_path_factory.mktemp(layout), seed=3, mlp_only_layers=[1],
-                                                         fused_experts=layout == "fused")
+                cache[layout, fmt] = make_moe_checkpoint(
+                    tmp_path_factory.mktemp(layout), seed=3, mlp_only_layers=[1], fused_experts=layout == "fused"
+                )
             else:
                 dst = tmp_path_factory.mktemp(f"{layout}-{fmt}") / "out"
                 quantize_checkpoint(get(layout), dst, fmt, CPU)
@@ -55,8 +56,7 @@ def moe_blocks(runner: Any) -> dict[int, SparseMoeBlock]:
     return {i: layer.mlp for i, layer in enumerate(runner.model.layers) if isinstance(layer.mlp, SparseMoeBlock)}
 
 
-def test_quantize_at_load_gives_each_expert_its_own_global_scales(ckpts: Any,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_quantize_at_load_gives_each_expert_its_own_global_scales(ckpts: Any, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger="fp4serve.loader")
     src = ckpts("per")
     runner = make_runner(src, quantization="nvfp4")
@@ -84,8 +84,10 @@ def test_quantize_at_load_gives_each_expert_its_own_global_scales(ckpts: Any,
     # codes (1/2 byte per element), one E4M3 scale per 16, fp32 global scales: gate, up per expert, down
     per_block = E * (2 * I * H // 2 + 2 * I * H // 16 + 2 * 4) + E * (H * I // 2 + H * I // 16 + 4)
     assert nbytes == 2 * per_block
-    assert f"moe: 2 sparse layers x {E} experts (2 active per token); experts resident {nbytes / MIB:.2f} MiB (nvfp4)" \
+    assert (
+        f"moe: 2 sparse layers x {E} experts (2 active per token); experts resident {nbytes / MIB:.2f} MiB (nvfp4)"
         in caplog.messages
+    )
     assert runner.nvfp4_weight_nbytes >= nbytes
 
 
@@ -105,15 +107,19 @@ def test_written_moe_checkpoint_loads_to_the_logits_of_quantize_at_load(ckpts: A
         assert (a - b).abs().max().item() <= 1e-4  # ModelOpt stores 1/S: S back within an ulp
 
 
-def test_modelopt_moe_checkpoint_with_w4a4_input_scales_loads_weight_only(ckpts: Any, tmp_path: Path,
-                                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_modelopt_moe_checkpoint_with_w4a4_input_scales_loads_weight_only(
+    ckpts: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     import shutil
 
     dst = tmp_path / "w4a4"
     shutil.copytree(ckpts("per", "modelopt"), dst)
     tensors = load_file(dst / "model.safetensors")
-    scales = {n.replace(".weight_scale_2", ".input_scale"): torch.tensor(0.01) for n in tensors
-              if n.endswith(".weight_scale_2")}
+    scales = {
+        n.replace(".weight_scale_2", ".input_scale"): torch.tensor(0.01)
+        for n in tensors
+        if n.endswith(".weight_scale_2")
+    }
     tensors.update(scales)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     caplog.set_level("INFO", logger="fp4serve.loader")
@@ -146,10 +152,14 @@ def test_nvfp4_moe_serves_and_agrees_with_its_float_self(tmp_path: Path) -> None
         total += len(prompt)
     print(f"NVFP4 MoE vs float top-1 next-token agreement: {agree}/{total} = {agree / total:.3f}")
     assert total == 200 and agree / total >= 0.6
-    engine = OfflineEngine.from_config(EngineConfig(model=str(src), dtype="float32", kv_cache_memory="2MiB",
-                                                    quantization="nvfp4", max_num_batched_tokens=7))
-    results = engine.generate(random_prompts([3, 20, 41], seed=1),
-                              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    engine = OfflineEngine.from_config(
+        EngineConfig(
+            model=str(src), dtype="float32", kv_cache_memory="2MiB", quantization="nvfp4", max_num_batched_tokens=7
+        )
+    )
+    results = engine.generate(
+        random_prompts([3, 20, 41], seed=1), SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    )
     assert [len(r.token_ids[0]) for r in results] == [10, 10, 10]
 
 

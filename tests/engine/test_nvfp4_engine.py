@@ -17,17 +17,17 @@ from safetensors.torch import load_file, save_file
 
 from engine.batch import build_forward_batch
 from engine.config import EngineConfig
-from engine.weights.config.model_config import ModelConfig
-from engine.errors import ConfigError
 from engine.core import EngineCore
+from engine.errors import ConfigError
+from engine.front.offline import OfflineEngine
 from engine.model_runner import ModelRunner
 from engine.models.layers import Linear
-from engine.front.offline import OfflineEngine
+from engine.weights.config.model_config import ModelConfig
 from fp4serve_tools.quantize import main as quantize_main
 from fp4serve_tools.quantize import quantize_checkpoint
 from kernels.nvfp4 import NVFP4Weight, dequantize_nvfp4, quantize_nvfp4, to_modelopt
-from kernels.nvfp4_scale_search import quantize_nvfp4_searched
 from kernels.nvfp4_matmul import NVFP4Linear
+from kernels.nvfp4_scale_search import quantize_nvfp4_searched
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import SamplingParams
 from tests.factories import TINY, make_checkpoint
@@ -43,6 +43,7 @@ F32_BYTES = 4
 
 
 # ---- factories -------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str | None], Path]:
@@ -112,6 +113,7 @@ def ulp_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # ---- quantize at load == written checkpoint -------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_written_checkpoint_loads_to_the_logits_of_quantize_at_load(ckpts: Any, arch: str, fmt: str) -> None:
@@ -154,20 +156,27 @@ def test_greedy_generation_of_written_checkpoint_equals_quantize_at_load(ckpts: 
 
 # ---- resident weights --------------------------------------------------------------------------
 
+
 def test_resident_weights_are_packed_codes_scales_and_the_float_excludes(
-        ckpts: Any, caplog: pytest.LogCaptureFixture) -> None:
+    ckpts: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level("INFO", logger="fp4serve.runner")
     runner = make_runner(ckpts("qwen3"), quantization="nvfp4")
     cfg = runner.model_config
     layers = range(cfg.num_layers)
     linears = nvfp4_linears(runner)
-    assert sorted(linears) == sorted(f"layers.{i}.{m}" for i in layers for m in
-                                     ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
+    assert sorted(linears) == sorted(
+        f"layers.{i}.{m}"
+        for i in layers
+        for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    )
     assert type(runner.model.lm_head) is Linear  # excluded: stays float
     shapes = {(m.out_features, m.in_features) for m in linears.values()}
     shapes |= {(n, op.shape[1]) for m in linears.values() for op in [operand(m)] for n in op.shard_sizes or ()}
     resident = list(runner.model.state_dict().values())
-    resident += [t for m in linears.values() for t in (operand(m).packed, operand(m).block_scale, operand(m).global_scale)]
+    resident += [
+        t for m in linears.values() for t in (operand(m).packed, operand(m).block_scale, operand(m).global_scale)
+    ]
     for t in resident:
         if t.is_floating_point() and t.dtype != torch.float8_e4m3fn:
             assert tuple(t.shape) not in shapes and tuple(t.shape[::-1]) not in shapes, tuple(t.shape)
@@ -175,16 +184,25 @@ def test_resident_weights_are_packed_codes_scales_and_the_float_excludes(
     def nvfp4_bytes(n: int, k: int, num_shards: int) -> int:  # codes, E4M3 block scales, fp32 S per shard
         return n * k // 2 + n * k // 16 + F32_BYTES * num_shards
 
-    q, kv, h, ffn = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    per_layer = nvfp4_bytes(q + 2 * kv, h, 3) + nvfp4_bytes(h, q, 1) + nvfp4_bytes(2 * ffn, h, 2) + nvfp4_bytes(h, ffn, 1)
+    q, kv, h, ffn = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+    )
+    per_layer = (
+        nvfp4_bytes(q + 2 * kv, h, 3) + nvfp4_bytes(h, q, 1) + nvfp4_bytes(2 * ffn, h, 2) + nvfp4_bytes(h, ffn, 1)
+    )
     expected_nvfp4 = cfg.num_layers * per_layer
     # embed_tokens, untied lm_head, final norm; per layer two norms and the q/k norms, all float32
     expected_float = F32_BYTES * (2 * cfg.vocab_size * h + h + cfg.num_layers * (2 * h + 2 * cfg.head_dim))
     assert runner.nvfp4_weight_nbytes == expected_nvfp4
     assert runner.weight_nbytes == expected_float + expected_nvfp4
     mib = 1 << 20
-    assert (f"weights: {runner.weight_nbytes / mib:.2f} MiB resident (nvfp4 linears: {expected_nvfp4 / mib:.2f} MiB "
-            f"in {len(linears)} layers)") in caplog.messages
+    assert (
+        f"weights: {runner.weight_nbytes / mib:.2f} MiB resident (nvfp4 linears: {expected_nvfp4 / mib:.2f} MiB "
+        f"in {len(linears)} layers)"
+    ) in caplog.messages
 
 
 def test_float_model_reports_its_weight_bytes_and_no_nvfp4(ckpts: Any) -> None:
@@ -195,6 +213,7 @@ def test_float_model_reports_its_weight_bytes_and_no_nvfp4(ckpts: Any) -> None:
 
 
 # ---- quality -----------------------------------------------------------------------------------
+
 
 def test_nvfp4_next_token_agrees_with_float_on_200_positions(tmp_path: Path) -> None:
     # NOTE: untied: with tied embeddings a random model mostly predicts its input token, and
@@ -211,6 +230,7 @@ def test_nvfp4_next_token_agrees_with_float_on_200_positions(tmp_path: Path) -> 
 
 
 # ---- fused shards ------------------------------------------------------------------------------
+
 
 def test_fused_shards_of_different_magnitudes_keep_their_own_scales(ckpts: Any, tmp_path: Path) -> None:
     path = shutil.copytree(ckpts("qwen3"), tmp_path / "m")
@@ -233,11 +253,14 @@ def test_fused_shards_of_different_magnitudes_keep_their_own_scales(ckpts: Any, 
     x = torch.randn(5, TINY["hidden_size"], generator=torch.Generator().manual_seed(0))
     assert torch.equal(layer(x), F.linear(x, per_shard))
     # One shared scale (vLLM's max) would lose the small k shard: it is not this.
-    shared = dequantize_nvfp4(quantize_nvfp4(torch.cat([stored[f"{prefix}.{p}_proj.weight"] for p in "qkv"])), torch.float32)
+    shared = dequantize_nvfp4(
+        quantize_nvfp4(torch.cat([stored[f"{prefix}.{p}_proj.weight"] for p in "qkv"])), torch.float32
+    )
     assert not torch.equal(shared, per_shard)
 
 
 # ---- the writer -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_writer_stores_each_hf_linear_in_the_layout_and_copies_the_rest(ckpts: Any, fmt: str) -> None:
@@ -246,16 +269,27 @@ def test_writer_stores_each_hf_linear_in_the_layout_and_copies_the_rest(ckpts: A
     q = "model.layers.0.self_attn.q_proj"
     h = TINY["hidden_size"]
     if fmt == "modelopt":
-        expected = {"weight": (torch.uint8, (64, h // 2)), "weight_scale": (torch.float8_e4m3fn, (64, h // 16)),
-                    "weight_scale_2": (torch.float32, ())}
+        expected = {
+            "weight": (torch.uint8, (64, h // 2)),
+            "weight_scale": (torch.float8_e4m3fn, (64, h // 16)),
+            "weight_scale_2": (torch.float32, ()),
+        }
     else:
-        expected = {"weight_packed": (torch.uint8, (64, h // 2)), "weight_scale": (torch.float8_e4m3fn, (64, h // 16)),
-                    "weight_global_scale": (torch.float32, (1,))}
+        expected = {
+            "weight_packed": (torch.uint8, (64, h // 2)),
+            "weight_scale": (torch.float8_e4m3fn, (64, h // 16)),
+            "weight_global_scale": (torch.float32, (1,)),
+        }
     written = {k.removeprefix(q + "."): (v.dtype, tuple(v.shape)) for k, v in tensors.items() if k.startswith(q + ".")}
     assert written == expected
     assert not any("qkv_proj" in k or "gate_up_proj" in k for k in tensors)
     source = load_file(src / "model.safetensors")
-    kept = ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight", "model.layers.1.self_attn.k_norm.weight")
+    kept = (
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "model.layers.1.self_attn.k_norm.weight",
+    )
     for name in kept:
         assert torch.equal(tensors[name], source[name])
     config = json.loads((dst / "config.json").read_text())
@@ -265,8 +299,9 @@ def test_writer_stores_each_hf_linear_in_the_layout_and_copies_the_rest(ckpts: A
         assert (dst / name).read_bytes() == (src / name).read_bytes()
 
 
-def test_quantize_command_prints_resident_bytes_before_and_after(ckpts: Any, tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_quantize_command_prints_resident_bytes_before_and_after(
+    ckpts: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     src, dst = ckpts("qwen3"), tmp_path / "out"
     assert quantize_main([str(src), str(dst), "--format", "compressed-tensors", "--device", "cpu"]) == 0
     before = sum(t.nbytes for t in load_file(src / "model.safetensors").values())
@@ -283,8 +318,10 @@ def test_sharded_source_gives_a_sharded_checkpoint_that_loads_alike(ckpts: Any, 
     tensors = load_file(src / "model.safetensors")
     (src / "model.safetensors").unlink()
     names = sorted(tensors)
-    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    halves = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for file, part in halves.items():
         save_file({n: tensors[n] for n in part}, src / file, metadata={"format": "pt"})
     weight_map = {n: f for f, part in halves.items() for n in part}
@@ -299,8 +336,9 @@ def test_sharded_source_gives_a_sharded_checkpoint_that_loads_alike(ckpts: Any, 
     assert torch.equal(position_logits(make_runner(dst), prompt), position_logits(single_file, prompt))
 
 
-def test_quantize_refuses_a_quantized_source_and_a_nonempty_destination(ckpts: Any, tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_quantize_refuses_a_quantized_source_and_a_nonempty_destination(
+    ckpts: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert quantize_main([str(ckpts("qwen3", "modelopt")), str(tmp_path / "a")]) == 2
     assert "already quantized" in capsys.readouterr().err
     (tmp_path / "b").mkdir()
@@ -312,6 +350,7 @@ def test_quantize_refuses_a_quantized_source_and_a_nonempty_destination(ckpts: A
 
 
 # ---- checkpoints from other producers ----------------------------------------------------------
+
 
 def test_modelopt_checkpoint_with_quantized_lm_head_loads_it_as_nvfp4(ckpts: Any, tmp_path: Path) -> None:
     path = shutil.copytree(ckpts("qwen3", "modelopt"), tmp_path / "m")
@@ -333,6 +372,7 @@ def test_modelopt_checkpoint_with_quantized_lm_head_loads_it_as_nvfp4(ckpts: Any
 
 # ---- errors ------------------------------------------------------------------------------------
 
+
 def start(path: Path, **overrides: Any) -> None:
     EngineCore(EngineConfig(model=str(path), dtype="float32", kv_cache_memory="2MiB", **overrides))
 
@@ -343,27 +383,53 @@ def _set(key_path: list[str], value: Any) -> Callable[[dict[str, Any]], None]:
         for key in key_path[:-1]:
             node = node[key]
         node[key_path[-1]] = value
+
     return edit
 
 
 CONFIG_ERRORS = {
-    "modelopt_fp8": ("modelopt", "hf_quant_config.json", ["quantization", "quant_algo"], "FP8",
-                     r"hf_quant_config\.json: unsupported quant_algo 'FP8' in field 'quantization\.quant_algo'"),
-    "modelopt_group_32": ("modelopt", "hf_quant_config.json", ["quantization", "group_size"], 32,
-                          r"needs group_size 16, got 32 in field 'quantization\.group_size'"),
-    "gptq": ("compressed-tensors", "config.json", ["quantization_config", "quant_method"], "gptq",
-             r"unsupported quantization 'gptq' in field 'quantization_config\.quant_method'"),
-    "ct_int8": ("compressed-tensors", "config.json",
-                ["quantization_config", "config_groups", "group_0", "weights", "num_bits"], 8,
-                r"num_bits 4, got 8 in field 'quantization_config\.config_groups\.group_0\.weights\.num_bits'"),
-    "ct_fp8_format": ("compressed-tensors", "config.json", ["quantization_config", "config_groups", "group_0", "format"],
-                      "float-quantized",
-                      r"format 'float-quantized' in field 'quantization_config\.config_groups\.group_0\.format'"),
+    "modelopt_fp8": (
+        "modelopt",
+        "hf_quant_config.json",
+        ["quantization", "quant_algo"],
+        "FP8",
+        r"hf_quant_config\.json: unsupported quant_algo 'FP8' in field 'quantization\.quant_algo'",
+    ),
+    "modelopt_group_32": (
+        "modelopt",
+        "hf_quant_config.json",
+        ["quantization", "group_size"],
+        32,
+        r"needs group_size 16, got 32 in field 'quantization\.group_size'",
+    ),
+    "gptq": (
+        "compressed-tensors",
+        "config.json",
+        ["quantization_config", "quant_method"],
+        "gptq",
+        r"unsupported quantization 'gptq' in field 'quantization_config\.quant_method'",
+    ),
+    "ct_int8": (
+        "compressed-tensors",
+        "config.json",
+        ["quantization_config", "config_groups", "group_0", "weights", "num_bits"],
+        8,
+        r"num_bits 4, got 8 in field 'quantization_config\.config_groups\.group_0\.weights\.num_bits'",
+    ),
+    "ct_fp8_format": (
+        "compressed-tensors",
+        "config.json",
+        ["quantization_config", "config_groups", "group_0", "format"],
+        "float-quantized",
+        r"format 'float-quantized' in field 'quantization_config\.config_groups\.group_0\.format'",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", CONFIG_ERRORS)
-def test_unsupported_quantization_config_fails_with_one_line_naming_the_field(ckpts: Any, tmp_path: Path, case: str) -> None:
+def test_unsupported_quantization_config_fails_with_one_line_naming_the_field(
+    ckpts: Any, tmp_path: Path, case: str
+) -> None:
     fmt, file, key_path, value, message = CONFIG_ERRORS[case]
     path = shutil.copytree(ckpts("qwen3", fmt), tmp_path / "m")
     edit_json(path / file, _set(key_path, value))

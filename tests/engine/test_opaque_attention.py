@@ -45,8 +45,9 @@ def _greedy_tokens(engine: OfflineEngine, batch_size: int, steps: int) -> list[l
 
 
 def test_the_decode_forward_is_one_graph_and_decodes_like_eager(llama_ckpt: Path) -> None:
-    engine = OfflineEngine.from_config(EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory="16MiB",
-                                                    max_model_len=256))
+    engine = OfflineEngine.from_config(
+        EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory="16MiB", max_model_len=256)
+    )
     want = _greedy_tokens(engine, batch_size=3, steps=6)
     counter = CompileCounter()
     graphs = engine.core.runner.graphs

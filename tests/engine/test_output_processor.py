@@ -5,8 +5,6 @@ prefill chunks, and every finish reason (stop, length, abort, error)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, PromptLogprobsChunk
@@ -37,8 +35,9 @@ def start(tokenizer: Tokenizer, **params: object) -> tuple[OutputProcessor, list
     return processor, children
 
 
-def step(processor: OutputProcessor, *outputs: EngineCoreOutput, failed: tuple[str, ...] = (),
-         error: str | None = None) -> tuple[list[RequestOutput], list[str]]:
+def step(
+    processor: OutputProcessor, *outputs: EngineCoreOutput, failed: tuple[str, ...] = (), error: str | None = None
+) -> tuple[list[RequestOutput], list[str]]:
     return processor.process(EngineCoreOutputs(outputs=outputs, failed_request_ids=failed, error=error))
 
 
@@ -59,12 +58,16 @@ def feed(processor: OutputProcessor, child_id: str, token_ids: list[int]) -> tup
 WORDS = [10, 11, 12, 13, 14, 15]  # "w10 w11 w12 w13 w14 w15"
 
 
-@pytest.mark.parametrize(("stop", "kept"), [
-    ("1 w12", "w10 w1"),  # over two tokens: the end of w11, the space, w12
-    ("1 w12 w1", "w10 w1"),  # over three tokens: the end of w11, w12, the start of w13
-])
-def test_a_stop_string_over_token_boundaries_ends_the_sample_before_it(tokenizer: Tokenizer, stop: str,
-                                                                        kept: str) -> None:
+@pytest.mark.parametrize(
+    ("stop", "kept"),
+    [
+        ("1 w12", "w10 w1"),  # over two tokens: the end of w11, the space, w12
+        ("1 w12 w1", "w10 w1"),  # over three tokens: the end of w11, w12, the start of w13
+    ],
+)
+def test_a_stop_string_over_token_boundaries_ends_the_sample_before_it(
+    tokenizer: Tokenizer, stop: str, kept: str
+) -> None:
     processor, [child] = start(tokenizer, stop=(stop,), max_tokens=20)
     outs, to_abort = feed(processor, child.request_id, WORDS)
     assert "".join(o.text_delta for o in outs) == kept
@@ -98,13 +101,19 @@ def test_n_samples_fan_in_to_their_request_each_with_its_own_index_and_counts(to
     assert [c.request_id for c in children] == ["r#0", "r#1", "r#2"]
     first, _ = step(processor, *(EngineCoreOutput(c.request_id, (20 + i,)) for i, c in enumerate(children)))
     assert [(o.request_id, o.index, o.text_delta, o.num_output_tokens) for o in first] == [
-        ("r", 0, "w20", 1), ("r", 1, "w21", 1), ("r", 2, "w22", 1)]
+        ("r", 0, "w20", 1),
+        ("r", 1, "w21", 1),
+        ("r", 2, "w22", 1),
+    ]
     assert all(o.prompt_token_ids == tuple(PROMPT) for o in first)  # each sample's first output
     # Sample 1 ends first; the request lives on until every sample has.
     [one], _ = step(processor, EngineCoreOutput("r#1", (31,), finish_reason="length"))
     assert (one.index, one.finish_reason, one.num_output_tokens, one.prompt_token_ids) == (1, "length", 2, None)
-    rest, _ = step(processor, EngineCoreOutput("r#0", (30,), finish_reason="length"),
-                   EngineCoreOutput("r#2", (32,), finish_reason="length"))
+    rest, _ = step(
+        processor,
+        EngineCoreOutput("r#0", (30,), finish_reason="length"),
+        EngineCoreOutput("r#2", (32,), finish_reason="length"),
+    )
     assert [(o.index, o.text_delta, o.finish_reason) for o in rest] == [(0, " w30", "length"), (2, " w32", "length")]
     assert processor.abort("r") == ([], [])  # nothing of it is left
     late, _ = step(processor, EngineCoreOutput("r#0", (40,)))  # an output the core sent before it learnt
@@ -115,31 +124,43 @@ def test_prompt_logprobs_gathered_over_prefill_chunks_come_with_the_first_token(
     processor, [child] = start(tokenizer, prompt_logprobs=1, max_tokens=3)
     rid = child.request_id
     # Chunk 1 scores position 1; chunk 2 positions 1-2 again (a preempted request recomputes) and 2.
-    nothing, _ = step(processor, EngineCoreOutput(rid, (), prompt_logprobs=PromptLogprobsChunk(
-        1, (-0.5,), ((7,),), ((-0.25,),))))
+    nothing, _ = step(
+        processor, EngineCoreOutput(rid, (), prompt_logprobs=PromptLogprobsChunk(1, (-0.5,), ((7,),), ((-0.25,),)))
+    )
     assert nothing == []  # a chunk that sampled nothing says nothing yet
-    [first], _ = step(processor, EngineCoreOutput(rid, (50,), prompt_logprobs=PromptLogprobsChunk(
-        1, (-9.0, -1.5), ((9,), (8,)), ((-9.0,), (-0.75,)))))
+    [first], _ = step(
+        processor,
+        EngineCoreOutput(
+            rid, (50,), prompt_logprobs=PromptLogprobsChunk(1, (-9.0, -1.5), ((9,), (8,)), ((-9.0,), (-0.75,)))
+        ),
+    )
     entries = first.prompt_logprobs
     assert entries is not None and entries[0] is None and len(entries) == len(PROMPT)
     assert [(e.token_id, e.token, e.logprob) for e in entries[1:]] == [(4, "w4", -0.5), (5, "w5", -1.5)]
-    assert [(t.token_id, t.token, t.logprob) for e in entries[1:] for t in e.top] == [(7, "w7", -0.25), (8, "w8", -0.75)]
+    assert [(t.token_id, t.token, t.logprob) for e in entries[1:] for t in e.top] == [
+        (7, "w7", -0.25),
+        (8, "w8", -0.75),
+    ]
     [second], _ = step(processor, EngineCoreOutput(rid, (51,)))
     assert second.prompt_logprobs is None
 
 
-@pytest.mark.parametrize(("core_finish", "token_ids", "text", "stop_reason"), [
-    ("stop", (60, EOS_ID), " w60", None),  # EOS: it ends the text without showing itself
-    ("stop", (60, 77), " w60", 77),  # a stop token id
-    ("length", (60, 61), " w60 w61", None),
-])
-def test_a_finish_from_the_core_ends_the_sample_with_its_reason(tokenizer: Tokenizer, core_finish: str,
-                                                                 token_ids: tuple[int, ...], text: str,
-                                                                 stop_reason: int | None) -> None:
+@pytest.mark.parametrize(
+    ("core_finish", "token_ids", "text", "stop_reason"),
+    [
+        ("stop", (60, EOS_ID), " w60", None),  # EOS: it ends the text without showing itself
+        ("stop", (60, 77), " w60", 77),  # a stop token id
+        ("length", (60, 61), " w60 w61", None),
+    ],
+)
+def test_a_finish_from_the_core_ends_the_sample_with_its_reason(
+    tokenizer: Tokenizer, core_finish: str, token_ids: tuple[int, ...], text: str, stop_reason: int | None
+) -> None:
     processor, [child] = start(tokenizer, max_tokens=10, stop_token_ids=(77,))
     step(processor, EngineCoreOutput(child.request_id, (59,)))
-    [last], to_abort = step(processor, EngineCoreOutput(child.request_id, token_ids, finish_reason=core_finish,
-                                                        stop_reason=stop_reason))
+    [last], to_abort = step(
+        processor, EngineCoreOutput(child.request_id, token_ids, finish_reason=core_finish, stop_reason=stop_reason)
+    )
     assert (last.text_delta, last.finish_reason, last.stop_reason) == (text, core_finish, stop_reason)
     assert last.new_token_ids == token_ids and last.num_output_tokens == 3 and to_abort == []
 

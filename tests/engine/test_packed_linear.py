@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 import engine.weights.formats.packed_linear as packed_linear
 from engine.config import EngineConfig
-from engine.models.layers import Linear
 from engine.front.offline import OfflineEngine
+from engine.models.layers import Linear
 from engine.weights.formats.packed_linear import DenseWeight, PackedLinear, can_pack
 from scheduler.request import SamplingParams
 
@@ -66,8 +66,9 @@ def test_moe_routers_stay_plain_linears(tmp_path: Path) -> None:
     from tests.factories import make_moe_checkpoint
 
     path = make_moe_checkpoint(tmp_path / "moe")
-    model = OfflineEngine.from_config(EngineConfig(model=str(path), dtype="bfloat16",
-                                                   kv_cache_memory="4MiB")).core.runner.model
+    model = OfflineEngine.from_config(
+        EngineConfig(model=str(path), dtype="bfloat16", kv_cache_memory="4MiB")
+    ).core.runner.model
     gates = [m.gate for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
     assert gates and all(isinstance(g, Linear) for g in gates)
 

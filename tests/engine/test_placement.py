@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from engine.core_types import PrefixCacheDelta
-from engine.client.placement import MIN_SLACK, Placement, prompt_page_hashes
 from engine.cache_events.prefix_cache_feed import PrefixCacheFeed
+from engine.client.placement import MIN_SLACK, Placement, prompt_page_hashes
+from engine.core_types import PrefixCacheDelta
 from scheduler.block_manager import BlockManager
 from tests.factories import make_request
 
@@ -30,7 +30,7 @@ def test_the_front_hashes_a_prompt_as_the_block_manager_does() -> None:
     request = make_request("r", prompt)
     BlockManager(64, BS).extend_hashes(request, len(prompt))
     assert prompt_page_hashes(prompt, BS) == request.block_hashes and len(request.block_hashes) == 4
-    assert prompt_page_hashes(prompt[:BS - 1], BS) == []
+    assert prompt_page_hashes(prompt[: BS - 1], BS) == []
 
 
 def test_the_fed_copy_follows_the_cache_through_evictions_and_a_reset() -> None:
@@ -87,7 +87,7 @@ def test_the_core_with_the_longest_cached_prefix_wins_while_the_loads_are_close(
     placement = Placement(3, BS, max_num_seqs=8)
     assert placement.slack == MIN_SLACK
     system = tokens(3, 4 * BS)
-    cache(placement, 1, system[:2 * BS])
+    cache(placement, 1, system[: 2 * BS])
     cache(placement, 2, system)
     prompt = system + tokens(4, 5)
     assert placement.place("a", prompt, [0, 0, 2]) == 2  # 4 pages beat 2, within the slack

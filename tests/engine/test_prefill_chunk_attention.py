@@ -19,8 +19,15 @@ CPU = torch.device("cpu")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
-def attend(backend: TorchAttentionBackend, query_lens: list[int], seq_lens: list[int], block_size: int,
-           heads: tuple[int, int], dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(
+    backend: TorchAttentionBackend,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    heads: tuple[int, int],
+    dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The backend's output on a random batch, and the masked reference's over the same cache."""
     num_heads, num_kv_heads = heads
     num_pages = sum(-(-n // block_size) for n in seq_lens) + 3
@@ -31,8 +38,9 @@ def attend(backend: TorchAttentionBackend, query_lens: list[int], seq_lens: list
     cache = torch.randn(num_pages, 2, block_size, num_kv_heads, 64, generator=g).to(dtype)
     backend.plan(batch)
     out = backend.forward(q, k, v, cache)  # writes the new K/V into `cache` before attending
-    ref = paged_attention_ref(q, cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-                              backend.scale)
+    ref = paged_attention_ref(
+        q, cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, backend.scale
+    )
     return out, ref
 
 
@@ -40,8 +48,9 @@ def attend(backend: TorchAttentionBackend, query_lens: list[int], seq_lens: list
 @pytest.mark.parametrize("chunk", [17, 64, 200])
 @pytest.mark.parametrize("heads", [(4, 2), (9, 3), (6, 6)], ids=["gqa2", "gqa3", "mha"])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_a_chunk_attends_like_the_masked_reference(cached: int, chunk: int, heads: tuple[int, int],
-                                                   block_size: int) -> None:
+def test_a_chunk_attends_like_the_masked_reference(
+    cached: int, chunk: int, heads: tuple[int, int], block_size: int
+) -> None:
     backend = TorchAttentionBackend(heads[0], heads[1], 64, CPU)
     out, ref = attend(backend, [chunk], [cached + chunk], block_size, heads, F32, seed=cached + chunk)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -52,7 +61,7 @@ def test_chunks_decodes_and_reduced_precision_in_one_batch(dtype: torch.dtype) -
     backend = TorchAttentionBackend(9, 3, 64, CPU)
     out, ref = attend(backend, [1, 130, 1, 48, 33], [40, 400, 7, 48, 90], 16, (9, 3), dtype, seed=3)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)  # one output rounding
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2**-7)  # one output rounding
 
 
 def test_chunk_attention_alone_against_a_masked_sdpa() -> None:
@@ -61,9 +70,12 @@ def test_chunk_attention_alone_against_a_masked_sdpa() -> None:
     q = torch.randn(1, 8, chunk, 64, generator=g) * 3  # wide logits: the merge's weights far from 1/2
     keys, values = (torch.randn(1, 2, cached + chunk, 64, generator=g) for _ in range(2))
     mask = torch.arange(cached + chunk)[None, :] <= torch.arange(cached, cached + chunk)[:, None]
-    ref = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask, scale=0.125,
-                                         enable_gqa=True)
-    torch.testing.assert_close(chunk_attention(q, keys, values, 0.125).double(), ref, rtol=1e-5, atol=1e-5)  # float32 sums
+    ref = F.scaled_dot_product_attention(
+        q.double(), keys.double(), values.double(), attn_mask=mask, scale=0.125, enable_gqa=True
+    )
+    torch.testing.assert_close(
+        chunk_attention(q, keys, values, 0.125).double(), ref, rtol=1e-5, atol=1e-5
+    )  # float32 sums
 
 
 def test_a_cpu_chunk_builds_no_mask_and_calls_no_masked_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,6 +97,7 @@ def test_a_cpu_chunk_builds_no_mask_and_calls_no_masked_sdpa(monkeypatch: pytest
         m.setattr(torch_ref.F, "scaled_dot_product_attention", watched_sdpa)
         out = backend.forward(q, k, v, cache)
     assert calls == [] and all(p.mask is None for p in backend._prefills)
-    ref = paged_attention_ref(q, cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-                              backend.scale)
+    ref = paged_attention_ref(
+        q, cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, backend.scale
+    )
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

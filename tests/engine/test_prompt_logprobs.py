@@ -46,8 +46,9 @@ def test_prompt_logprobs_match_transformers_through_chunked_prefill_and_batching
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (45, 20, 2)]
     # 16-token budget: the 45-token prompt prefills in chunks, beside the others' rows and decodes.
-    engine = OfflineEngine.from_config(EngineConfig(model=str(qwen3_ckpt), dtype="float32", kv_cache_memory="4MiB",
-                                                    max_num_batched_tokens=16))
+    engine = OfflineEngine.from_config(
+        EngineConfig(model=str(qwen3_ckpt), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=16)
+    )
     asking = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=NUM_TOP, ignore_eos=True)
     plain = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     outs = first_output(engine, prompts, [asking, plain, asking])
@@ -80,8 +81,15 @@ def test_preempted_requests_keep_their_prompt_logprobs_whole(qwen3_ckpt: Path) -
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 500, (30,), generator=g).tolist() for _ in range(3)]
     # 24 pages of 4 tokens hold 96 tokens; three requests of 30 + 24 tokens must preempt.
-    engine = OfflineEngine.from_config(EngineConfig(model=str(qwen3_ckpt), dtype="float32", block_size=4,
-                                                    kv_cache_memory=str(512 * 4 * 24), max_num_batched_tokens=16))
+    engine = OfflineEngine.from_config(
+        EngineConfig(
+            model=str(qwen3_ckpt),
+            dtype="float32",
+            block_size=4,
+            kv_cache_memory=str(512 * 4 * 24),
+            max_num_batched_tokens=16,
+        )
+    )
     params = SamplingParams(max_tokens=24, temperature=0.0, prompt_logprobs=NUM_TOP, ignore_eos=True)
     outs = first_output(engine, prompts, [params] * 3)
     assert engine.core.scheduler.num_preemptions > 0
@@ -91,8 +99,9 @@ def test_preempted_requests_keep_their_prompt_logprobs_whole(qwen3_ckpt: Path) -
 
 
 def test_the_core_sends_prompt_logprobs_as_ids_and_floats_per_prefill_chunk(qwen3_ckpt: Path) -> None:
-    engine = OfflineEngine.from_config(EngineConfig(model=str(qwen3_ckpt), dtype="float32", kv_cache_memory="4MiB",
-                                                    max_num_batched_tokens=16))
+    engine = OfflineEngine.from_config(
+        EngineConfig(model=str(qwen3_ckpt), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=16)
+    )
     prompt = list(range(200, 240))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
     engine.core.add_request(EngineCoreRequest("r#0", tuple(prompt), params, (), time.monotonic()))

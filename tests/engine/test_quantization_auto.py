@@ -13,9 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.host.format_timing import (
+    DENSE,
+    FEW_ROWS,
+    FormatTimes,
+    FormatTiming,
+    LinearShapes,
+    measured_formats,
+    time_formats,
+)
 from engine.weights.config.model_config import ModelConfig
-from engine.host.format_timing import DENSE, FEW_ROWS, FormatTimes, FormatTiming, LinearShapes, measured_formats, \
-    time_formats
 from engine.weights.dtype_policy import AUTO_CANDIDATES, cpu_has_native_bf16, resolve_quantization
 from engine.weights.model_source import DEFAULT_MODEL_ENV
 
@@ -42,14 +49,17 @@ def builtin_model_and_fresh_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     return tmp_path
 
 
-@pytest.mark.parametrize(("one_row_ms", "expected", "said"), [
-    ({"int4": 6.2, "int8": 4.1, DENSE: 5.5}, "int8", "int8 for the built-in"),
-    ({"int4": 3.9, "int8": 4.1, DENSE: 5.5}, "int4", "int4 for the built-in"),
-    ({"int4": 6.2, "int8": 4.1, DENSE: 3.0}, None, "for the built-in"),
-])
-def test_auto_picks_the_format_measured_fastest_at_one_row(one_row_ms: dict[str, float], expected: str | None,
-                                                           said: str, caplog: pytest.LogCaptureFixture,
-                                                           tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("one_row_ms", "expected", "said"),
+    [
+        ({"int4": 6.2, "int8": 4.1, DENSE: 5.5}, "int8", "int8 for the built-in"),
+        ({"int4": 3.9, "int8": 4.1, DENSE: 5.5}, "int4", "int4 for the built-in"),
+        ({"int4": 6.2, "int8": 4.1, DENSE: 3.0}, None, "for the built-in"),
+    ],
+)
+def test_auto_picks_the_format_measured_fastest_at_one_row(
+    one_row_ms: dict[str, float], expected: str | None, said: str, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     timer = CountingTimer(one_row_ms)
     with caplog.at_level(logging.INFO, logger="fp4serve.runner"):
         assert resolve_quantization("auto", None, CPU, "auto", SMOLLM2, timer) == expected
@@ -64,6 +74,7 @@ def test_auto_picks_the_format_measured_fastest_at_one_row(one_row_ms: dict[str,
 
 def test_the_dense_candidate_is_the_dtype_the_model_would_run(monkeypatch: pytest.MonkeyPatch) -> None:
     import engine.weights.dtype_policy as policy
+
     timer = CountingTimer({"int4": 1.0, "int8": 2.0, DENSE: 3.0})
     monkeypatch.setattr(policy, "cpu_has_native_bf16", lambda: False)
     resolve_quantization("auto", None, CPU, "auto", SMOLLM2, timer)
@@ -76,8 +87,10 @@ def test_a_second_start_reads_the_cached_times_instead_of_measuring(caplog: pyte
     assert resolve_quantization("auto", None, CPU, "auto", SMOLLM2, timer) == "int8"
     with caplog.at_level(logging.INFO, logger="fp4serve.runner"):
         # A start that would measure otherwise still reads the first verdict's figures.
-        assert resolve_quantization("auto", None, CPU, "auto", SMOLLM2, CountingTimer({"int4": 1, "int8": 9, DENSE: 9})) \
+        assert (
+            resolve_quantization("auto", None, CPU, "auto", SMOLLM2, CountingTimer({"int4": 1, "int8": 9, DENSE: 9}))
             == "int8"
+        )
     assert len(timer.calls) == 1
     assert "measured on this CPU at 20" in caplog.text and ", read from " in caplog.text
     assert "measured on this CPU in" not in caplog.text
@@ -97,8 +110,9 @@ def test_an_explicit_scheme_or_another_model_is_never_measured() -> None:
     assert timer.calls == []
 
 
-def test_the_real_measurement_times_every_candidate_on_a_tiny_model(qwen3_ckpt: Path,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_the_real_measurement_times_every_candidate_on_a_tiny_model(
+    qwen3_ckpt: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     shapes = LinearShapes.of(ModelConfig.from_checkpoint(qwen3_ckpt))
     times = time_formats(shapes, AUTO_CANDIDATES, torch.bfloat16, budget_s=0.2)
     assert set(times) == set(AUTO_CANDIDATES)

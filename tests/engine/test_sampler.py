@@ -62,9 +62,7 @@ def test_apply_penalties_matches_hand_computed_values() -> None:
     logits = torch.tensor([[2.0, -1.0, 1.5, 0.5, -0.5, 3.0]])
     counts = torch.tensor([[0, 0, 0, 2, 1, 0]], dtype=torch.int32)  # outputs 3, 3, 4
     prompt_mask = torch.tensor([[False, True, True, False, False, False]])  # prompt 1, 2
-    out = apply_penalties(
-        logits, counts, prompt_mask, torch.tensor([0.25]), torch.tensor([0.5]), torch.tensor([2.0])
-    )
+    out = apply_penalties(logits, counts, prompt_mask, torch.tensor([0.25]), torch.tensor([0.5]), torch.tensor([2.0]))
     # 1: prompt, negative -> *2; 2: prompt, positive -> /2; 3: 0.5/2 - 0.5*2 - 0.25;
     # 4: -0.5*2 - 0.5*1 - 0.25; 0 and 5 unseen.
     assert out.tolist() == [[2.0, -2.0, 0.75, -1.0, -1.75, 3.0]]

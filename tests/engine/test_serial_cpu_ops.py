@@ -32,7 +32,9 @@ def test_serial_cpu_ops_runs_on_one_thread_and_restores_the_count(two_threads: N
         assert torch.get_num_threads() == 2
 
 
-def _run(seq_lens: list[int], monkeypatch: pytest.MonkeyPatch, serial: bool) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def _run(
+    seq_lens: list[int], monkeypatch: pytest.MonkeyPatch, serial: bool
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The backend's output, the cache after its KV write, and the thread counts its decode
     attention ran with."""
     monkeypatch.setattr(torch_ref, "SERIAL_SMALL_DECODE", serial)
@@ -56,7 +58,8 @@ def _run(seq_lens: list[int], monkeypatch: pytest.MonkeyPatch, serial: bool) -> 
 
 @pytest.mark.parametrize("seq_lens", [[1], [37], [5, 16, 17, 40]])
 def test_a_small_decode_batch_attends_on_one_thread_with_the_same_result(
-        seq_lens: list[int], two_threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    seq_lens: list[int], two_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out, cache, seen = _run(seq_lens, monkeypatch, serial=True)
     assert seen == [1] and torch.get_num_threads() == 2
     want_out, want_cache, seen_parallel = _run(seq_lens, monkeypatch, serial=False)
@@ -71,7 +74,8 @@ def test_a_large_decode_batch_keeps_every_thread(two_threads: None, monkeypatch:
 
 @pytest.mark.parametrize(("num_tokens", "threads"), [(1, 1), (64, 1), (65, 2)])
 def test_the_mlp_activation_of_a_decode_sized_batch_runs_on_one_thread(
-        num_tokens: int, threads: int, two_threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    num_tokens: int, threads: int, two_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from types import SimpleNamespace
 
     import torch.nn.functional as F

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from engine.attention.linear_attention import SHORT_ROW_MAX, LinearAttentionPlan, TorchLinearAttentionBackend
 from engine.attention.gated_delta import chunk_gated_delta_rule, sequential_gated_delta_rule
+from engine.attention.linear_attention import SHORT_ROW_MAX, LinearAttentionPlan, TorchLinearAttentionBackend
 from engine.attention.state_pool import StatePool
 from tests.engine.test_gated_delta import inputs
 from tests.engine.test_linear_attention import CPU, HYBRID, batch, run
@@ -27,8 +27,9 @@ def test_recurrence_equals_chunked_form_and_transformers(length: int, hk: int, h
     chunk_out, chunk_final = chunk_gated_delta_rule(q, k, v, g, beta, state)
     torch.testing.assert_close(out, chunk_out, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(final, chunk_final, atol=2e-5, rtol=1e-5)
-    ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state,
-                                                             output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(final, ref_state, atol=2e-5, rtol=1e-5)
     assert not torch.equal(final, state)  # the rows moved the state
@@ -48,10 +49,16 @@ def test_padded_short_rows_keep_each_rows_state() -> None:
     keep = torch.tensor([[1.0] * 3 + [0.0] * 4, [1.0] * 7])[..., None]
     out, final = sequential_gated_delta_rule(q, k, v, g * keep, beta * keep, state)
     for row, n in enumerate((3, 7)):
-        alone, alone_final = sequential_gated_delta_rule(q[row:row + 1, :n], k[row:row + 1, :n], v[row:row + 1, :n],
-                                                         g[row:row + 1, :n], beta[row:row + 1, :n], state[row:row + 1])
-        torch.testing.assert_close(out[row:row + 1, :n], alone, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(final[row:row + 1], alone_final, atol=1e-6, rtol=1e-5)
+        alone, alone_final = sequential_gated_delta_rule(
+            q[row : row + 1, :n],
+            k[row : row + 1, :n],
+            v[row : row + 1, :n],
+            g[row : row + 1, :n],
+            beta[row : row + 1, :n],
+            state[row : row + 1],
+        )
+        torch.testing.assert_close(out[row : row + 1, :n], alone, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(final[row : row + 1], alone_final, atol=1e-6, rtol=1e-5)
 
 
 def test_plan_routes_rows_by_length() -> None:
@@ -71,13 +78,17 @@ def test_backend_outputs_and_states_do_not_depend_on_the_route() -> None:
     that chunk every row (short_max 0), route rows <= 4 or <= 16 to the recurrence."""
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(24, 3, generator=gen)
-    steps = [[(0, 20, 0), (0, 3, 1), (0, 1, 2)], [(20, 5, 0), (3, 4, 1), (1, 17, 2)],
-             [(25, 1, 0), (7, 2, 1), (18, 3, 2)]]
+    steps = [
+        [(0, 20, 0), (0, 3, 1), (0, 1, 2)],
+        [(20, 5, 0), (3, 4, 1), (1, 17, 2)],
+        [(25, 1, 0), (7, 2, 1), (18, 3, 2)],
+    ]
     inputs_ = []
     for step in steps:
         t = sum(n for _, n, _ in step)
-        inputs_.append((torch.randn(t, 24, generator=gen), -torch.rand(t, 2, generator=gen),
-                        torch.rand(t, 2, generator=gen)))
+        inputs_.append(
+            (torch.randn(t, 24, generator=gen), -torch.rand(t, 2, generator=gen), torch.rand(t, 2, generator=gen))
+        )
     results = []
     for short_max in (0, 4, SHORT_ROW_MAX):
         backend = TorchLinearAttentionBackend(StatePool(HYBRID, 3, CPU), CPU, short_max=short_max)

@@ -13,8 +13,8 @@ import torch
 
 from bench.spec_decode import record_steps
 from engine.config import EngineConfig
-from engine.errors import ConfigError
 from engine.core_types import EngineCoreOutputs
+from engine.errors import ConfigError
 from engine.front.offline import OfflineEngine
 from engine.sampler import Sampler
 from engine.spec_decode.ngram import NgramProposer
@@ -46,8 +46,14 @@ def prompts() -> list[list[int]]:
     """Repetitive prompts (drafts get accepted) and a random one, of several lengths."""
     g = torch.Generator().manual_seed(7)
     base = torch.randint(0, 500, (12,), generator=g).tolist()
-    return [base * 4, base[:5] * 6, torch.randint(0, 500, (30,), generator=g).tolist(), base[3:] * 3 + [5, 6],
-            torch.randint(0, 500, (17,), generator=g).tolist() * 2, base[:2] * 9]
+    return [
+        base * 4,
+        base[:5] * 6,
+        torch.randint(0, 500, (30,), generator=g).tolist(),
+        base[3:] * 3 + [5, 6],
+        torch.randint(0, 500, (17,), generator=g).tolist() * 2,
+        base[:2] * 9,
+    ]
 
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -84,8 +90,14 @@ def test_ngram_proposes_what_followed_the_latest_match() -> None:
 @pytest.mark.parametrize("ckpt", ["qwen3_ckpt", "llama_ckpt"])
 def test_greedy_output_is_unchanged_under_concurrency(ckpt: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(ckpt)
-    params = [GREEDY, GREEDY, GREEDY, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, speculative=False), GREEDY]
+    params = [
+        GREEDY,
+        GREEDY,
+        GREEDY,
+        SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, speculative=False),
+        GREEDY,
+    ]
     ref = make_engine(path).generate(prompts(), params)
     engine, steps = spec_engine(path)
     got = engine.generate(prompts(), params)
@@ -114,8 +126,9 @@ def test_greedy_output_is_unchanged_with_preemption(qwen3_ckpt: Path) -> None:
 def test_speculation_stops_above_the_batch_limit(qwen3_ckpt: Path) -> None:
     engine, steps = spec_engine(qwen3_ckpt, speculative_max_batch=2)
     # Six requests running: no drafts until only the two longest are left.
-    engine.generate(prompts(), [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
-                                for m in (5, 8, 10, 12, 40, 40)])
+    engine.generate(
+        prompts(), [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (5, 8, 10, 12, 40, 40)]
+    )
     drafted = [s for s in steps if s.num_drafts_by_position]
     assert drafted and all(s.num_batched_requests <= 2 for s in drafted)
 
@@ -159,9 +172,11 @@ def test_stop_strings_and_logprobs_with_several_tokens_per_step(qwen3_ckpt: Path
     base = make_engine(qwen3_ckpt).generate(prompts()[:2], GREEDY)
     # A word from the middle of each greedy output, and max_tokens inside a draft window.
     stops = [base[0].texts[0].split()[17], base[1].texts[0].split()[23]]
-    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stops[0],), logprobs=2),
-              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stops[1],)),
-              SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, logprobs=0)]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stops[0],), logprobs=2),
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stops[1],)),
+        SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, logprobs=0),
+    ]
     ps = prompts()[:2] + [prompts()[0]]
     ref = make_engine(qwen3_ckpt).generate(ps, params)
     engine, steps = spec_engine(qwen3_ckpt)
@@ -239,7 +254,9 @@ def test_draft_pages_are_reserved_and_rejected_ones_returned() -> None:
     [request] = sched.update(out, {"r": [1, 7]})  # draft 1 accepted, 2 rejected: 7 emitted instead
     assert request.output_token_ids == [9, 1, 7] and request.num_computed_tokens == 6
     assert len(request.block_table) == 2 and sched.block_manager.num_free_blocks == free_before + 1
-    assert sched.block_manager.cached == {sched.block_manager.block_hash[request.block_table[0]]: request.block_table[0]}
+    assert sched.block_manager.cached == {
+        sched.block_manager.block_hash[request.block_table[0]]: request.block_table[0]
+    }
     out = sched.schedule()  # drafts again from the accepted state: 20 - 3 tokens left
     assert out.requests[0].token_ids[0] == 7 and out.requests[0].start_pos == 6
 
@@ -247,8 +264,10 @@ def test_draft_pages_are_reserved_and_rejected_ones_returned() -> None:
 # ---- grammar-constrained requests: the mask applies at every verification position ----------------------
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=7)], ids=["greedy", "seeded"])
 def test_constrained_requests_keep_their_output(sampling: dict[str, Any]) -> None:
-    grammars = ['root ::= "{\\"n\\": " [0-9]{1,4} ", \\"ok\\": " ( "true" | "false" ) "}"',
-                'root ::= "The answer is " [1-9] [0-9]{0,2} "."']
+    grammars = [
+        'root ::= "{\\"n\\": " [0-9]{1,4} ", \\"ok\\": " ( "true" | "false" ) "}"',
+        'root ::= "The answer is " [1-9] [0-9]{0,2} "."',
+    ]
     config = dict(kv_cache_memory="512KiB", block_size=16, dtype="float32")
     ref_engine = OfflineEngine.from_config(EngineConfig(**config))
     ps = [ref_engine.tokenizer.encode(t, add_special_tokens=False) for t in ("Hello there", "Write a number")]
@@ -279,8 +298,9 @@ def test_prompt_logprobs_of_a_prefill_beside_verifying_steps(qwen3_ckpt: Path) -
     got = engine.generate(ps, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     assert num_accepted(steps) > 0
-    assert any(s.num_drafts_by_position and any(o.prompt_logprobs for o in s.outputs) for s in steps), \
+    assert any(s.num_drafts_by_position and any(o.prompt_logprobs for o in s.outputs) for s in steps), (
         "a step verified drafts and scored prompt tokens together"
+    )
     want, have = ref[1].outputs[0][0].prompt_logprobs, got[1].outputs[0][0].prompt_logprobs
     assert have is not None and want is not None and len(have) == len(long_prompt)
     assert have[0] is None and want[0] is None
@@ -294,8 +314,9 @@ def test_fair_share_is_charged_for_drafts() -> None:
     from scheduler.scheduler import Scheduler, SchedulerConfig
     from tests.factories import make_request
 
-    config = SchedulerConfig(block_size=4, num_blocks=10, num_speculative_tokens=4, speculative_max_batch=4,
-                             scheduling_policy="fair")
+    config = SchedulerConfig(
+        block_size=4, num_blocks=10, num_speculative_tokens=4, speculative_max_batch=4, scheduling_policy="fair"
+    )
     sched = Scheduler(config, drafter=lambda request_id, context, k: [1, 2, 3, 4, 5][:k])
     request = make_request("r", [10, 11, 12, 13], max_tokens=20)
     sched.add_request(request)

@@ -12,16 +12,30 @@ import httpx
 import pytest
 
 from scheduler.request import SamplingParams
-from tests.server_utils import RunningServer, metric, start_server
 from tests.engine.test_spec_decode import make_engine, prompts
+from tests.server_utils import RunningServer, metric, start_server
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def server(qwen3_ckpt: Path) -> Iterator[RunningServer]:
-    s = start_server("--model", str(qwen3_ckpt), "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", "16MiB",
-                     "--speculative-method", "ngram", "--num-speculative-tokens", "4", "--speculative-max-batch", "8")
+    s = start_server(
+        "--model",
+        str(qwen3_ckpt),
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "16MiB",
+        "--speculative-method",
+        "ngram",
+        "--num-speculative-tokens",
+        "4",
+        "--speculative-max-batch",
+        "8",
+    )
     try:
         yield s
     finally:
@@ -35,8 +49,9 @@ def test_streams_equal_unspeculated_greedy_and_metrics_count(server: RunningServ
 
     async def one(prompt: list[int], opt_out: bool) -> list[str]:
         extra = {"ignore_eos": True, **({"speculative_decoding": False} if opt_out else {})}
-        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0.0,
-                                                 stream=True, extra_body=extra)
+        stream = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=30, temperature=0.0, stream=True, extra_body=extra
+        )
         return [c.choices[0].text async for c in stream if c.choices]
 
     async def main() -> list[list[str]]:

@@ -16,9 +16,9 @@ from bench.spec_decode import record_steps
 from engine.errors import ConfigError
 from engine.front.offline import OfflineEngine
 from scheduler.request import SamplingParams
+from tests.engine.test_spec_decode import make_engine, num_accepted
 from tests.factories import make_hybrid_checkpoint, make_hybrid_moe_checkpoint
 from tests.mtp_factory import DenseMtpReference, add_mtp_tensors, make_predictable
-from tests.engine.test_spec_decode import make_engine, num_accepted
 
 K = 3
 
@@ -64,9 +64,10 @@ def transformers_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = []
     for p in prompts:
-        ids = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                             pad_token_id=0)
-        out.append(ids[0, len(p):].tolist())
+        ids = model.generate(
+            torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+        )
+        out.append(ids[0, len(p) :].tolist())
     return out
 
 
@@ -101,8 +102,11 @@ def test_requests_of_one_length_and_tail_get_their_own_drafts(mtp_ckpt: Path) ->
     reference = DenseMtpReference(mtp_ckpt)
     checked = [(context, k, drafts) for context, k, drafts in calls if drafts]
     assert {tuple(context[:6]) for context, _, _ in checked} == {tuple(head_a), tuple(head_b)}
-    assert any(reference.drafts(a, K) != reference.drafts(b, K) for (a, _, _), (b, _, _) in zip(checked, checked[1:])
-               if len(a) == len(b) and a[:6] != b[:6]), "the two contexts must draft differently for this to test"
+    assert any(
+        reference.drafts(a, K) != reference.drafts(b, K)
+        for (a, _, _), (b, _, _) in zip(checked, checked[1:])
+        if len(a) == len(b) and a[:6] != b[:6]
+    ), "the two contexts must draft differently for this to test"
     for context, k, drafts in checked:
         assert drafts == reference.drafts(context, K)[:k], f"context of {len(context)} tokens"
 
@@ -120,7 +124,8 @@ def test_greedy_output_exact_with_acceptances_rollbacks_and_preemption(predictab
     got = engine.generate(ps, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     assert [r.token_ids[0] for r in got[:3]] == transformers_greedy(predictable_ckpt, ps[:3], 24)[:2] + [
-        transformers_greedy(predictable_ckpt, ps[2:3], 7)[0]]
+        transformers_greedy(predictable_ckpt, ps[2:3], 7)[0]
+    ]
     drafted = sum(sum(s.num_drafts_by_position) for s in steps)
     accepted_last = sum(s.num_accepted_by_position[-1] for s in steps if len(s.num_accepted_by_position) == K)
     assert 0 < accepted_last and num_accepted(steps) < drafted, "full acceptances and rejections both happen"

@@ -22,11 +22,11 @@ from engine.errors import ConfigError
 from engine.spec_decode.config import speculative_config_fields
 from fp4serve_tools.quantize import quantize_checkpoint
 from scheduler.request import SamplingParams
+from tests.engine.test_spec_decode import make_engine, num_accepted
+from tests.engine.test_spec_mtp import K, mtp_engine, random_prompts, record_drafts
 from tests.factories import make_hybrid_checkpoint
 from tests.fp8_factory import block_dequantize, to_fp8_checkpoint
 from tests.mtp_factory import add_mtp_tensors, make_predictable
-from tests.engine.test_spec_decode import make_engine, num_accepted
-from tests.engine.test_spec_mtp import K, mtp_engine, random_prompts, record_drafts
 
 
 def split_release(full: Path, root: Path) -> tuple[Path, Path]:
@@ -34,8 +34,11 @@ def split_release(full: Path, root: Path) -> tuple[Path, Path]:
     stripped = root / "body-float"
     shutil.copytree(full, stripped)
     tensors = load_file(str(stripped / "model.safetensors"))
-    save_file({n: t for n, t in tensors.items() if not n.startswith("mtp.")}, str(stripped / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {n: t for n, t in tensors.items() if not n.startswith("mtp.")},
+        str(stripped / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     body = root / "body-nvfp4"
     quantize_checkpoint(stripped, body, "modelopt", torch.device("cpu"))
     return body, to_fp8_checkpoint(full, root / "fp8")
@@ -64,19 +67,23 @@ def test_body_has_no_head_and_the_release_has_it_in_fp8(release: tuple[Path, Pat
     head = load_file(str(fp8 / "model.safetensors"))
     assert head["mtp.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
     assert "mtp.layers.0.self_attn.q_proj.weight_scale_inv" in head
-    with pytest.raises(ConfigError, match=r"has no mtp\.\* tensors .*--speculative-model PATH, or use --speculative-method ngram"):
+    with pytest.raises(
+        ConfigError, match=r"has no mtp\.\* tensors .*--speculative-model PATH, or use --speculative-method ngram"
+    ):
         mtp_engine(body)
 
 
 def test_head_from_the_second_folder_drafts_as_the_same_head_inside_the_checkpoint(
-        release: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture) -> None:
+    release: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
     body, fp8, inside = release
     ps = random_prompts(5, 19, 33, seed=11)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     with caplog.at_level(logging.INFO, logger="fp4serve.loader"):
         engine = mtp_engine(body, speculative_model=str(fp8), max_num_batched_tokens=24)
-    assert any(f"MTP head loaded: 15 mtp.* tensors from {fp8} (FP8, dequantized)" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        f"MTP head loaded: 15 mtp.* tensors from {fp8} (FP8, dequantized)" in r.getMessage() for r in caplog.records
+    )
     calls = record_drafts(engine)
     got = engine.generate(ps, params)
     twin = mtp_engine(inside, max_num_batched_tokens=24)
@@ -101,8 +108,9 @@ def test_greedy_output_is_exact_with_acceptances_and_rejections(tmp_path: Path) 
     assert 0 < num_accepted(steps) < drafted, "drafts both accepted and rejected"
 
 
-def test_a_second_folder_of_another_model_fails_start_up_with_one_line(release: tuple[Path, Path, Path],
-                                                                      tmp_path: Path) -> None:
+def test_a_second_folder_of_another_model_fails_start_up_with_one_line(
+    release: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
     body, _, _ = release
     wider = add_mtp_tensors(make_hybrid_checkpoint(tmp_path / "wider", vocab_size=1024))
     cases = [
@@ -114,8 +122,13 @@ def test_a_second_folder_of_another_model_fails_start_up_with_one_line(release: 
     tensors = load_file(str(bad_shape / "model.safetensors"))
     tensors["mtp.fc.weight"] = torch.zeros(64, 64)
     save_file(tensors, str(bad_shape / "model.safetensors"), metadata={"format": "pt"})
-    cases.append((bad_shape, r"--speculative-model .*bad: tensor 'mtp\.fc\.weight' has shape \[64, 64\], "
-                             r"expected \[64, 128\]$"))
+    cases.append(
+        (
+            bad_shape,
+            r"--speculative-model .*bad: tensor 'mtp\.fc\.weight' has shape \[64, 64\], "
+            r"expected \[64, 128\]$",
+        )
+    )
     for folder, message in cases:
         with pytest.raises(ConfigError, match=message) as e:
             mtp_engine(body, speculative_model=str(folder))
@@ -130,10 +143,14 @@ def parse(*flags: str) -> argparse.Namespace:
 
 def test_vllm_speculative_config_sets_the_same_fields() -> None:
     assert speculative_config_fields('{"method": "qwen3_next_mtp", "num_speculative_tokens": 2, "model": "/m"}') == {
-        "speculative_method": "mtp", "num_speculative_tokens": 2, "speculative_model": "/m"}
-    assert speculative_config_fields('{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
-                                     '"disable_by_batch_size": 16, "draft_tensor_parallel_size": 1}') == {
-        "speculative_method": "ngram", "ngram_min": 1, "ngram_max": 3, "speculative_max_batch": 16}
+        "speculative_method": "mtp",
+        "num_speculative_tokens": 2,
+        "speculative_model": "/m",
+    }
+    assert speculative_config_fields(
+        '{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
+        '"disable_by_batch_size": 16, "draft_tensor_parallel_size": 1}'
+    ) == {"speculative_method": "ngram", "ngram_min": 1, "ngram_max": 3, "speculative_max_batch": 16}
     engine = server_config(parse("--speculative-config", '{"model": "/fp8", "num_speculative_tokens": 3}')).engine
     assert (engine.speculative_method, engine.speculative_model, engine.num_speculative_tokens) == ("mtp", "/fp8", K)
     engine = server_config(parse("--speculative-model", "/fp8")).engine

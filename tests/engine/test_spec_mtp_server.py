@@ -12,11 +12,11 @@ import httpx
 import pytest
 
 from scheduler.request import SamplingParams
+from tests.engine.test_spec_decode import make_engine
+from tests.engine.test_spec_mtp import random_prompts
 from tests.factories import make_hybrid_checkpoint
 from tests.mtp_factory import add_mtp_tensors
 from tests.server_utils import RunningServer, metric, start_server
-from tests.engine.test_spec_decode import make_engine
-from tests.engine.test_spec_mtp import random_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +28,22 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(ckpt: Path) -> Iterator[RunningServer]:
-    s = start_server("--model", str(ckpt), "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory",
-                     "16MiB", "--speculative-method", "mtp", "--num-speculative-tokens", "3",
-                     "--speculative-max-batch", "8")
+    s = start_server(
+        "--model",
+        str(ckpt),
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "16MiB",
+        "--speculative-method",
+        "mtp",
+        "--num-speculative-tokens",
+        "3",
+        "--speculative-max-batch",
+        "8",
+    )
     try:
         yield s
     finally:
@@ -40,12 +53,14 @@ def server(ckpt: Path) -> Iterator[RunningServer]:
 def test_streams_equal_unspeculated_greedy(server: RunningServer, ckpt: Path) -> None:
     ps = random_prompts(4, 11, 26, seed=13)
     ref = make_engine(ckpt, enable_prefix_caching=False).generate(
-        ps, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+        ps, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    )
     client = server.async_openai()
 
     async def one(prompt: list[int]) -> str:
-        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0.0,
-                                                 stream=True, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=20, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
+        )
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def main() -> list[str]:

@@ -32,9 +32,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine(path: Path, num_speculative_tokens: int = 0) -> OfflineEngine:
-    return OfflineEngine.from_config(EngineConfig(
-        model=str(path), kv_cache_memory="4MiB", quantization="int4",
-        speculative_method="ngram" if num_speculative_tokens else None, num_speculative_tokens=num_speculative_tokens))
+    return OfflineEngine.from_config(
+        EngineConfig(
+            model=str(path),
+            kv_cache_memory="4MiB",
+            quantization="int4",
+            speculative_method="ngram" if num_speculative_tokens else None,
+            num_speculative_tokens=num_speculative_tokens,
+        )
+    )
 
 
 def int4_calls(prof: profile) -> list[list[int]]:
@@ -78,8 +84,8 @@ def test_greedy_output_is_the_same_with_and_without_speculation_on_int4(checkpoi
     drafted: list[int] = []
 
     def drafter(request_id: str, tokens: list[int], n: int) -> list[int]:
-        full = next(x for x in expected if x[:len(tokens)] == list(tokens))
-        drafts = full[len(tokens):len(tokens) + n]
+        full = next(x for x in expected if x[: len(tokens)] == list(tokens))
+        drafts = full[len(tokens) : len(tokens) + n]
         if len(drafts) > 2:
             drafts[2] = (drafts[2] + 1) % 100
         drafted.append(len(drafts))
@@ -93,8 +99,9 @@ def test_greedy_output_is_the_same_with_and_without_speculation_on_int4(checkpoi
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 128), (6, 6, 40)], ids=["gqa3-d64", "gqa2-d128", "mha-d40"])
-def test_verify_rows_attend_in_one_pass_with_the_bits_each_row_gets_alone(dtype: torch.dtype,
-                                                                          heads: tuple[int, int, int]) -> None:
+def test_verify_rows_attend_in_one_pass_with_the_bits_each_row_gets_alone(
+    dtype: torch.dtype, heads: tuple[int, int, int]
+) -> None:
     """The attention op takes a request's k + 1 rows in one pass over its keys (kernels/
     cpu_attention.cpp attend_rows); row j, which sees one key more than row j - 1, gets exactly what
     a one-row step at its position gets (its keys past its own count weigh 0)."""
@@ -109,15 +116,23 @@ def test_verify_rows_attend_in_one_pass_with_the_bits_each_row_gets_alone(dtype:
     q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=g).to(dtype)
     meta = (batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
     together = paged_attention(q, cache, *meta, 0.125)
-    tol = 2e-6 if dtype == torch.float32 else 2 ** -7
-    torch.testing.assert_close(together.float(), paged_attention_ref(q, cache, *meta, 0.125).float(), rtol=tol, atol=tol)
+    tol = 2e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(
+        together.float(), paged_attention_ref(q, cache, *meta, 0.125).float(), rtol=tol, atol=tol
+    )
     qo = batch.qo_indptr.tolist()
     for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
-        pages = batch.kv_indices[batch.kv_indptr[i]:batch.kv_indptr[i + 1]]
+        pages = batch.kv_indices[batch.kv_indptr[i] : batch.kv_indptr[i + 1]]
         for j in range(q_len):
             keys = seq_len - q_len + 1 + j  # what a one-row step at this position sees
             n = -(-keys // 16)
-            alone = paged_attention(q[qo[i] + j:qo[i] + j + 1], cache, torch.tensor([0, 1], dtype=torch.int32),
-                                    torch.tensor([0, n], dtype=torch.int32), pages[:n].contiguous(),
-                                    torch.tensor([keys - (n - 1) * 16], dtype=torch.int32), 0.125)
+            alone = paged_attention(
+                q[qo[i] + j : qo[i] + j + 1],
+                cache,
+                torch.tensor([0, 1], dtype=torch.int32),
+                torch.tensor([0, n], dtype=torch.int32),
+                pages[:n].contiguous(),
+                torch.tensor([keys - (n - 1) * 16], dtype=torch.int32),
+                0.125,
+            )
             assert torch.equal(alone[0], together[qo[i] + j]), (i, j)

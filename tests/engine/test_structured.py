@@ -29,8 +29,10 @@ GRAMMARS = {
     "literal": ('root ::= "Hello, world!"', r"Hello, world!"),
     "digits": ('root ::= "The answer is " [1-9] [0-9]{0,2} "."', r"The answer is [1-9][0-9]{0,2}\."),
     "choice": ('root ::= ( "yes" | "no" | "maybe" ) "\\n"', r"(yes|no|maybe)\n"),
-    "json": ('root ::= "{\\"n\\": " [0-9]{1,4} ", \\"ok\\": " ( "true" | "false" ) "}"',
-             r'\{"n": [0-9]{1,4}, "ok": (true|false)\}'),
+    "json": (
+        'root ::= "{\\"n\\": " [0-9]{1,4} ", \\"ok\\": " ( "true" | "false" ) "}"',
+        r'\{"n": [0-9]{1,4}, "ok": (true|false)\}',
+    ),
 }
 SAMPLING = {
     "greedy": dict(temperature=0.0),
@@ -57,7 +59,9 @@ def run(engine: OfflineEngine, requests: list[tuple[str, SamplingParams]]) -> li
 def test_output_matches_the_grammar_and_stops_when_it_is_complete(
     engine: OfflineEngine, grammar: str, pattern: str, sampling: dict[str, Any]
 ) -> None:
-    [result] = run(engine, [(PROMPTS[0], SamplingParams(max_tokens=40, structured=StructuredOutput.ebnf(grammar), **sampling))])
+    [result] = run(
+        engine, [(PROMPTS[0], SamplingParams(max_tokens=40, structured=StructuredOutput.ebnf(grammar), **sampling))]
+    )
     assert re.fullmatch(pattern, result.texts[0]), result.texts[0]
     assert result.finish_reasons == ["stop"]
     *body, last = result.token_ids[0]
@@ -75,8 +79,11 @@ def test_unconstrained_requests_in_the_batch_sample_what_they_sample_alone(engin
     greedy = SamplingParams(max_tokens=10, temperature=0.0)
     seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=3)
     constrained = SamplingParams(max_tokens=30, temperature=0.0, structured=StructuredOutput.ebnf(GRAMMARS["json"][0]))
-    alone = [run(engine, [(PROMPTS[1], greedy)])[0], run(engine, [(PROMPTS[2], seeded)])[0],
-             run(engine, [(PROMPTS[3], constrained)])[0]]
+    alone = [
+        run(engine, [(PROMPTS[1], greedy)])[0],
+        run(engine, [(PROMPTS[2], seeded)])[0],
+        run(engine, [(PROMPTS[3], constrained)])[0],
+    ]
     together = run(engine, [(PROMPTS[3], constrained), (PROMPTS[1], greedy), (PROMPTS[2], seeded)])
     assert together[1].token_ids == alone[0].token_ids
     assert together[2].token_ids == alone[1].token_ids
@@ -84,14 +91,24 @@ def test_unconstrained_requests_in_the_batch_sample_what_they_sample_alone(engin
 
 
 def test_max_tokens_cuts_a_grammar_short_with_length(engine: OfflineEngine) -> None:
-    [result] = run(engine, [(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.0, structured=StructuredOutput.ebnf(GRAMMARS["literal"][0])))])
+    [result] = run(
+        engine,
+        [
+            (
+                PROMPTS[0],
+                SamplingParams(max_tokens=2, temperature=0.0, structured=StructuredOutput.ebnf(GRAMMARS["literal"][0])),
+            )
+        ],
+    )
     assert result.finish_reasons == ["length"]
     assert len(result.token_ids[0]) == 2
     assert "Hello, world!".startswith(result.texts[0]) and result.texts[0] != "Hello, world!"
 
 
 def test_min_tokens_past_the_grammars_end_is_filled_with_stop_tokens(engine: OfflineEngine) -> None:
-    params = SamplingParams(max_tokens=20, min_tokens=8, temperature=1.0, seed=5, structured=StructuredOutput.ebnf('root ::= "Hi"'))
+    params = SamplingParams(
+        max_tokens=20, min_tokens=8, temperature=1.0, seed=5, structured=StructuredOutput.ebnf('root ::= "Hi"')
+    )
     [result] = run(engine, [(PROMPTS[0], params)])
     ids, stops = result.token_ids[0], set(engine.tokenizer.eos_token_ids)
     first_stop = next(i for i, t in enumerate(ids) if t in stops)
@@ -138,8 +155,10 @@ def test_a_grammar_that_does_not_compile_ends_only_its_own_request(
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize(("grammar", "valid"), [('root ::= "a" [0-9]*', True), ("root ::= undefined_rule", False),
-                                                ('root ::= "unclosed', False)])
+@pytest.mark.parametrize(
+    ("grammar", "valid"),
+    [('root ::= "a" [0-9]*', True), ("root ::= undefined_rule", False), ('root ::= "unclosed', False)],
+)
 def test_check_refuses_invalid_grammars_with_a_param_error(grammar: str, valid: bool) -> None:
     if valid:
         StructuredOutputs.check(StructuredOutput.ebnf(grammar))
@@ -150,9 +169,13 @@ def test_check_refuses_invalid_grammars_with_a_param_error(grammar: str, valid: 
 
 
 @pytest.mark.parametrize("sampling", [SAMPLING["greedy"], SAMPLING["seeded"]], ids=["greedy", "seeded"])
-def test_a_regex_spec_is_compiled_by_xgrammar_and_binds_the_output(engine: OfflineEngine, sampling: dict[str, Any]) -> None:
+def test_a_regex_spec_is_compiled_by_xgrammar_and_binds_the_output(
+    engine: OfflineEngine, sampling: dict[str, Any]
+) -> None:
     pattern = r"(yes|no), [1-9][0-9]{0,2}!"
-    [result] = run(engine, [(PROMPTS[0], SamplingParams(max_tokens=20, structured=StructuredOutput.regex(pattern), **sampling))])
+    [result] = run(
+        engine, [(PROMPTS[0], SamplingParams(max_tokens=20, structured=StructuredOutput.regex(pattern), **sampling))]
+    )
     assert re.fullmatch(pattern, result.texts[0]) and result.finish_reasons == ["stop"], result.texts[0]
 
 
@@ -242,8 +265,10 @@ def test_a_grammar_still_compiling_never_stalls_other_requests(
         return original(grammar)
 
     monkeypatch.setattr(structured, "_compile_now", slow_compile)
-    slow = engine.add_request(engine.tokenizer.encode(PROMPTS[0]),
-                              SamplingParams(max_tokens=4, temperature=0.0, structured=StructuredOutput.ebnf('root ::= "ok" [0-9]')))
+    slow = engine.add_request(
+        engine.tokenizer.encode(PROMPTS[0]),
+        SamplingParams(max_tokens=4, temperature=0.0, structured=StructuredOutput.ebnf('root ::= "ok" [0-9]')),
+    )
     other = engine.add_request(engine.tokenizer.encode(PROMPTS[1]), SamplingParams(max_tokens=4, temperature=0.0))
     finished: dict[str, float] = {}
     deadline = time.monotonic() + 60

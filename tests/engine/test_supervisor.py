@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
-from engine.host.allocator import memory_releaser
-from engine.front.async_engine import AsyncEngine, EngineRestartingError
+from engine.client.supervisor import FIRST_STEP_FACTOR, MAX_BACKOFF_S, RestartPolicy
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.core_proc import EngineCoreLoop, Message
 from engine.core_types import AddRequests, EngineCoreOutputs, EngineCoreRequest, Shutdown
+from engine.front.async_engine import AsyncEngine, EngineRestartingError
+from engine.host.allocator import memory_releaser
 from engine.host.heartbeat import BatchShape, Heartbeat, HeartbeatReading
-from engine.client.supervisor import FIRST_STEP_FACTOR, MAX_BACKOFF_S, RestartPolicy
 from scheduler.output import ScheduledRequest
 from scheduler.request import SamplingParams
 
@@ -40,8 +40,10 @@ def test_a_step_past_the_step_timeout_is_a_hang_named_by_its_batch_shape() -> No
     beat = reading(in_step=True, step_started=T)
     assert POLICY.hang(beat, last_sent=0.0, busy=True, now=T + 9.9) is None
     why = POLICY.hang(beat, last_sent=0.0, busy=True, now=T + 10.5)
-    assert why == ("a step made no progress for 10.5 s (limit 10 s; batch: 3 requests, 530 tokens: 1 prefills "
-                   "(528 tokens), 2 decodes)")
+    assert why == (
+        "a step made no progress for 10.5 s (limit 10 s; batch: 3 requests, 530 tokens: 1 prefills "
+        "(528 tokens), 2 decodes)"
+    )
 
 
 def test_the_first_step_of_an_engine_on_a_gpu_gets_more_time() -> None:
@@ -55,8 +57,10 @@ def test_the_first_step_of_an_engine_on_a_gpu_gets_more_time() -> None:
 def test_requests_the_engine_never_takes_count_as_a_hang() -> None:
     idle = reading(alive=T)  # blocked on its inbox since T, e.g. frozen by SIGSTOP
     assert POLICY.hang(idle, last_sent=T + 1, busy=False, now=T + 10.9) is None
-    assert POLICY.hang(idle, last_sent=T + 1, busy=False, now=T + 11.5) == \
-        f"the engine took no new requests for 10.5 s (limit 10 s; last batch: {SHAPE})"
+    assert (
+        POLICY.hang(idle, last_sent=T + 1, busy=False, now=T + 11.5)
+        == f"the engine took no new requests for 10.5 s (limit 10 s; last batch: {SHAPE})"
+    )
 
 
 def test_a_loop_stalled_outside_a_step_with_requests_in_it_is_a_hang() -> None:
@@ -117,8 +121,9 @@ def test_the_engine_loop_beats_once_per_step_and_frees_memory_once_idle(tiny_cor
             finished.set()
 
     inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
-    loop = threading.Thread(target=EngineCoreLoop(tiny_core, emit, beat, lambda: releases.append(len(steps))).run,
-                            args=(inbox,))
+    loop = threading.Thread(
+        target=EngineCoreLoop(tiny_core, emit, beat, lambda: releases.append(len(steps))).run, args=(inbox,)
+    )
     loop.start()
     request = EngineCoreRequest("r", (5, 6, 7, 8), SamplingParams(max_tokens=6, ignore_eos=True), (), 0.0)
     inbox.put(AddRequests((request,)))

@@ -10,9 +10,9 @@ from pathlib import Path
 import gguf
 import pytest
 
-from engine.weights.model_source import smollm2_gguf_path
 from engine.front.tokenizer import Tokenizer
 from engine.weights.demo_model import chat_template_text
+from engine.weights.model_source import smollm2_gguf_path
 from engine.weights.qwen_tokenizer import write_qwen_tokenizer_files
 
 WARNING = "does not render tools"
@@ -48,12 +48,16 @@ def test_the_qwen3_template_renders_tools_quietly(tmp_path: Path, caplog: pytest
 
 
 def test_a_template_that_fails_on_tools_does_not_render_them(tmp_path: Path) -> None:
-    template = ("{% if tools %}{{ raise_exception('no tools here') }}{% endif %}"
-                "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    template = (
+        "{% if tools %}{{ raise_exception('no tools here') }}{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
     assert tokenizer_with(tmp_path, template).template_renders_tools is False
 
 
 def test_a_template_that_mentions_tools_without_writing_them_does_not_count(tmp_path: Path) -> None:
-    template = ("{% if tools %}You have {{ tools | length }} tools.\n{% endif %}"
-                "{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    template = (
+        "{% if tools %}You have {{ tools | length }} tools.\n{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    )
     assert tokenizer_with(tmp_path, template).template_renders_tools is False

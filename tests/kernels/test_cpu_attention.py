@@ -24,8 +24,9 @@ def ops() -> None:
     assert load_cpu_ops() is None, "the CPU ops must build here (g++ and torch's headers)"
 
 
-def make_batch(query_lens: list[int], seq_lens: list[int], block_size: int, num_pages: int,
-               seed: int = 0) -> ForwardBatch:
+def make_batch(
+    query_lens: list[int], seq_lens: list[int], block_size: int, num_pages: int, seed: int = 0
+) -> ForwardBatch:
     """Requests with shuffled pages; each request's new tokens are its last `query_len` positions."""
     g = torch.Generator().manual_seed(seed)
     free = torch.randperm(num_pages, generator=g).tolist()
@@ -42,11 +43,21 @@ def make_batch(query_lens: list[int], seq_lens: list[int], block_size: int, num_
             positions.append(p)
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     ids = [str(i) for i in range(len(query_lens))]
-    return ForwardBatch(input_ids=torch.zeros(qo[-1], dtype=torch.int64), positions=torch.tensor(positions),
-                        qo_indptr=i32(qo), kv_indptr=i32(kv_ptr), kv_indices=i32(kv_idx), kv_last_page_len=i32(last),
-                        slot_mapping=torch.tensor(slots, dtype=torch.int64), logits_indices=torch.tensor(qo[1:]) - 1,
-                        query_lens=query_lens, seq_lens=seq_lens, block_size=block_size, request_ids=ids,
-                        sample_request_ids=ids)
+    return ForwardBatch(
+        input_ids=torch.zeros(qo[-1], dtype=torch.int64),
+        positions=torch.tensor(positions),
+        qo_indptr=i32(qo),
+        kv_indptr=i32(kv_ptr),
+        kv_indices=i32(kv_idx),
+        kv_last_page_len=i32(last),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        logits_indices=torch.tensor(qo[1:]) - 1,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_size=block_size,
+        request_ids=ids,
+        sample_request_ids=ids,
+    )
 
 
 BATCHES = {
@@ -58,11 +69,15 @@ BATCHES = {
 
 
 @pytest.mark.parametrize("name", list(BATCHES))
-@pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, BF16), (F32, BF16), (BF16, F32), (F16, F16)],
-                         ids=["f32", "bf16", "f32-q_bf16-cache", "bf16-q_f32-cache", "f16"])
+@pytest.mark.parametrize(
+    "dtypes",
+    [(F32, F32), (BF16, BF16), (F32, BF16), (BF16, F32), (F16, F16)],
+    ids=["f32", "bf16", "f32-q_bf16-cache", "bf16-q_f32-cache", "f16"],
+)
 @pytest.mark.parametrize("heads", [(4, 2), (9, 3), (6, 6)], ids=["gqa2", "gqa3", "mha"])
-def test_paged_attention_equals_the_reference(name: str, dtypes: tuple[torch.dtype, torch.dtype],
-                                              heads: tuple[int, int]) -> None:
+def test_paged_attention_equals_the_reference(
+    name: str, dtypes: tuple[torch.dtype, torch.dtype], heads: tuple[int, int]
+) -> None:
     query_lens, seq_lens = BATCHES[name]
     q_dtype, cache_dtype = dtypes
     num_heads, num_kv_heads = heads
@@ -74,7 +89,7 @@ def test_paged_attention_equals_the_reference(name: str, dtypes: tuple[torch.dty
     out = paged_attention(q, cache, *meta, 0.125)
     ref = paged_attention_ref(q, cache, *meta, 0.125)
     assert out.dtype == q_dtype and out.shape == q.shape
-    tol = 2e-6 if q_dtype == F32 else 2 ** -7  # float32 accumulation either way; bf16/f16 output rounding
+    tol = 2e-6 if q_dtype == F32 else 2**-7  # float32 accumulation either way; bf16/f16 output rounding
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
@@ -87,16 +102,21 @@ def test_paged_attention_reads_strided_query_rows_and_head_dims_off_the_vector_w
     q = qk[:, :8]  # [T, 8, 40], row stride 12 * 40
     cache = torch.randn(200, 2, 16, 4, 40, generator=g)
     meta = (batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len)
-    torch.testing.assert_close(paged_attention(q, cache, *meta, 0.3), paged_attention_ref(q, cache, *meta, 0.3),
-                               rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(
+        paged_attention(q, cache, *meta, 0.3), paged_attention_ref(q, cache, *meta, 0.3), rtol=2e-6, atol=2e-6
+    )
 
 
-@pytest.mark.parametrize("shape", [(8, 8, 64, 16), (16, 2, 128, 16), (24, 4, 256, 16), (12, 2, 64, 32), (10, 2, 48, 8)],
-                         ids=["mha-d64", "gqa8-d128", "gqa6-d256", "gqa6-d64-bs32", "gqa5-d48-bs8"])
+@pytest.mark.parametrize(
+    "shape",
+    [(8, 8, 64, 16), (16, 2, 128, 16), (24, 4, 256, 16), (12, 2, 64, 32), (10, 2, 48, 8)],
+    ids=["mha-d64", "gqa8-d128", "gqa6-d256", "gqa6-d64-bs32", "gqa5-d48-bs8"],
+)
 @pytest.mark.parametrize("rows", ["batch", "few rows"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_paged_attention_over_head_groups_widths_and_page_sizes_on_two_threads(
-        shape: tuple[int, int, int, int], rows: str, dtype: torch.dtype) -> None:
+    shape: tuple[int, int, int, int], rows: str, dtype: torch.dtype
+) -> None:
     """The op's compile-time shapes (head blocks of 1-4 query heads, head_dim 64/128/256 in
     registers, 48 through the runtime loops), page sizes other than 16, and both ways of sharing
     the rows between threads: a decode batch with a prefill chunk (a row per work item) and two
@@ -115,11 +135,11 @@ def test_paged_attention_over_head_groups_widths_and_page_sizes_on_two_threads(
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        out = paged_attention(q, cache, *meta, head_dim ** -0.5)
+        out = paged_attention(q, cache, *meta, head_dim**-0.5)
     finally:
         torch.set_num_threads(threads)
-    ref = paged_attention_ref(q, cache, *meta, head_dim ** -0.5)
-    tol = 2e-6 if dtype == F32 else 2 ** -7
+    ref = paged_attention_ref(q, cache, *meta, head_dim**-0.5)
+    tol = 2e-6 if dtype == F32 else 2**-7
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
@@ -152,21 +172,31 @@ def test_the_ops_reject_what_they_cannot_read() -> None:
         reshape_and_cache(torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), cache, torch.tensor([0]))
 
 
-def run_backend(backend: CpuAttentionBackend | TorchAttentionBackend, batch: ForwardBatch, q: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+def run_backend(
+    backend: CpuAttentionBackend | TorchAttentionBackend,
+    batch: ForwardBatch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+) -> torch.Tensor:
     backend.plan(batch)
     return backend.forward(q, k, v, cache)
 
 
-@pytest.mark.parametrize("query_lens,seq_lens", [
-    ([1, 1, 1], [9, 40, 2]),  # pure decode: the op over the batch's own metadata
-    ([1, OP_MAX_QUERY_ROWS, 1], [30, OP_MAX_QUERY_ROWS, 7]),  # a chunk at the op's limit
-    ([1, 40, 3, 1, 25], [12, 40, 50, 33, 60]),  # long chunks through SDPA, the rest through the op
-    ([40], [56]),  # one long chunk after 16 cached tokens
-])
+@pytest.mark.parametrize(
+    "query_lens,seq_lens",
+    [
+        ([1, 1, 1], [9, 40, 2]),  # pure decode: the op over the batch's own metadata
+        ([1, OP_MAX_QUERY_ROWS, 1], [30, OP_MAX_QUERY_ROWS, 7]),  # a chunk at the op's limit
+        ([1, 40, 3, 1, 25], [12, 40, 50, 33, 60]),  # long chunks through SDPA, the rest through the op
+        ([40], [56]),  # one long chunk after 16 cached tokens
+    ],
+)
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_the_cpu_backend_attends_like_the_torch_backend(query_lens: list[int], seq_lens: list[int],
-                                                        dtype: torch.dtype) -> None:
+def test_the_cpu_backend_attends_like_the_torch_backend(
+    query_lens: list[int], seq_lens: list[int], dtype: torch.dtype
+) -> None:
     g = torch.Generator().manual_seed(sum(seq_lens))
     batch = make_batch(query_lens, seq_lens, block_size=8, num_pages=64)
     q = torch.randn(batch.num_tokens, 6, 32, generator=g).to(dtype)
@@ -176,7 +206,7 @@ def test_the_cpu_backend_attends_like_the_torch_backend(query_lens: list[int], s
     ours = run_backend(CpuAttentionBackend(6, 2, 32, CPU), batch, q, k, v, ours_cache)
     ref = run_backend(TorchAttentionBackend(6, 2, 32, CPU), batch, q, k, v, ref_cache)
     assert torch.equal(ours_cache, ref_cache)  # every new K/V written, before any is read
-    tol = 2e-6 if dtype == F32 else 2 ** -6
+    tol = 2e-6 if dtype == F32 else 2**-6
     torch.testing.assert_close(ours.float(), ref.float(), rtol=tol, atol=tol)
 
 

@@ -14,8 +14,8 @@ from engine.front.offline import OfflineEngine
 from engine.models.decoder import DecoderLayer
 from kernels import cpu_decode_layer
 from scheduler.request import SamplingParams
-from tests.factories import make_checkpoint
 from tests.engine.test_engine_correctness import capture_logits
+from tests.factories import make_checkpoint
 
 PROMPTS = [[5, 17, 42, 99, 7, 300, 12, 64, 1, 250], [3, 8, 120], [44, 2, 91, 7, 7, 15]]
 
@@ -26,8 +26,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run(path: Path, fused: bool, **overrides: object) -> tuple[list[list[int]], dict[str, list[torch.Tensor]], int]:
-    e = OfflineEngine.from_config(EngineConfig(model=str(path), kv_cache_memory="4MiB", quantization="int4",
-                                               **overrides))
+    e = OfflineEngine.from_config(
+        EngineConfig(model=str(path), kv_cache_memory="4MiB", quantization="int4", **overrides)
+    )
     layers = [m for m in e.core.runner.model.modules() if isinstance(m, DecoderLayer)]
     switched = sum(m.fused_weights is not None for m in layers)
     if not fused:

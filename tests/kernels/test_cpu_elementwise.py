@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.host.cpu_kernels import load_cpu_ops
 from engine.front.offline import OfflineEngine
+from engine.host.cpu_kernels import load_cpu_ops
 from kernels.cpu_elementwise import (
     add_rms_norm,
     add_rms_norm_ref,
@@ -28,7 +28,7 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 DTYPES = [F32, BF16, F16]
 # float32: only the summation order differs; bf16/f16: one rounding of a float32 result, where a
 # value near a rounding boundary may land one ulp away.
-TOL = {F32: 2e-6, BF16: 2 ** -7, F16: 2 ** -10}
+TOL = {F32: 2e-6, BF16: 2**-7, F16: 2**-10}
 
 
 @pytest.fixture(scope="module", autouse=True)

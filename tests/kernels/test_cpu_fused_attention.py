@@ -17,8 +17,14 @@ def ops() -> None:
     assert load_cpu_ops() is None, "the CPU ops must build here (g++ and torch's headers)"
 
 
-def case(dtype: torch.dtype, seq_lens: list[int], q_lens: list[int], hq: int = 6, hkv: int = 2, d: int = 16,
-         ) -> tuple[torch.Tensor, ...]:
+def case(
+    dtype: torch.dtype,
+    seq_lens: list[int],
+    q_lens: list[int],
+    hq: int = 6,
+    hkv: int = 2,
+    d: int = 16,
+) -> tuple[torch.Tensor, ...]:
     """A cache holding each request's earlier keys on shuffled pages, and this step's qkv rows."""
     pages_per = [(n + BS - 1) // BS for n in seq_lens]
     order = torch.randperm(sum(pages_per) + 2)[: sum(pages_per)].int()  # page ids, two spare pages
@@ -28,7 +34,7 @@ def case(dtype: torch.dtype, seq_lens: list[int], q_lens: list[int], hq: int = 6
     last = torch.tensor([(n - 1) % BS + 1 for n in seq_lens], dtype=torch.int32)
     slots = []
     for i, (n, q) in enumerate(zip(seq_lens, q_lens)):
-        pages = order[kv_indptr[i]:kv_indptr[i + 1]].tolist()
+        pages = order[kv_indptr[i] : kv_indptr[i + 1]].tolist()
         slots += [pages[p // BS] * BS + p % BS for p in range(n - q, n)]  # the new rows: the last q positions
     rows = sum(q_lens)
     qkv = torch.randn(rows, (hq + 2 * hkv) * d).to(dtype)
@@ -40,8 +46,9 @@ def case(dtype: torch.dtype, seq_lens: list[int], q_lens: list[int], hq: int = 6
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq_lens,q_lens", [([1], [1]), ([9, 4, 13], [1, 1, 1]), ([7, 5], [3, 2])])
-def test_rope_cache_attention_equals_the_reference_steps(dtype: torch.dtype, seq_lens: list[int],
-                                                         q_lens: list[int]) -> None:
+def test_rope_cache_attention_equals_the_reference_steps(
+    dtype: torch.dtype, seq_lens: list[int], q_lens: list[int]
+) -> None:
     torch.manual_seed(len(seq_lens) * 10 + sum(q_lens))
     qkv, cos, ssin, cache, slots, qo, kv_ptr, kv_idx, last = case(dtype, seq_lens, q_lens)
     ref_cache = cache.clone()

@@ -13,7 +13,7 @@ from kernels.cpu_gemv import int8_gemv, int8_gemv_ref
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # One rounding of a float32 result (bf16/f16: a value near a boundary may land one ulp away),
 # relative to the output's scale; float32 differs in summation order only.
-TOL = {F32: 1e-5, BF16: 2 ** -7, F16: 2 ** -10}
+TOL = {F32: 1e-5, BF16: 2**-7, F16: 2**-10}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,4 +69,4 @@ def test_int8_linear_with_the_op_tracks_torchs_kernel(k: int) -> None:
     got = linear(x)
     assert got.shape == want.shape == (2, 3, 300)
     err = (got.float() - want.float()).abs().max().item()
-    assert err <= 2 ** -7 * want.float().abs().max().item()
+    assert err <= 2**-7 * want.float().abs().max().item()

@@ -34,16 +34,31 @@ def bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     """Sums in float32 then one rounding to bf16: at most one bf16 step of the output's scale apart
     (a sum near a rounding boundary may land on the other side), plus float32 summation order."""
     scale = want.float().abs().amax().clamp(min=1e-3)
-    assert (got.float() - want.float()).abs().amax() <= 2 ** -7 * scale, (got, want)
+    assert (got.float() - want.float()).abs().amax() <= 2**-7 * scale, (got, want)
 
 
 # (rows, N, K): every input-row count of one pass (1-8), more rows than a pass (9, 11), N off the
 # weight-row tiles, K of one group (padded to a pair), 3 groups (padded to two pairs), 8 (one
 # superblock), 10, 14 (a superblock and 1 or 3 pairs), SmolLM2's 576 and 1536, and N large enough
 # for the threaded path
-SHAPES = [(1, 64, 32), (2, 37, 96), (3, 13, 160), (4, 130, 64), (5, 21, 256), (6, 19, 320), (7, 33, 448),
-          (8, 130, 576), (9, 21, 128), (11, 18, 320), (1, 960, 576), (7, 576, 1536), (5, 576, 1536),
-          (8, 3072, 576), (1, 4099, 576), (6, 4099, 576)]
+SHAPES = [
+    (1, 64, 32),
+    (2, 37, 96),
+    (3, 13, 160),
+    (4, 130, 64),
+    (5, 21, 256),
+    (6, 19, 320),
+    (7, 33, 448),
+    (8, 130, 576),
+    (9, 21, 128),
+    (11, 18, 320),
+    (1, 960, 576),
+    (7, 576, 1536),
+    (5, 576, 1536),
+    (8, 3072, 576),
+    (1, 4099, 576),
+    (6, 4099, 576),
+]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -116,7 +131,7 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(shape: tuple[int,
     x = torch.randn(rows, k, generator=g).to(BF16)
     together = int4_gemv(x, packed, szp)
     for take in (1, 2, 5):
-        assert torch.equal(torch.cat([int4_gemv(x[i:i + take], packed, szp) for i in range(0, rows, take)]), together)
+        assert torch.equal(torch.cat([int4_gemv(x[i : i + take], packed, szp) for i in range(0, rows, take)]), together)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

@@ -32,9 +32,9 @@ def unloaded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return library
 
 
-def test_a_complete_build_in_the_cache_is_loaded_without_compiling(unloaded: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_a_complete_build_in_the_cache_is_loaded_without_compiling(
+    unloaded: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     built = cache_root() / "cpu-kernels" / f"ops-{build_key()}"
     build_once(built, lambda folder: shutil.copy(unloaded, folder / LIBRARY_NAME))
 
@@ -65,8 +65,9 @@ def test_an_incomplete_build_is_compiled_again(unloaded: Path, monkeypatch: pyte
     assert len(calls) == 1, "the second load found the complete build"
 
 
-def test_without_a_compiler_the_ops_are_off_with_the_reason(unloaded: Path, monkeypatch: pytest.MonkeyPatch,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_without_a_compiler_the_ops_are_off_with_the_reason(
+    unloaded: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def missing_compiler(folder: Path, compiler: str = "g++") -> Path:
         return compile_library(folder, "/nonexistent/g++")
 

@@ -27,7 +27,6 @@ from kernels.fp8_block import (
 from kernels.fp8_dispatch import Fp8Experts, Fp8Linear
 from kernels.fused_moe_fp8 import Fp8ExpertWeights, fused_experts_fp8_ref
 
-
 _KERNEL_MODULES = ("kernels.fp8_triton", "kernels.fused_moe_triton", "kernels.fused_moe_fp8_triton")
 
 
@@ -37,8 +36,10 @@ def interpreted() -> Iterator[dict[str, ModuleType]]:
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        modules = {name: importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
-                   for name in _KERNEL_MODULES}
+        modules = {
+            name: importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+            for name in _KERNEL_MODULES
+        }
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
@@ -62,7 +63,9 @@ def definition(x: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
     for g in range(scales.shape[1]):
         cols = slice(g * 128, (g + 1) * 128)
         for n in range(w.shape[0]):
-            out[:, n] += (codes[:, cols].double() @ wf[n, cols]) * scales[:, g].double() * float(w.scale[n // w.block_n, g])
+            out[:, n] += (
+                (codes[:, cols].double() @ wf[n, cols]) * scales[:, g].double() * float(w.scale[n // w.block_n, g])
+            )
     return out
 
 
@@ -157,14 +160,16 @@ def test_moe_reference_is_the_per_token_definition() -> None:
     for t in range(3):
         for j in range(2):
             e = int(ids[t, j])
-            gate, up = w8a8_block_matmul_ref(x[t:t + 1], w13.expert(e)).chunk(2, dim=-1)
+            gate, up = w8a8_block_matmul_ref(x[t : t + 1], w13.expert(e)).chunk(2, dim=-1)
             down = w8a8_block_matmul_ref(torch.nn.functional.silu(gate) * up, w2.expert(e))
             want[t] += weights[t, j] * down[0]
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("t,e,k,h,i", [(1, 4, 2, 64, 32), (5, 8, 3, 80, 48), (24, 4, 2, 200, 128)])
-def test_moe_kernel_matches_reference(interpreted: dict[str, ModuleType], t: int, e: int, k: int, h: int, i: int) -> None:
+def test_moe_kernel_matches_reference(
+    interpreted: dict[str, ModuleType], t: int, e: int, k: int, h: int, i: int
+) -> None:
     """Decode-like, a K tail (80, 200), intermediate sizes below and at one block, more rows than a tile."""
     w13, w2 = experts(e, h, i, seed=t)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(9))

@@ -13,10 +13,11 @@ from types import ModuleType
 
 import pytest
 import torch
+import torch.nn.functional as F
+
 # NOTE: a declared test dependency (missing, the run stops: tests/conftest.py). Imported here, before any
 # fixture sets TRITON_INTERPRET: triton keeps state from its first import.
 import triton  # noqa: F401
-import torch.nn.functional as F
 
 from engine.models.moe import Experts, SparseMoeBlock
 from engine.weights.config.moe_config import MoeConfig, moe_config_from_dict
@@ -29,8 +30,9 @@ from kernels.fused_moe import (
 from kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
 
-def per_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
+def per_token_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """The definition, one token and one slot at a time."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
@@ -41,8 +43,9 @@ def per_token_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     return out
 
 
-def random_experts(e: int, h: int, i: int, seed: int = 0, dtype: torch.dtype = torch.float64
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def random_experts(
+    e: int, h: int, i: int, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(e, 2 * i, h, generator=g) * 0.1).to(dtype), (torch.randn(e, h, i, generator=g) * 0.1).to(dtype)
 
@@ -93,8 +96,13 @@ def test_shared_expert_block_matches_transformers_qwen3_5_moe_block() -> None:
     from transformers import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
-    hf_cfg = Qwen3_5MoeTextConfig(hidden_size=48, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
-                                  shared_expert_intermediate_size=24)
+    hf_cfg = Qwen3_5MoeTextConfig(
+        hidden_size=48,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+    )
     torch.manual_seed(0)
     hf = Qwen3_5MoeSparseMoeBlock(hf_cfg).float().eval()
     with torch.no_grad():
@@ -110,8 +118,9 @@ def test_shared_expert_block_matches_transformers_qwen3_5_moe_block() -> None:
         ours.experts.w13.copy_(sd["experts.gate_up_proj"])
         ours.experts.w2.copy_(sd["experts.down_proj"])
         assert ours.shared_expert is not None and ours.shared_expert_gate is not None
-        ours.shared_expert.gate_up_proj.weight.copy_(torch.cat([sd["shared_expert.gate_proj.weight"],
-                                                                sd["shared_expert.up_proj.weight"]]))
+        ours.shared_expert.gate_up_proj.weight.copy_(
+            torch.cat([sd["shared_expert.gate_proj.weight"], sd["shared_expert.up_proj.weight"]])
+        )
         ours.shared_expert.down_proj.weight.copy_(sd["shared_expert.down_proj.weight"])
         ours.shared_expert_gate.weight.copy_(sd["shared_expert_gate.weight"])
         x = torch.randn(2, 13, 48)
@@ -132,9 +141,9 @@ def test_align_pads_each_expert_run_to_whole_tiles(t: int, e: int, k: int, block
     assert int(num_padded) == int(((counts + block_m - 1) // block_m * block_m).sum())
     valid = sorted_ids[sorted_ids < t * k]
     assert sorted(valid.tolist()) == list(range(t * k))  # every slot exactly once
-    assert bool((sorted_ids[int(num_padded):] == t * k).all())
+    assert bool((sorted_ids[int(num_padded) :] == t * k).all())
     for b in range(sorted_ids.numel() // block_m):
-        tile = sorted_ids[b * block_m:(b + 1) * block_m]
+        tile = sorted_ids[b * block_m : (b + 1) * block_m]
         if b * block_m >= int(num_padded):
             assert int(block_expert[b]) == -1
             continue
@@ -144,8 +153,10 @@ def test_align_pads_each_expert_run_to_whole_tiles(t: int, e: int, k: int, block
 
 def test_nvfp4_expert_stack_keeps_each_experts_gate_and_up_scales() -> None:
     g = torch.Generator().manual_seed(0)
-    shards = [[quantize_nvfp4(torch.randn(16, 32, generator=g) * s), quantize_nvfp4(torch.randn(16, 32, generator=g))]
-              for s in (0.01, 1.0, 100.0)]
+    shards = [
+        [quantize_nvfp4(torch.randn(16, 32, generator=g) * s), quantize_nvfp4(torch.randn(16, 32, generator=g))]
+        for s in (0.01, 1.0, 100.0)
+    ]
     stacked = NVFP4ExpertWeights.stack(shards)
     assert stacked.global_scale.shape == (3, 2) and stacked.shard_sizes == (16, 16)
     for e, (gate, up) in enumerate(shards):
@@ -155,6 +166,7 @@ def test_nvfp4_expert_stack_keeps_each_experts_gate_and_up_scales() -> None:
 
 # --- the Triton kernels, interpreted --------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def moe_triton() -> Iterator[ModuleType]:
     """kernels.fused_moe_triton with its kernels interpreted (see tests/kernels/test_nvfp4_matmul.py)."""
@@ -163,7 +175,9 @@ def moe_triton() -> Iterator[ModuleType]:
     try:
         modules = []
         for name in ("kernels.nvfp4_triton", "kernels.fused_moe_triton"):
-            modules.append(importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name))
+            modules.append(
+                importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+            )
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
@@ -187,8 +201,14 @@ def test_float_kernel_matches_reference_fp16(moe_triton: ModuleType, t: int, e: 
     w13, w2 = random_experts(e, h, i, seed=t)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     weights, ids = random_routing(t, e, k, seed=t + 1)
-    got = moe_triton.fused_experts_triton(x.half(), w13.half(), w2.half(), weights.float(), ids,
-                                          config=moe_triton.MoEConfig(block_m=16, block_n=32, block_k=32))
+    got = moe_triton.fused_experts_triton(
+        x.half(),
+        w13.half(),
+        w2.half(),
+        weights.float(),
+        ids,
+        config=moe_triton.MoEConfig(block_m=16, block_n=32, block_k=32),
+    )
     want = fused_experts_ref(x.half().double(), w13.half().double(), w2.half().double(), weights, ids)
     assert got.dtype == torch.float16 and got.shape == (t, h)
     assert relative_error(got, want) < 3e-3
@@ -201,8 +221,14 @@ def test_nvfp4_kernel_matches_reference_fp16(moe_triton: ModuleType, t: int, e: 
     q2 = NVFP4ExpertWeights.stack([[quantize_nvfp4(w)] for w in w2])
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(9)).half()
     weights, ids = random_routing(t, e, k, seed=t + 1)
-    got = moe_triton.fused_experts_triton(x, moe_triton.pack_expert_layout(q13), moe_triton.pack_expert_layout(q2),
-                                          weights.float(), ids, config=moe_triton.MoEConfig(block_m=16, block_n=32))
+    got = moe_triton.fused_experts_triton(
+        x,
+        moe_triton.pack_expert_layout(q13),
+        moe_triton.pack_expert_layout(q2),
+        weights.float(),
+        ids,
+        config=moe_triton.MoEConfig(block_m=16, block_n=32),
+    )
     want = fused_experts_ref(x.double(), q13, q2, weights, ids)  # the dequantized experts, in float64
     assert relative_error(got, want) < 3e-3
 

@@ -134,12 +134,10 @@ def test_ties_round_to_the_even_code() -> None:
     # S = 1 (amax 2688 in row 0) and row 1's block amax 6 gives sf = 1, so row 1 codes x itself.
     w = torch.zeros(2, 16)
     w[0, 0] = 2688.0
-    w[1] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0,
-                         -0.25, -0.75, -5.0, 5.5, 0.1, -0.1, 4.5, -6.0])
+    w[1] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -5.0, 5.5, 0.1, -0.1, 4.5, -6.0])
     q = quantize_nvfp4(w)
     assert q.global_scale.item() == 1.0 and q.block_scale[1].float().item() == 1.0
-    assert unpack_e2m1(q.packed)[1].tolist() == [0, 2, 2, 4, 4, 6, 6, 7,
-                                                 8, 10, 14, 7, 0, 8, 6, 15]
+    assert unpack_e2m1(q.packed)[1].tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 8, 10, 14, 7, 0, 8, 6, 15]
 
 
 def test_all_zero_tensor_gets_unit_global_scale() -> None:
@@ -187,7 +185,7 @@ def test_modelopt_round_trip() -> None:
     back = from_modelopt({**tensors, "input_scale": torch.tensor(0.5)})
     assert torch.equal(back.packed, q.packed)
     assert torch.equal(back.block_scale.view(torch.uint8), q.block_scale.view(torch.uint8))
-    assert back.global_scale.item() == pytest.approx(q.global_scale.item(), rel=2 ** -23)
+    assert back.global_scale.item() == pytest.approx(q.global_scale.item(), rel=2**-23)
 
 
 def test_modelopt_dequantization_formula_matches() -> None:
@@ -214,21 +212,25 @@ def test_compressed_tensors_round_trip_is_exact() -> None:
     assert torch.equal(dequantize_nvfp4(back, torch.float32), dequantize_nvfp4(q, torch.float32))
 
 
-@pytest.mark.parametrize("bad", [
-    {"weight": torch.zeros(4, 8, dtype=torch.int8)},
-    {"weight_scale": torch.zeros(4, 1, dtype=torch.float32)},
-    {"weight_scale": torch.zeros(4, 2, dtype=torch.uint8).view(torch.float8_e4m3fn)},
-    {"weight_scale_2": torch.tensor([1.0, 2.0])},
-    {"weight_scale_2": torch.tensor(0.0)},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"weight": torch.zeros(4, 8, dtype=torch.int8)},
+        {"weight_scale": torch.zeros(4, 1, dtype=torch.float32)},
+        {"weight_scale": torch.zeros(4, 2, dtype=torch.uint8).view(torch.float8_e4m3fn)},
+        {"weight_scale_2": torch.tensor([1.0, 2.0])},
+        {"weight_scale_2": torch.tensor(0.0)},
+    ],
+)
 def test_malformed_modelopt_tensors_raise_format_error(bad: dict[str, torch.Tensor]) -> None:
     good = to_modelopt(quantize_nvfp4(gaussian(4, 16)))
     with pytest.raises(NVFP4FormatError):
         from_modelopt({**good, **bad})
 
 
-@pytest.mark.parametrize("w", [torch.zeros(4, 24), torch.zeros(64), torch.zeros(4, 16, dtype=torch.int32),
-                               torch.full((2, 16), float("inf"))])
+@pytest.mark.parametrize(
+    "w", [torch.zeros(4, 24), torch.zeros(64), torch.zeros(4, 16, dtype=torch.int32), torch.full((2, 16), float("inf"))]
+)
 def test_unquantizable_weights_raise_format_error(w: torch.Tensor) -> None:
     with pytest.raises(NVFP4FormatError):
         quantize_nvfp4(w)

@@ -13,12 +13,13 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
+
 # NOTE: a declared test dependency (missing, the run stops: tests/conftest.py). Imported here, before any
 # fixture sets TRITON_INTERPRET: triton keeps state from its first import.
 import triton  # noqa: F401
 
-from kernels.nvfp4 import NVFP4Weight, dequantize_nvfp4, fuse_nvfp4, pack_e2m1, quantize_nvfp4, unpack_e2m1
 from bench.kernels import QWEN3_8B_SHAPES, QWEN36_27B_SHAPES
+from kernels.nvfp4 import NVFP4Weight, dequantize_nvfp4, fuse_nvfp4, pack_e2m1, quantize_nvfp4, unpack_e2m1
 from kernels.nvfp4_matmul import (
     DEQUANT_MIN_M,
     NVFP4Linear,
@@ -46,8 +47,9 @@ def triton_cpu() -> Iterator[SimpleNamespace]:
     modules: list[ModuleType] = []
     try:
         for name in TRITON_MODULES:
-            modules.append(importlib.reload(sys.modules[name]) if name in sys.modules
-                           else importlib.import_module(name))
+            modules.append(
+                importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+            )
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
@@ -91,8 +93,9 @@ def test_kernel_layout_round_trips_codes_and_scales(triton_cpu: SimpleNamespace,
     assert torch.equal(block_scale.view(torch.uint8), w.block_scale.view(torch.uint8))
 
 
-def test_kernel_layout_is_the_same_when_built_in_row_chunks(triton_cpu: SimpleNamespace,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_layout_is_the_same_when_built_in_row_chunks(
+    triton_cpu: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
     w = make_weight(37, 400, seed=1)
     whole = triton_cpu.layout.pack_kernel_layout(w.packed, w.block_scale, w.row_global_scale())
     monkeypatch.setattr(triton_cpu.layout, "_PACK_CHUNK_ELEMENTS", 3 * 512)  # three rows at a time
@@ -100,13 +103,16 @@ def test_kernel_layout_is_the_same_when_built_in_row_chunks(triton_cpu: SimpleNa
     assert torch.equal(chunked.words, whole.words)
 
 
-@pytest.mark.parametrize(("k", "code", "word", "shift"), [
-    (0, 0x1, 0, 12),  # group 0, j 0: word 0, lane 0, top nibble
-    (1, 0x2, 0, 28),  # j 1: the other lane of the same word
-    (3 + 16 * 5, 0xA, 9, 24),  # group 5 (second half, q 1), j 3: word 8 + 1, lane 1
-    (15 + 16 * 3, 0xF, 7, 16),  # group 3 (q 3), j 15: word 7, lane 1, low nibble
-    (128 + 2, 0x9, 17, 12),  # second chunk starts at word 16
-])
+@pytest.mark.parametrize(
+    ("k", "code", "word", "shift"),
+    [
+        (0, 0x1, 0, 12),  # group 0, j 0: word 0, lane 0, top nibble
+        (1, 0x2, 0, 28),  # j 1: the other lane of the same word
+        (3 + 16 * 5, 0xA, 9, 24),  # group 5 (second half, q 1), j 3: word 8 + 1, lane 1
+        (15 + 16 * 3, 0xF, 7, 16),  # group 3 (q 3), j 15: word 7, lane 1, low nibble
+        (128 + 2, 0x9, 17, 12),  # second chunk starts at word 16
+    ],
+)
 def test_kernel_layout_places_each_nibble_as_documented(
     triton_cpu: SimpleNamespace, k: int, code: int, word: int, shift: int
 ) -> None:
@@ -140,8 +146,9 @@ def fp16_exact(m: int, k: int, seed: int) -> torch.Tensor:
     return make_x(m, k, seed=seed).half().float()
 
 
-def assert_within_fp32_rounding(got: torch.Tensor, x: torch.Tensor, w: NVFP4Weight,
-                                bias: torch.Tensor | None = None, slices: int = 1) -> None:
+def assert_within_fp32_rounding(
+    got: torch.Tensor, x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None, slices: int = 1
+) -> None:
     want = reference(x, w, bias)
     magnitude = x.double().abs() @ dequantize_nvfp4(w, torch.float64).abs().T  # [M, N] sum of |terms|
     if bias is not None:
@@ -155,8 +162,9 @@ def assert_within_fp32_rounding(got: torch.Tensor, x: torch.Tensor, w: NVFP4Weig
     assert excess.max().item() <= 0.0, f"worst excess {excess.max().item():.3g}"
 
 
-def run_kernel(triton_cpu: SimpleNamespace, x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None,
-               **config: int | bool) -> torch.Tensor:
+def run_kernel(
+    triton_cpu: SimpleNamespace, x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None, **config: int | bool
+) -> torch.Tensor:
     layout = triton_cpu.layout.pack_kernel_layout(w.packed, w.block_scale, w.row_global_scale())
     cfg = triton_cpu.w4a16.W4A16Config(**{"block_m": 16, "block_n": 16, **config}) if config else None
     got = triton_cpu.w4a16.w4a16_matmul(x, layout, bias, dot_dtype=torch.float16, config=cfg)
@@ -175,9 +183,17 @@ def test_chosen_tiles_match_reference_for_every_decode_m(triton_cpu: SimpleNames
     assert_within_fp32_rounding(got, x, w, slices=slices)
 
 
-@pytest.mark.parametrize(("block_m", "block_n", "split_k", "halves"), [
-    (16, 16, 1, 2), (16, 32, 2, 2), (16, 64, 3, 4), (32, 16, 4, 2), (64, 16, 2, 8), (16, 16, 9, 2),
-])
+@pytest.mark.parametrize(
+    ("block_m", "block_n", "split_k", "halves"),
+    [
+        (16, 16, 1, 2),
+        (16, 32, 2, 2),
+        (16, 64, 3, 4),
+        (32, 16, 4, 2),
+        (64, 16, 2, 8),
+        (16, 16, 9, 2),
+    ],
+)
 @pytest.mark.parametrize(("n", "k"), [(48, 80), (19, 400), (64, 512)])
 @pytest.mark.parametrize("lanes", [False, True], ids=["joined", "lanes"])
 def test_every_tile_shape_and_split_matches_reference(
@@ -228,8 +244,11 @@ def test_bias_is_added_once(triton_cpu: SimpleNamespace, split_k: int) -> None:
 
 
 def test_fused_shards_apply_each_shards_global_scale(triton_cpu: SimpleNamespace) -> None:
-    shards = [make_weight(32, 256, seed=10, std=1.0), make_weight(16, 256, seed=11, std=1e-3),
-              make_weight(16, 256, seed=12, std=0.05)]
+    shards = [
+        make_weight(32, 256, seed=10, std=1.0),
+        make_weight(16, 256, seed=11, std=1e-3),
+        make_weight(16, 256, seed=12, std=0.05),
+    ]
     x = fp16_exact(5, 256, seed=13)
     got = run_kernel(triton_cpu, x, fuse_nvfp4(shards), split_k=2, halves=2)
     for (start, stop), shard in zip([(0, 32), (32, 48), (48, 64)], shards):
@@ -282,16 +301,19 @@ def test_decode_launches_keep_every_sm_busy(triton_cpu: SimpleNamespace, n: int,
         assert config.split_k == w4a16.effective_split(k, config.block_k, config.split_k)[0]  # no empty slice
 
 
-@pytest.mark.parametrize(("m", "n", "k", "expected"), [
-    (1, 4096, 4096, (16, 64, 6)),  # 64 row tiles; 4 or 5 slices of 16 steps are 256 CTAs, < 2 x 132
-    (1, 24576, 4096, (16, 64, 1)),  # 384 tiles already fill 132 SMs twice
-    (1, 4096, 12288, (16, 64, 5)),
-    (64, 4096, 4096, (64, 64, 4)),  # partial sums would outweigh the weights past 4 slices
-    (256, 4096, 4096, (128, 64, 1)),  # 32 x 2 tiles of 128 x 128 would leave half the SMs idle
-    (256, 4096, 12288, (128, 64, 3)),
-    (256, 24576, 4096, (128, 128, 1)),
-    (8, 4096, 256, (16, 64, 1)),  # one K step: nothing to split
-])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "expected"),
+    [
+        (1, 4096, 4096, (16, 64, 6)),  # 64 row tiles; 4 or 5 slices of 16 steps are 256 CTAs, < 2 x 132
+        (1, 24576, 4096, (16, 64, 1)),  # 384 tiles already fill 132 SMs twice
+        (1, 4096, 12288, (16, 64, 5)),
+        (64, 4096, 4096, (64, 64, 4)),  # partial sums would outweigh the weights past 4 slices
+        (256, 4096, 4096, (128, 64, 1)),  # 32 x 2 tiles of 128 x 128 would leave half the SMs idle
+        (256, 4096, 12288, (128, 64, 3)),
+        (256, 24576, 4096, (128, 128, 1)),
+        (8, 4096, 256, (16, 64, 1)),  # one K step: nothing to split
+    ],
+)
 def test_choose_config_splits_k_until_sms_are_busy(
     triton_cpu: SimpleNamespace, m: int, n: int, k: int, expected: tuple[int, int, int]
 ) -> None:

@@ -70,8 +70,9 @@ def reference_search(w: torch.Tensor, divisors: tuple[float, ...] = SCALE_DIVISO
     """The first version of the search, kept as its definition: every candidate's codes through
     `round_to_e2m1_code` and its error through `e2m1_to_float`, all in float64, one weight at once."""
     amax = w.abs().max().double()
-    global_scale = torch.where(amax > 0, (GLOBAL_SCALE_NUMERATOR / amax).clamp(max=torch.finfo(torch.float32).max),
-                               1.0).to(torch.float32)
+    global_scale = torch.where(
+        amax > 0, (GLOBAL_SCALE_NUMERATOR / amax).clamp(max=torch.finfo(torch.float32).max), 1.0
+    ).to(torch.float32)
     scale64 = global_scale.double()
     n, k = w.shape
     x = w.double().reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)

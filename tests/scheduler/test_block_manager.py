@@ -340,8 +340,14 @@ class Model:
 
 
 op_strategy = st.one_of(  # three kinds of step: decodes outnumber arrivals, so pools fill up
-    st.tuples(st.just("admit"), st.integers(0, len(PREFIXES) - 1), st.integers(1, 24),
-              st.integers(0, 3), st.integers(1, 3), st.integers(1, 12)),
+    st.tuples(
+        st.just("admit"),
+        st.integers(0, len(PREFIXES) - 1),
+        st.integers(1, 24),
+        st.integers(0, 3),
+        st.integers(1, 3),
+        st.integers(1, 12),
+    ),
     *(st.tuples(st.just("step"), st.integers(0, 63), st.integers(1, chunk), st.integers(0, 3)) for chunk in (1, 4, 12)),
     st.tuples(st.just("resume"), st.integers(0, 63), st.integers(1, 12)),
     st.tuples(st.just("free"), st.integers(0, 63)),
@@ -349,8 +355,9 @@ op_strategy = st.one_of(  # three kinds of step: decodes outnumber arrivals, so 
 )
 
 
-@settings(max_examples=120, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=120, derandomize=True, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(
     num_blocks=st.integers(8, 24),
     block_size=st.sampled_from([1, 2, 4]),

@@ -14,12 +14,29 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.scheduler.test_scheduler import make_request, run_step, tokens
 
 
-def hybrid_scheduler(num_blocks: int = 32, block_size: int = 4, slots: int = 2, checkpoints: int = 4, bits: int = 0,
-                     budget: int = 64, **kwargs: int) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=slots, max_num_batched_tokens=budget, max_model_len=256,
-                                     block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=True,
-                                     num_state_slots=slots, num_state_checkpoints=checkpoints,
-                                     state_checkpoint_bits=bits, **kwargs))
+def hybrid_scheduler(
+    num_blocks: int = 32,
+    block_size: int = 4,
+    slots: int = 2,
+    checkpoints: int = 4,
+    bits: int = 0,
+    budget: int = 64,
+    **kwargs: int,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=slots,
+            max_num_batched_tokens=budget,
+            max_model_len=256,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=True,
+            num_state_slots=slots,
+            num_state_checkpoints=checkpoints,
+            state_checkpoint_bits=bits,
+            **kwargs,
+        )
+    )
 
 
 def finish(sched: Scheduler, request: Request) -> list[SchedulerOutput]:
@@ -200,16 +217,27 @@ def test_a_preempted_sequence_resumes_from_its_own_state() -> None:
 
 
 def test_a_step_that_verifies_drafts_keeps_no_state() -> None:
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256, block_size=4,
-                                      num_blocks=32, num_state_slots=2, num_state_checkpoints=8,
-                                      state_checkpoint_bits=6, num_speculative_tokens=3, speculative_max_batch=4),
-                      drafter=lambda request_id, context, k: [7] * k)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=2,
+            max_num_batched_tokens=64,
+            max_model_len=256,
+            block_size=4,
+            num_blocks=32,
+            num_state_slots=2,
+            num_state_checkpoints=8,
+            state_checkpoint_bits=6,
+            num_speculative_tokens=3,
+            speculative_max_batch=4,
+        ),
+        drafter=lambda request_id, context, k: [7] * k,
+    )
     sched.add_request(make_request("a", tokens(1, 7), 0.0, max_tokens=12))
     outs = []
     for _ in range(3):
         out = sched.schedule()
         sr = scheduled(out, "a")
-        sched.update(out, {"a": list(sr.token_ids[len(sr.token_ids) - sr.num_draft_tokens:]) + [100]})
+        sched.update(out, {"a": list(sr.token_ids[len(sr.token_ids) - sr.num_draft_tokens :]) + [100]})
         outs.append(sr)
     assert outs[0].checkpoint_saves == (CheckpointSave(0, 4), CheckpointSave(1, 7))
     # Every page boundary is on this grid, and the verify steps cross 8 and 12: no state kept, as a

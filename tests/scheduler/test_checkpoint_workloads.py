@@ -18,8 +18,9 @@ from tests.scheduler.test_scheduler import EOS, FAMILIES, make_request
 
 MAX_MODEL_LEN = 48
 
-arrival_strategy = st.tuples(st.integers(0, len(FAMILIES) - 1), st.integers(1, 24), st.integers(0, 2),
-                             st.integers(1, 6), st.booleans())
+arrival_strategy = st.tuples(
+    st.integers(0, len(FAMILIES) - 1), st.integers(1, 24), st.integers(0, 2), st.integers(1, 6), st.booleans()
+)
 event_strategy = st.tuples(st.lists(arrival_strategy, max_size=3), st.none() | st.integers(0, 63), st.booleans())
 
 
@@ -73,8 +74,9 @@ class HybridModel:
                     self.kv[sr.block_table[sr.start_pos // bs]] = list(page)
             elif sr.start_pos == 0:
                 self.slots[sr.state_slot] = ()  # a fresh sequence's slot is zeroed
-            assert self.slots[sr.state_slot] == tuple(req.token_slice(0, sr.start_pos)), \
+            assert self.slots[sr.state_slot] == tuple(req.token_slice(0, sr.start_pos)), (
                 f"{sr.request_id} starts from another state"
+            )
         for sr in out.requests:  # ... then the forward writes K/V and advances the states
             req = sched.requests[sr.request_id]
             for pos in range(sr.start_pos, sr.seq_len):
@@ -92,15 +94,23 @@ class HybridModel:
         sched.block_manager.check_invariants()
         assert sched.checkpoints is not None
         sched.checkpoints.check_invariants()
-        sampled = {sr.request_id: EOS if self.rng.random() < 0.1 else self.rng.randrange(200, 210)
-                   for sr in out.requests if sr.sample}
+        sampled = {
+            sr.request_id: EOS if self.rng.random() < 0.1 else self.rng.randrange(200, 210)
+            for sr in out.requests
+            if sr.sample
+        }
         for request in sched.update(out, sampled):
             if request.is_finished:
                 self.end(request)
 
 
-@settings(max_examples=60, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=60,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(
     block_size=st.sampled_from([1, 2, 4]),
     spare_pages=st.integers(0, 12),
@@ -112,14 +122,28 @@ class HybridModel:
     seed=st.integers(0, 1 << 16),
 )
 def test_random_hybrid_workloads_restore_exactly_their_own_states(
-    block_size: int, spare_pages: int, num_slots: int, num_checkpoints: int, bits: int, budget: int,
-    events: list[tuple[list[tuple[int, int, int, int, bool]], int | None, bool]], seed: int,
+    block_size: int,
+    spare_pages: int,
+    num_slots: int,
+    num_checkpoints: int,
+    bits: int,
+    budget: int,
+    events: list[tuple[list[tuple[int, int, int, int, bool]], int | None, bool]],
+    seed: int,
 ) -> None:
     num_blocks = -(-MAX_MODEL_LEN // block_size) + spare_pages  # one longest request always fits
-    sched = Scheduler(SchedulerConfig(max_num_seqs=num_slots, max_num_batched_tokens=budget,
-                                      max_model_len=MAX_MODEL_LEN, block_size=block_size, num_blocks=num_blocks,
-                                      num_state_slots=num_slots, num_state_checkpoints=num_checkpoints,
-                                      state_checkpoint_bits=bits))
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=num_slots,
+            max_num_batched_tokens=budget,
+            max_model_len=MAX_MODEL_LEN,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            num_state_slots=num_slots,
+            num_state_checkpoints=num_checkpoints,
+            state_checkpoint_bits=bits,
+        )
+    )
     model = HybridModel(sched, random.Random(seed))
     for arrivals, abort_index, before_step in events:
         for arrival in arrivals:
@@ -144,9 +168,18 @@ def test_random_hybrid_workloads_restore_exactly_their_own_states(
 
 def test_the_random_workloads_do_hit() -> None:
     """The model check above is only worth something if restores happen in it."""
-    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=MAX_MODEL_LEN,
-                                      block_size=2, num_blocks=60, num_state_slots=2, num_state_checkpoints=6,
-                                      state_checkpoint_bits=2))
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=2,
+            max_num_batched_tokens=16,
+            max_model_len=MAX_MODEL_LEN,
+            block_size=2,
+            num_blocks=60,
+            num_state_slots=2,
+            num_state_checkpoints=6,
+            state_checkpoint_bits=2,
+        )
+    )
     model = HybridModel(sched, random.Random(0))
     for i in range(12):
         model.arrive(i % 2, 20, 0, 4, continue_turn=i % 3 == 2)

@@ -13,15 +13,40 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def scheduler(policy: str = "fair", max_num_seqs: int = 4, budget: int = 64, threshold: int = 0) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=512,
-                                     block_size=4, num_blocks=4096, enable_prefix_caching=False,
-                                     scheduling_policy=policy, long_prefill_token_threshold=threshold))
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=512,
+            block_size=4,
+            num_blocks=4096,
+            enable_prefix_caching=False,
+            scheduling_policy=policy,
+            long_prefill_token_threshold=threshold,
+        )
+    )
 
 
-def request(rid: str, key: str, prompt_len: int, max_tokens: int, arrival: float, weight: float = 1.0,
-            priority: int = 0, key_priority: int = 0) -> Request:
-    return Request(rid, [1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=arrival,
-                   key=key, weight=weight, priority=priority, key_priority=key_priority)
+def request(
+    rid: str,
+    key: str,
+    prompt_len: int,
+    max_tokens: int,
+    arrival: float,
+    weight: float = 1.0,
+    priority: int = 0,
+    key_priority: int = 0,
+) -> Request:
+    return Request(
+        rid,
+        [1] * prompt_len,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        arrival_time=arrival,
+        key=key,
+        weight=weight,
+        priority=priority,
+        key_priority=key_priority,
+    )
 
 
 def step(s: Scheduler) -> list[str]:
@@ -181,8 +206,16 @@ def test_counters_carried_to_a_new_scheduler_keep_a_heavy_key_behind() -> None:
 
 def test_a_restored_scheduler_continues_the_cumulative_counters() -> None:
     def cached() -> Scheduler:
-        return Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=512, block_size=4,
-                                         num_blocks=64, enable_prefix_caching=True))
+        return Scheduler(
+            SchedulerConfig(
+                max_num_seqs=1,
+                max_num_batched_tokens=64,
+                max_model_len=512,
+                block_size=4,
+                num_blocks=64,
+                enable_prefix_caching=True,
+            )
+        )
 
     old = cached()
     old.num_preemptions, old.num_prefix_queried_tokens, old.num_prefix_hit_tokens = 3, 500, 120

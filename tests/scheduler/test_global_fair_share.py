@@ -16,9 +16,17 @@ PROMPT, OUTPUT = 8, 8
 
 
 def scheduler(max_num_seqs: int) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_model_len=128,
-                                     block_size=4, num_blocks=4096, enable_prefix_caching=False,
-                                     scheduling_policy="fair"))
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=256,
+            max_model_len=128,
+            block_size=4,
+            num_blocks=4096,
+            enable_prefix_caching=False,
+            scheduling_policy="fair",
+        )
+    )
 
 
 def request(rid: str, key: str, arrival: float) -> Request:
@@ -59,8 +67,7 @@ def light_share(cores: list[Scheduler], placed: Callable[[str, int], int], sync:
 def test_a_light_key_on_one_core_gets_the_split_it_gets_on_one_core() -> None:
     one = light_share([scheduler(max_num_seqs=2)], lambda key, i: 0, None)
     # Two cores of one slot each: the flood on both, the light key's requests all on core 0.
-    two = light_share([scheduler(1), scheduler(1)], lambda key, i: 0 if key == "light" else i % 2,
-                      GlobalFairShare(2))
+    two = light_share([scheduler(1), scheduler(1)], lambda key, i: 0 if key == "light" else i % 2, GlobalFairShare(2))
     alone = light_share([scheduler(1), scheduler(1)], lambda key, i: 0 if key == "light" else i % 2, None)
     assert 0.45 <= one <= 0.55, one
     assert abs(two - one) <= 0.05, (one, two)

@@ -11,8 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from api.ops.stats import StatsWindow, summarize
 from engine.front.metrics import EngineMetrics
-from scheduler.output import HostTierStats
-from scheduler.output import SchedulerStats
+from scheduler.output import HostTierStats, SchedulerStats
 
 PAGE, SNAP = 1024, 4096
 
@@ -29,12 +28,46 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 def test_the_tier_reports_under_vllms_offloading_names_and_ours() -> None:
     engine = EngineMetrics("m", num_engines=2)
-    report(engine, HostTierStats(100, 10, 8, 1, PAGE, SNAP, hit_tokens=64, queried_tokens=80, loaded_pages=4,
-                                 spilled_pages=10, loaded_snapshots=1, spilled_snapshots=1, load_seconds=0.5,
-                                 spill_seconds=0.25), index=1)
-    report(engine, HostTierStats(100, 12, 8, 2, PAGE, SNAP, hit_tokens=96, queried_tokens=120, loaded_pages=6,
-                                 spilled_pages=12, loaded_snapshots=1, spilled_snapshots=2, load_seconds=0.75,
-                                 spill_seconds=0.25), index=1)
+    report(
+        engine,
+        HostTierStats(
+            100,
+            10,
+            8,
+            1,
+            PAGE,
+            SNAP,
+            hit_tokens=64,
+            queried_tokens=80,
+            loaded_pages=4,
+            spilled_pages=10,
+            loaded_snapshots=1,
+            spilled_snapshots=1,
+            load_seconds=0.5,
+            spill_seconds=0.25,
+        ),
+        index=1,
+    )
+    report(
+        engine,
+        HostTierStats(
+            100,
+            12,
+            8,
+            2,
+            PAGE,
+            SNAP,
+            hit_tokens=96,
+            queried_tokens=120,
+            loaded_pages=6,
+            spilled_pages=12,
+            loaded_snapshots=1,
+            spilled_snapshots=2,
+            load_seconds=0.75,
+            spill_seconds=0.25,
+        ),
+        index=1,
+    )
     r, core = engine.registry, {"model_name": "m", "engine": "1"}
     assert sample(r, "vllm:kv_offload_total_bytes_total", **core, transfer_type="GPU_to_CPU") == 12 * PAGE + 2 * SNAP
     assert sample(r, "vllm:kv_offload_total_bytes_total", **core, transfer_type="CPU_to_GPU") == 6 * PAGE + SNAP
@@ -53,12 +86,37 @@ def test_stats_show_the_host_tier_and_null_without_one() -> None:
     report(off, None)
     assert summarize(StatsWindow(0.0), [off.registry], now=1.0)["host_kv"] is None
     on = EngineMetrics("m")
-    report(on, HostTierStats(100, 12, 8, 2, PAGE, SNAP, hit_tokens=96, queried_tokens=120, loaded_pages=6,
-                             spilled_pages=12, loaded_snapshots=1, spilled_snapshots=2, load_seconds=0.75))
+    report(
+        on,
+        HostTierStats(
+            100,
+            12,
+            8,
+            2,
+            PAGE,
+            SNAP,
+            hit_tokens=96,
+            queried_tokens=120,
+            loaded_pages=6,
+            spilled_pages=12,
+            loaded_snapshots=1,
+            spilled_snapshots=2,
+            load_seconds=0.75,
+        ),
+    )
     host = summarize(StatsWindow(0.0), [on.registry], now=1.0)["host_kv"]
-    assert host == {"capacity_bytes": 100 * PAGE + 8 * SNAP, "used_bytes": 12 * PAGE + 2 * SNAP, "pages": 12,
-                    "snapshots": 2, "hit_tokens": 96, "page_loads": 6, "page_spills": 12, "snapshot_loads": 1,
-                    "snapshot_spills": 2, "load_seconds": 0.75}
+    assert host == {
+        "capacity_bytes": 100 * PAGE + 8 * SNAP,
+        "used_bytes": 12 * PAGE + 2 * SNAP,
+        "pages": 12,
+        "snapshots": 2,
+        "hit_tokens": 96,
+        "page_loads": 6,
+        "page_spills": 12,
+        "snapshot_loads": 1,
+        "snapshot_spills": 2,
+        "load_seconds": 0.75,
+    }
 
 
 def test_the_dashboard_has_a_host_tier_tile_fed_by_stats() -> None:

@@ -28,15 +28,24 @@ def make_scheduler(
     max_model_len: int = 256,
     enable_prefix_caching: bool = True,
 ) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                     max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-                                     enable_prefix_caching=enable_prefix_caching))
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+    )
 
 
-def make_request(request_id: str, prompt: list[int], arrival: float, max_tokens: int | None = None,
-                 **params: object) -> Request:
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=(EOS,),
-                   arrival_time=arrival)
+def make_request(
+    request_id: str, prompt: list[int], arrival: float, max_tokens: int | None = None, **params: object
+) -> Request:
+    return Request(
+        request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=(EOS,), arrival_time=arrival
+    )
 
 
 def tokens(start: int, n: int) -> list[int]:
@@ -88,9 +97,7 @@ def test_chunked_prefill_splits_a_long_prompt_into_budget_sized_chunks(
     sched.add_request(make_request("r", prompt, arrival=0.0))
     outs = run_steps(sched, len(chunks) + 1)
     starts = [sum(chunks[:i]) for i in range(len(chunks))]
-    assert [plan(o) for o in outs[:-1]] == [
-        [("r", s, n, s + n == prompt_len)] for s, n in zip(starts, chunks)
-    ]
+    assert [plan(o) for o in outs[:-1]] == [[("r", s, n, s + n == prompt_len)] for s, n in zip(starts, chunks)]
     for out, s, n in zip(outs, starts, chunks):
         (sr,) = out.requests
         assert sr.token_ids == tuple(prompt[s : s + n])
@@ -130,9 +137,7 @@ def test_decodes_are_never_starved_by_a_long_prefill() -> None:
     outs = run_steps(sched, 9)
     for step, out in enumerate(outs[:8]):  # 200 = 7 * 26 + 18
         n = 26 if step < 7 else 18
-        assert plan(out) == [(f"d{i}", 4 + step, 1, True) for i in range(4)] + [
-            ("long", 26 * step, n, step == 7)
-        ]
+        assert plan(out) == [(f"d{i}", 4 + step, 1, True) for i in range(4)] + [("long", 26 * step, n, step == 7)]
     assert plan(outs[8]) == [(f"d{i}", 12, 1, True) for i in range(4)] + [("long", 200, 1, True)]
 
 
@@ -232,8 +237,12 @@ def test_finish_request_for_an_outside_stop_frees_pages_and_keeps_the_reason() -
     ],
 )
 def test_update_finishes_on_the_first_stop_condition_met(
-    params: dict[str, object], max_model_len: int, sampled: list[int], expected_outputs: list[int],
-    reason: FinishReason, stop_reason: int | None,
+    params: dict[str, object],
+    max_model_len: int,
+    sampled: list[int],
+    expected_outputs: list[int],
+    reason: FinishReason,
+    stop_reason: int | None,
 ) -> None:
     sched = make_scheduler(max_model_len=max_model_len)
     sched.add_request(make_request("r", tokens(1, 5), arrival=0.0, **params))
@@ -402,8 +411,9 @@ _HEAD = tokens(1, 8)
 FAMILIES = [_HEAD + tokens(20, 16), _HEAD + tokens(60, 16), [5] * 24]
 MAX_MODEL_LEN = 40  # 24-token prompts + a tail token + up to 12 outputs fit
 
-arrival_strategy = st.tuples(st.integers(0, len(FAMILIES) - 1), st.integers(1, 24), st.integers(0, 2),
-                             st.integers(1, 3), st.integers(1, 12))
+arrival_strategy = st.tuples(
+    st.integers(0, len(FAMILIES) - 1), st.integers(1, 24), st.integers(0, 2), st.integers(1, 3), st.integers(1, 12)
+)
 event_strategy = st.tuples(st.lists(arrival_strategy, max_size=3), st.none() | st.integers(0, 63), st.booleans())
 
 
@@ -468,8 +478,11 @@ class Workload:
         self.check_pages({sr.request_id: sr.num_new_tokens for sr in out.requests})
         if abort_mid_step is not None:
             self.abort(abort_mid_step)
-        sampled = {sr.request_id: EOS if self.rng.random() < 0.1 else self.rng.randrange(200, 210)
-                   for sr in out.requests if sr.sample}
+        sampled = {
+            sr.request_id: EOS if self.rng.random() < 0.1 else self.rng.randrange(200, 210)
+            for sr in out.requests
+            if sr.sample
+        }
         for r in sched.update(out, sampled):
             if r.is_finished:
                 self.ended_after_sent.add(r.request_id)
@@ -489,8 +502,13 @@ class Workload:
             assert n == 1 or bm.block_hash[page] is not None, f"page {page} shared without a cached hash"
 
 
-@settings(max_examples=60, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=60,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(
     block_size=st.sampled_from([1, 2, 4]),
     spare_pages=st.integers(0, 12),
@@ -500,12 +518,21 @@ class Workload:
     seed=st.integers(0, 1 << 16),
 )
 def test_random_workloads_hold_every_step_invariant_and_drain(
-    block_size: int, spare_pages: int, max_num_seqs: int, budget: int,
-    events: list[tuple[list[tuple[int, int, int, int, int]], int | None, bool]], seed: int,
+    block_size: int,
+    spare_pages: int,
+    max_num_seqs: int,
+    budget: int,
+    events: list[tuple[list[tuple[int, int, int, int, int]], int | None, bool]],
+    seed: int,
 ) -> None:
     num_blocks = -(-MAX_MODEL_LEN // block_size) + spare_pages  # one longest request always fits
-    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
-                           max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)
+    sched = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        max_model_len=MAX_MODEL_LEN,
+    )
     work = Workload(sched, random.Random(seed))
     for arrivals, abort_index, mid_step in events:
         for arrival in arrivals:

@@ -18,9 +18,17 @@ def request(request_id: str, n: int = 3, max_tokens: int = 4, arrival: float = 0
 
 
 def hybrid_scheduler(num_slots: int, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=256,
-                                     block_size=4, num_blocks=num_blocks, enable_prefix_caching=False,
-                                     num_state_slots=num_slots))
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=256,
+            block_size=4,
+            num_blocks=num_blocks,
+            enable_prefix_caching=False,
+            num_state_slots=num_slots,
+        )
+    )
 
 
 def step(sched: Scheduler) -> dict[str, int | None]:

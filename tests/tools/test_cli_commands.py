@@ -16,7 +16,9 @@ from scheduler.request import SamplingParams
 
 
 @pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
-def test_quantize_writes_a_checkpoint_that_serves_like_quantize_at_load(qwen3_ckpt: Path, tmp_path: Path, fmt: str) -> None:
+def test_quantize_writes_a_checkpoint_that_serves_like_quantize_at_load(
+    qwen3_ckpt: Path, tmp_path: Path, fmt: str
+) -> None:
     dst = tmp_path / "nvfp4"
     assert main(["quantize", str(qwen3_ckpt), str(dst), "--format", fmt, "--device", "cpu"]) == 0
     cfg = json.loads((dst / "config.json").read_text())
@@ -35,6 +37,8 @@ def test_help_lists_every_subcommand_without_importing_torch() -> None:
     code = "import sys; from api.cli import build_parser; build_parser().format_help(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-    text = subprocess.run([sys.executable, "-m", "api.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "api.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for command in ("serve", "parse-output", "quantize", "bundle"):
         assert command in text

@@ -36,8 +36,10 @@ def generation_defaults(source: str, model_path: Path) -> SamplingDefaults:
     """The sampling defaults `--generation-config source` gives for the model at `model_path`,
     logged once. ConfigError for a folder without the file, or a value no request could send."""
     if source == NONE:
-        logger.info("generation config: none applied (--generation-config vllm): requests that leave out a sampling "
-                    "field get OpenAI's defaults")
+        logger.info(
+            "generation config: none applied (--generation-config vllm): requests that leave out a sampling "
+            "field get OpenAI's defaults"
+        )
         return ()
     file = (model_path if source == AUTO else Path(source)) / FILE
     if not file.is_file():
@@ -47,13 +49,19 @@ def generation_defaults(source: str, model_path: Path) -> SamplingDefaults:
     try:
         raw = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{file}: cannot read it ({e.__class__.__name__}); --generation-config vllm ignores it") from None
+        raise ConfigError(
+            f"{file}: cannot read it ({e.__class__.__name__}); --generation-config vllm ignores it"
+        ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: must be a JSON object; --generation-config vllm ignores it")
     defaults = tuple((name, _checked(raw[name], name, file)) for name in FIELDS if raw.get(name) is not None)
     if defaults:
-        logger.info("generation config: %s from %s apply to requests that leave them out (--generation-config vllm "
-                    "turns this off)", ", ".join(f"{k}={v:g}" for k, v in defaults), file)
+        logger.info(
+            "generation config: %s from %s apply to requests that leave them out (--generation-config vllm "
+            "turns this off)",
+            ", ".join(f"{k}={v:g}" for k, v in defaults),
+            file,
+        )
     return defaults
 
 
@@ -63,6 +71,7 @@ def _checked(value: object, name: str, file: Path) -> float:
     if ok and name == "top_k":
         ok = float(value).is_integer()  # type: ignore[arg-type]
     if not ok or not (low <= value <= high) or (value == low and not low_allowed):  # type: ignore[operator]
-        raise ConfigError(f"{file}: {name} {value!r} is out of range for sampling; --generation-config vllm ignores "
-                          "the file")
+        raise ConfigError(
+            f"{file}: {name} {value!r} is out of range for sampling; --generation-config vllm ignores the file"
+        )
     return int(value) if name == "top_k" else float(value)  # type: ignore[arg-type]

@@ -75,6 +75,7 @@ def text_fields(raw: dict[str, Any]) -> dict[str, Any]:
 
 def hybrid_from_dict(raw: dict[str, Any], source: str) -> HybridConfig:
     """HybridConfig from the (flattened) text fields; a missing or bad field is a ConfigError."""
+
     def need(key: str) -> int:
         value = raw.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -87,15 +88,18 @@ def hybrid_from_dict(raw: dict[str, Any], source: str) -> HybridConfig:
         interval = raw.get("full_attention_interval") or 4
         layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
     if len(layer_types) != num_layers or any(t not in (LINEAR_ATTENTION, FULL_ATTENTION) for t in layer_types):
-        raise ConfigError(f"{source}: field 'layer_types' must name {num_layers} layers, each "
-                          f"'{LINEAR_ATTENTION}' or '{FULL_ATTENTION}'")
+        raise ConfigError(
+            f"{source}: field 'layer_types' must name {num_layers} layers, each "
+            f"'{LINEAR_ATTENTION}' or '{FULL_ATTENTION}'"
+        )
     if FULL_ATTENTION not in layer_types:
         # NOTE: the KV cache and the runner assume at least one attention layer.
         raise ConfigError(f"{source}: field 'layer_types' has no '{FULL_ATTENTION}' layer; fp4serve needs one")
     num_k, num_v = need("linear_num_key_heads"), need("linear_num_value_heads")
     if num_v % num_k:
-        raise ConfigError(f"{source}: field 'linear_num_value_heads' ({num_v}) must be a multiple of "
-                          f"linear_num_key_heads ({num_k})")
+        raise ConfigError(
+            f"{source}: field 'linear_num_value_heads' ({num_v}) must be a multiple of linear_num_key_heads ({num_k})"
+        )
     rope = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
     factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
     return HybridConfig(

@@ -124,7 +124,9 @@ class ModelConfig:
         num_kv_heads = raw.get("num_key_value_heads") or num_heads
         head_dim = raw.get("head_dim") or hidden // num_heads
         if num_heads % num_kv_heads:
-            raise ConfigError(f"{source}: field 'num_key_value_heads' ({num_kv_heads}) must divide num_attention_heads ({num_heads})")
+            raise ConfigError(
+                f"{source}: field 'num_key_value_heads' ({num_kv_heads}) must divide num_attention_heads ({num_heads})"
+            )
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         if folder is not None:

@@ -23,7 +23,8 @@ class MoeConfig:
 
     def __post_init__(self) -> None:
         assert 0 < self.num_experts_per_tok <= self.num_experts, (
-            f"top-k {self.num_experts_per_tok} of {self.num_experts} experts")
+            f"top-k {self.num_experts_per_tok} of {self.num_experts} experts"
+        )
         assert self.decoder_sparse_step >= 1, f"decoder_sparse_step={self.decoder_sparse_step}"
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -38,14 +39,19 @@ def moe_config_from_dict(raw: dict[str, Any], model_type: str, source: str) -> M
         return None
     # transformers >= 5 writes `num_local_experts`; released Qwen checkpoints say `num_experts`.
     num_experts = raw.get("num_experts", raw.get("num_local_experts"))
-    fields = {"num_experts": num_experts, "num_experts_per_tok": raw.get("num_experts_per_tok"),
-              "moe_intermediate_size": raw.get("moe_intermediate_size")}
+    fields = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": raw.get("num_experts_per_tok"),
+        "moe_intermediate_size": raw.get("moe_intermediate_size"),
+    }
     for key, value in fields.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{source}: field '{key}' must be a positive integer, got {value!r}")
     if fields["num_experts_per_tok"] > fields["num_experts"]:
-        raise ValueError(f"{source}: field 'num_experts_per_tok' ({fields['num_experts_per_tok']}) exceeds "
-                         f"num_experts ({fields['num_experts']})")
+        raise ValueError(
+            f"{source}: field 'num_experts_per_tok' ({fields['num_experts_per_tok']}) exceeds "
+            f"num_experts ({fields['num_experts']})"
+        )
     if model_type == "qwen3_5_moe_text":  # every layer is sparse (its config has no layer-choice fields)
         raw = {k: v for k, v in raw.items() if k not in ("decoder_sparse_step", "mlp_only_layers")}
     step = raw.get("decoder_sparse_step") or 1
