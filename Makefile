@@ -1,5 +1,5 @@
-# `make serve`, `make test` (everything, as CI runs it) and `make test-fast` (an inner loop without
-# the tests marked slow: real servers in subprocesses). Each creates .venv on first use.
+# `make serve`, `make test` (the lint, then everything, as CI runs it) and `make test-fast` (an inner
+# loop without the tests marked slow: real servers in subprocesses). Each creates .venv on first use.
 # `make lm-eval`: lm-eval's local-completions run on bench/lm_eval_tasks against the default model.
 # `make peers`: fp4serve against llama.cpp's llama-server (with and without --no-repack), vLLM's CPU
 # build (float32 and bfloat16) and transformers serve, two rounds (the second in reverse order),
@@ -19,7 +19,7 @@ LMEVAL_PACKAGE := lm_eval[api]==0.4.13
 
 PEERS_OUT ?= bench-peers
 
-.PHONY: serve test test-fast install clean lm-eval peers
+.PHONY: serve test test-fast lint format install clean lm-eval peers
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -42,7 +42,17 @@ serve: $(STAMP)
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: $(STAMP)
+# ruff's lint (pyflakes, pycodestyle, import order, pyupgrade, bugbear) and its formatter's check, as
+# configured in pyproject.toml; `make format` rewrites the tree the way the check wants it.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: $(STAMP) lint
 	$(PY) -m pytest $(PYTEST_PARALLEL)
 
 test-fast: $(STAMP)

@@ -38,8 +38,12 @@ def anthropic_error_body(status: int, message: str) -> dict:
 
 
 def anthropic_error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(anthropic_error_body(status, message)), status_code=status,
-                    media_type="application/json", headers=headers)
+    return Response(
+        orjson.dumps(anthropic_error_body(status, message)),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 def to_anthropic(response: Response) -> Response:

@@ -15,6 +15,8 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from api.access.keys import KeyMiddleware
+from api.access.request_log import RequestLogMiddleware
+from api.anthropic.routes import MESSAGES_ERROR_SHAPE, MESSAGES_ROUTES
 from api.error_shape import ErrorShapeMiddleware
 from api.errors import (
     APIError,
@@ -28,15 +30,11 @@ from api.errors import (
     handle_unexpected,
 )
 from api.http import ClientDisconnected
-from api.transport.inflight import InFlightMiddleware
-from api.access.request_log import RequestLogMiddleware
-from api.anthropic.routes import MESSAGES_ERROR_SHAPE, MESSAGES_ROUTES
-from api.responses.routes import RESPONSES_ROUTES
-from api.transport.framing import FramingMiddleware
 from api.ops.key_metrics import key_metrics_routes
-from api.routes import ROUTES
 from api.ops.stats import stats_routes
 from api.ops.ui import ui_routes
+from api.responses.routes import RESPONSES_ROUTES
+from api.routes import ROUTES
 from api.state import (
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -45,14 +43,23 @@ from api.state import (
     ServerState,
     load_engine,
 )
+from api.transport.framing import FramingMiddleware
+from api.transport.inflight import InFlightMiddleware
 from engine.front import EngineConfig
 from engine.front.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError, ParamError
 
 if TYPE_CHECKING:
     from engine.front import AsyncEngine
 
-__all__ = ["DEFAULT_MAX_QUEUED_REQUESTS", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_SHUTDOWN_TIMEOUT_S", "ServerConfig",
-           "ServerState", "build_app", "load_engine"]
+__all__ = [
+    "DEFAULT_MAX_QUEUED_REQUESTS",
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "DEFAULT_SHUTDOWN_TIMEOUT_S",
+    "ServerConfig",
+    "ServerState",
+    "build_app",
+    "load_engine",
+]
 
 
 def build_app(
@@ -80,18 +87,30 @@ def build_app(
     middleware = [
         Middleware(ErrorShapeMiddleware, shaped_paths=[MESSAGES_ERROR_SHAPE]),
         Middleware(InFlightMiddleware, in_flight=state.in_flight),
-        Middleware(RequestLogMiddleware, metrics=state.metrics, access_log=config.access_log,
-                   skipped_paths=config.access_log_skipped_paths),
+        Middleware(
+            RequestLogMiddleware,
+            metrics=state.metrics,
+            access_log=config.access_log,
+            skipped_paths=config.access_log_skipped_paths,
+        ),
         Middleware(FramingMiddleware, max_request_bytes=config.max_request_bytes),
     ]
     if config.cors_origins:
         middleware.append(
-            Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"])
+            Middleware(
+                CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"]
+            )
         )
     middleware.append(Middleware(KeyMiddleware, ring=state.keys, limiter=state.limiter))
     app = Starlette(
-        routes=[*ROUTES, *RESPONSES_ROUTES, *MESSAGES_ROUTES, *stats_routes(), *key_metrics_routes(),
-                *(ui_routes(config.url) if config.ui else [])],
+        routes=[
+            *ROUTES,
+            *RESPONSES_ROUTES,
+            *MESSAGES_ROUTES,
+            *stats_routes(),
+            *key_metrics_routes(),
+            *(ui_routes(config.url) if config.ui else []),
+        ],
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={

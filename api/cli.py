@@ -90,18 +90,24 @@ def _add_parse_output(commands: Any) -> None:
         module = importlib.import_module("api.parsers.parse_output")
     except ImportError:
         return
-    parser = commands.add_parser("parse-output", help="parse a saved model output with a tool/reasoning parser",
-                                 formatter_class=_HelpFormatter)
+    parser = commands.add_parser(
+        "parse-output", help="parse a saved model output with a tool/reasoning parser", formatter_class=_HelpFormatter
+    )
     module.add_arguments(parser)
     parser.set_defaults(run=module.run)
 
 
 # Subcommands whose modules import torch: loaded only when chosen, so `fp4serve --help` is quick.
 _ENGINE_COMMANDS = {
-    "quantize": ("fp4serve_tools.quantize", "write an NVFP4 checkpoint (ModelOpt or compressed-tensors layout) from a "
-                 "bf16/fp32 one"),
-    "bundle": ("fp4serve_tools.bundle", "build an offline GPU bundle: trimmed FlashInfer and the wheels it needs, with "
-               "prebuilt kernels, for air-gapped GPU servers"),
+    "quantize": (
+        "fp4serve_tools.quantize",
+        "write an NVFP4 checkpoint (ModelOpt or compressed-tensors layout) from a bf16/fp32 one",
+    ),
+    "bundle": (
+        "fp4serve_tools.bundle",
+        "build an offline GPU bundle: trimmed FlashInfer and the wheels it needs, with "
+        "prebuilt kernels, for air-gapped GPU servers",
+    ),
 }
 
 
@@ -121,7 +127,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp4serve", description="An OpenAI-compatible LLM server.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve_parser = commands.add_parser(
-        "serve", help="serve a model over the OpenAI API", formatter_class=_HelpFormatter,
+        "serve",
+        help="serve a model over the OpenAI API",
+        formatter_class=_HelpFormatter,
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
         "/v1/models, /health, /metrics, /stats, /version) and a web page at / (chat playground, live dashboard).",
     )

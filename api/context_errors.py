@@ -57,16 +57,22 @@ def _anthropic(error: ContextLengthError) -> str:
     if error.max_tokens is None:
         # One token must be left to generate: the longest prompt is one short of the context.
         return f"prompt is too long: {error.num_prompt_tokens} tokens > {error.max_model_len - 1} maximum"
-    return (f"input length and `max_tokens` exceed context limit: {error.num_prompt_tokens} + {error.max_tokens} > "
-            f"{error.max_model_len}, decrease input length or `max_tokens` and try again")
+    return (
+        f"input length and `max_tokens` exceed context limit: {error.num_prompt_tokens} + {error.max_tokens} > "
+        f"{error.max_model_len}, decrease input length or `max_tokens` and try again"
+    )
 
 
 def _openai(error: ContextLengthError, prompt_word: str) -> str:
     head = f"This model's maximum context length is {error.max_model_len} tokens."
     if error.max_tokens is None:
         count = f"at least {error.num_prompt_tokens}" if error.at_least else str(error.num_prompt_tokens)
-        return (f"{head} However, your {prompt_word} resulted in {count} tokens. Please reduce the length of the "
-                f"{prompt_word}.")
+        return (
+            f"{head} However, your {prompt_word} resulted in {count} tokens. Please reduce the length of the "
+            f"{prompt_word}."
+        )
     total = error.num_prompt_tokens + error.max_tokens
-    return (f"{head} However, you requested {total} tokens ({error.num_prompt_tokens} in the {prompt_word}, "
-            f"{error.max_tokens} in the completion). Please reduce the length of the {prompt_word} or completion.")
+    return (
+        f"{head} However, you requested {total} tokens ({error.num_prompt_tokens} in the {prompt_word}, "
+        f"{error.max_tokens} in the completion). Please reduce the length of the {prompt_word} or completion."
+    )

@@ -11,8 +11,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from api.transport.deadline import Deadline
 from api.errors import RESTARTING_RETRY_AFTER_S, APIError
+from api.transport.deadline import Deadline
 from engine.front import RequestOutput
 
 Item = tuple[int, RequestOutput]  # (prompt index, output)

@@ -107,8 +107,15 @@ def error_response(
     return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
-def answer(request: Request, status: int, message: str, param: str | None = None, code: str | None = None,
-           headers: dict[str, str] | None = None, type_: str | None = None) -> Response:
+def answer(
+    request: Request,
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+    type_: str | None = None,
+) -> Response:
     """The error response in the route's shape, its fields left in the request's state for the
     refusal's log line (api/access/request_log.py)."""
     body = error_body(status, message, param, code, type_)
@@ -139,7 +146,9 @@ async def handle_engine_restarting(request: Request, exc: Exception) -> Response
     """The engine process was lost before this request's first output; the retry waits for the
     new engine (engine/client/supervisor.py), which the OpenAI and Anthropic SDKs do by themselves."""
     assert isinstance(exc, EngineRestartingError), f"registered for EngineRestartingError, got {type(exc).__name__}"
-    return answer(request, 503, str(exc), code="engine_restarting", headers={"Retry-After": str(RESTARTING_RETRY_AFTER_S)})
+    return answer(
+        request, 503, str(exc), code="engine_restarting", headers={"Retry-After": str(RESTARTING_RETRY_AFTER_S)}
+    )
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> Response:
@@ -169,4 +178,6 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
     # NOTE: the body never carries the exception text: it may hold paths or internals. The
     # traceback goes to the log, where an operator can read it.
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return shaped(request.scope, error_response(500, "internal server error; see the server log", code="internal_error"))
+    return shaped(
+        request.scope, error_response(500, "internal server error; see the server log", code="internal_error")
+    )

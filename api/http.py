@@ -49,8 +49,12 @@ async def read_json(request: Request) -> dict[str, Any]:
         async with asyncio.timeout(config.body_timeout_s):
             body = await _read_body(request, config.max_request_bytes)
     except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {config.body_timeout_s:g} s (--body-timeout)",
-                       code="request_timeout", headers={"Connection": "close"}) from None
+        raise APIError(
+            408,
+            f"the request body did not arrive within {config.body_timeout_s:g} s (--body-timeout)",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
     except ClientDisconnect:
         logger.info("client left while sending the body of %s %s", request.method, request.url.path)
         raise ClientDisconnected() from None

@@ -34,19 +34,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
+from api.access.keys import request_owner
 from api.context_errors import COMPLETIONS, Dialect, refusals
-from api.transport.deadline import Deadline
 from api.engine_stream import EngineStream
 from api.errors import APIError, bad_request
+from api.grammars.response_format import response_format_spec
+from api.grammars.tool_grammar import tool_call_spec
 from api.http import json_response, server_state, unless_disconnected
-from api.transport.inflight import request_deadline
-from api.access.keys import request_owner
-from api.request.models import ChatCompletionRequest, CompletionRequestModel
 from api.parsers import OutputParser, ParsedDelta, ParserSettings
 from api.parsers.base import coalesce_tool_deltas
-from api.grammars.response_format import response_format_spec
+from api.request.models import ChatCompletionRequest, CompletionRequestModel
+from api.transport.deadline import Deadline
+from api.transport.inflight import request_deadline
 from api.transport.sse import SSEResponse
-from api.grammars.tool_grammar import tool_call_spec
 from engine.front import Owner, Reasoning, RequestOutput, SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
@@ -111,8 +111,11 @@ class Choices:
         if out.finish_reason is not None:
             tail = parser.finish()
             # One delta per chunk; one entry per tool-call index (older SDKs keep duplicates).
-            parsed = ParsedDelta(parsed.content + tail.content, parsed.reasoning + tail.reasoning,
-                                 coalesce_tool_deltas([*parsed.tool_calls, *tail.tool_calls]))
+            parsed = ParsedDelta(
+                parsed.content + tail.content,
+                parsed.reasoning + tail.reasoning,
+                coalesce_tool_deltas([*parsed.tool_calls, *tail.tool_calls]),
+            )
             reason = parser.finish_reason(out.finish_reason)
         return ChoiceDelta(index, prompt_index, out, parsed, reason, parser.broken_calls)
 
@@ -174,14 +177,22 @@ class Encoder(Protocol):
 def check_model(requested: str | None, engine: AsyncEngine) -> None:
     if requested is not None and requested != engine.info.model_name:
         raise APIError(
-            404, f"model {requested!r} does not exist; this server serves {engine.info.model_name!r}", "model", "model_not_found"
+            404,
+            f"model {requested!r} does not exist; this server serves {engine.info.model_name!r}",
+            "model",
+            "model_not_found",
         )
 
 
 async def render_chat(state: ServerState, engine: AsyncEngine, chat: ChatCompletionRequest) -> list[int]:
     """The prompt's token ids from the checkpoint's chat template, off the event loop."""
-    return await state.run_blocking(engine.input_processor.render_chat, chat.messages, chat.tools,
-                                    chat.add_generation_prompt is not False, chat.template_kwargs)
+    return await state.run_blocking(
+        engine.input_processor.render_chat,
+        chat.messages,
+        chat.tools,
+        chat.add_generation_prompt is not False,
+        chat.template_kwargs,
+    )
 
 
 async def start_chat(request: Request, chat: ChatCompletionRequest, id_prefix: str, dialect: Dialect) -> Started:
@@ -201,11 +212,16 @@ async def start_chat(request: Request, chat: ChatCompletionRequest, id_prefix: s
         params = replace(params, structured=_structured(chat, state.parsers, tail, opens_reasoning))
         header = ResponseHeader.new(id_prefix, engine.info.model_name)
         owner = request_owner(request.scope, chat.priority)
-        stream = await start_stream(engine, [prompt], params, header.id, owner, request.receive,
-                                    request_deadline(request.scope))
+        stream = await start_stream(
+            engine, [prompt], params, header.id, owner, request.receive, request_deadline(request.scope)
+        )
     forced = params.structured is not None and params.structured.kind == "tool_calls"
-    parsers = [state.parsers.make(chat.tools, chat.tool_choice, chat.calls_in_parallel, opens_reasoning, chat.streaming,
-                                  forced) for _ in range(params.n)]
+    parsers = [
+        state.parsers.make(
+            chat.tools, chat.tool_choice, chat.calls_in_parallel, opens_reasoning, chat.streaming, forced
+        )
+        for _ in range(params.n)
+    ]
     return Started(header, [prompt], opens_reasoning, stream, Choices(params.n, parsers), chat.streaming, headers)
 
 
@@ -216,8 +232,10 @@ async def start_completion(request: Request, req: CompletionRequestModel) -> Sta
     state = server_state(request)
     engine = state.ready_engine()
     if len(req.prompt) > state.config.max_prompts:
-        raise bad_request(f"{len(req.prompt)} prompts in one request; the limit is {state.config.max_prompts} "
-                          "(--max-prompts)", "prompt")
+        raise bad_request(
+            f"{len(req.prompt)} prompts in one request; the limit is {state.config.max_prompts} (--max-prompts)",
+            "prompt",
+        )
     check_model(req.model, engine)
     params = req.to_sampling_params(engine.info.sampling_defaults)
     inputs = engine.input_processor
@@ -235,24 +253,42 @@ async def start_completion(request: Request, req: CompletionRequestModel) -> Sta
         if req.response_format is not None:
             params = replace(params, structured=response_format_spec(req.response_format))
         header = ResponseHeader.new("cmpl", engine.info.model_name)
-        stream = await start_stream(engine, prompts, params, header.id, request_owner(request.scope, req.priority),
-                                    request.receive, request_deadline(request.scope))
-    return Started(header, prompts, False, stream, Choices(params.n, [None] * (len(prompts) * params.n)),
-                   req.streaming)
+        stream = await start_stream(
+            engine,
+            prompts,
+            params,
+            header.id,
+            request_owner(request.scope, req.priority),
+            request.receive,
+            request_deadline(request.scope),
+        )
+    return Started(header, prompts, False, stream, Choices(params.n, [None] * (len(prompts) * params.n)), req.streaming)
 
 
 def _tools_ignored(request: Request, chat: ChatCompletionRequest, engine: AsyncEngine) -> tuple[tuple[str, str], ...]:
     """A response header and a WARNING line when the request's tools never reach the model."""
     if not chat.tools or engine.input_processor.renders_tools:
         return ()
-    logger.warning("%s %s: %d tools sent, but the chat template of %s does not render tools: the model never sees "
-                   "them and answers as plain chat", request.method, request.url.path, len(chat.tools),
-                   engine.info.model_name)
+    logger.warning(
+        "%s %s: %d tools sent, but the chat template of %s does not render tools: the model never sees "
+        "them and answers as plain chat",
+        request.method,
+        request.url.path,
+        len(chat.tools),
+        engine.info.model_name,
+    )
     return ((WARNING_HEADER, TOOLS_IGNORED),)
 
 
-async def start_stream(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                       owner: Owner, receive: Receive, deadline: Deadline | None) -> EngineStream:
+async def start_stream(
+    engine: AsyncEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    request_id: str,
+    owner: Owner,
+    receive: Receive,
+    deadline: Deadline | None,
+) -> EngineStream:
     """Every prompt validated by the engine before any runs, then the first output awaited (a
     client that leaves meanwhile is aborted: ClientDisconnected)."""
     if deadline is not None:
@@ -260,8 +296,9 @@ async def start_stream(engine: AsyncEngine, prompts: list[list[int]], params: Sa
     sources: list[AsyncIterator[RequestOutput]] = []
     try:
         for i, prompt in enumerate(prompts):
-            sources.append(engine.generate(prompt, params, request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                           owner))
+            sources.append(
+                engine.generate(prompt, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", owner)
+            )
     except BaseException:
         for source in sources:  # not started: nothing entered the engine
             await source.aclose()  # type: ignore[attr-defined]
@@ -275,8 +312,9 @@ async def start_stream(engine: AsyncEngine, prompts: list[list[int]], params: Sa
     return stream
 
 
-def _structured(chat: ChatCompletionRequest, parsers: ParserSettings, prompt_tail: str,
-                opens_reasoning: bool) -> StructuredOutput | None:
+def _structured(
+    chat: ChatCompletionRequest, parsers: ParserSettings, prompt_tail: str, opens_reasoning: bool
+) -> StructuredOutput | None:
     """What response_format, or tool_choice "required" or a named function, makes the output be
     (the request model refuses both at once); None when the output is free."""
     if chat.response_format is None and not chat.forces_tool_call:
@@ -291,8 +329,9 @@ def _structured(chat: ChatCompletionRequest, parsers: ParserSettings, prompt_tai
         raise bad_request(
             "tool_choice 'required' or a named function needs the server to run with --tool-parser", "tool_choice"
         )
-    return tool_call_spec(chat.tools, chat.tool_choice, parsers.tool_parser, reasoning,
-                          parallel_tool_calls=chat.calls_in_parallel)
+    return tool_call_spec(
+        chat.tools, chat.tool_choice, parsers.tool_parser, reasoning, parallel_tool_calls=chat.calls_in_parallel
+    )
 
 
 def prompt_closes_reasoning(prompt_tail: str) -> bool:

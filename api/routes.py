@@ -15,15 +15,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api.openai.chat import ChatEncoder
-from api.openai.completions import CompletionEncoder, echoed_prompt
+from api.access.keys import KEY_STATE, OPEN, KeyRecord
 from api.context_errors import CHAT
 from api.http import json_response, read_json, server_state
-from api.access.keys import KEY_STATE, OPEN, KeyRecord
-from api.ops.openapi import openapi_schema
-from api.request.models import ChatCompletionRequest, CompletionRequestModel
-from api.pipeline import respond, start_chat, start_completion
+from api.openai.chat import ChatEncoder
+from api.openai.completions import CompletionEncoder, echoed_prompt
 from api.openai.tokenize import TOKENIZE_ROUTES
+from api.ops.openapi import openapi_schema
+from api.pipeline import respond, start_chat, start_completion
+from api.request.models import ChatCompletionRequest, CompletionRequestModel
 from api.request.validation import validate
 
 logger = logging.getLogger("fp4serve")
@@ -45,8 +45,9 @@ async def completions(request: Request) -> Response:
     echoed = None
     if req.echo:
         inputs = state.ready_engine().input_processor
-        echoed = [await state.run_blocking(echoed_prompt, inputs, sent, ids)
-                  for sent, ids in zip(req.prompt, started.prompts)]
+        echoed = [
+            await state.run_blocking(echoed_prompt, inputs, sent, ids) for sent, ids in zip(req.prompt, started.prompts)
+        ]
     return await respond(request, started, CompletionEncoder(started, req, echoed))
 
 
@@ -58,12 +59,14 @@ async def usage(request: Request) -> Response:
     names = sorted(set(totals) | set(state.keys.names())) if record.admin else [record.name]
     from engine.front import KeyUsage
 
-    return json_response({
-        "object": "usage",
-        "key": record.name,
-        "since": state.started_at,
-        "data": [{"key": name, **totals.get(name, KeyUsage()).as_dict()} for name in names],
-    })
+    return json_response(
+        {
+            "object": "usage",
+            "key": record.name,
+            "since": state.started_at,
+            "data": [{"key": name, **totals.get(name, KeyUsage()).as_dict()} for name in names],
+        }
+    )
 
 
 async def models(request: Request) -> Response:

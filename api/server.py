@@ -105,17 +105,29 @@ def log_settings(config: ServerConfig) -> None:
     logger.info(
         "limits: body %d bytes, n <= %d, max_tokens <= %s, logprobs <= %d, stop <= %d x %d chars, tools <= %d; "
         "queue <= %s requests / %s tokens; request timeout %s; shutdown timeout %g s; API key %s; CORS %s",
-        config.max_request_bytes, limits.max_n, limits.max_output_tokens or "context", limits.max_logprobs,
-        limits.max_stop, limits.max_stop_length, limits.max_tools, queue.max_queued_requests or "unbounded",
+        config.max_request_bytes,
+        limits.max_n,
+        limits.max_output_tokens or "context",
+        limits.max_logprobs,
+        limits.max_stop,
+        limits.max_stop_length,
+        limits.max_tools,
+        queue.max_queued_requests or "unbounded",
         queue.max_queued_tokens or "unbounded",
-        f"{config.request_timeout_s:g} s" if config.request_timeout_s else "none", config.shutdown_timeout_s,
-        "required" if config.api_key or config.api_keys_file else "not required", ", ".join(config.cors_origins) or "off",
+        f"{config.request_timeout_s:g} s" if config.request_timeout_s else "none",
+        config.shutdown_timeout_s,
+        "required" if config.api_key or config.api_keys_file else "not required",
+        ", ".join(config.cors_origins) or "off",
     )
     if config.api_keys_file:
         from api.access.keys import parse_keys_file
 
         names = [r.name for r in parse_keys_file(config.api_keys_file)]
         logger.info("API keys from %s: %s", config.api_keys_file, ", ".join(names))
-    logger.info("scheduling policy %s, long prefill threshold %s tokens, body timeout %g s, <= %d prompts per "
-                "completion", config.engine.scheduling_policy, config.engine.long_prefill_token_threshold or "no",
-                config.body_timeout_s, config.max_prompts)
+    logger.info(
+        "scheduling policy %s, long prefill threshold %s tokens, body timeout %g s, <= %d prompts per completion",
+        config.engine.scheduling_policy,
+        config.engine.long_prefill_token_threshold or "no",
+        config.body_timeout_s,
+        config.max_prompts,
+    )

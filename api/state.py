@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from api.errors import APIError
-from api.transport.inflight import InFlight
 from api.access.keys import KeyRing
 from api.access.limits import RequestLimits
-from api.transport.metrics import ServerMetrics
-from api.parsers import ParserSettings
 from api.access.rate_limit import RateLimiter
+from api.errors import APIError
+from api.parsers import ParserSettings
+from api.transport.inflight import InFlight
+from api.transport.metrics import ServerMetrics
 from engine.front import MAX_TOKENS_POLICIES, EngineConfig, MaxTokensPolicy, QueueLimits
 from engine.front.errors import ConfigError
 
@@ -82,8 +82,9 @@ class ServerConfig:
         if self.max_prompts < 1:
             raise ConfigError(f"--max-prompts: must be positive, got {self.max_prompts}")
         if self.max_tokens_policy not in MAX_TOKENS_POLICIES:
-            raise ConfigError(f"--max-tokens-policy: '{self.max_tokens_policy}' is not one of "
-                              f"{', '.join(MAX_TOKENS_POLICIES)}")
+            raise ConfigError(
+                f"--max-tokens-policy: '{self.max_tokens_policy}' is not one of {', '.join(MAX_TOKENS_POLICIES)}"
+            )
 
     @property
     def url(self) -> str:
@@ -92,7 +93,10 @@ class ServerConfig:
 
 
 def load_engine(config: EngineConfig) -> AsyncEngine:
-    from engine.front import AsyncEngine  # torch and the model: only once we serve
+    from engine.front import (
+        AsyncEngine,  # torch and the model: only once we serve
+        StructuredOutputs,
+    )
 
     # xgrammar (and the torch and transformers it imports) comes in for the first request with a
     # grammar, off the event loop; on a thread beside the load, so the engine process starts at
@@ -169,15 +173,18 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self._executor, partial(fn, *args))
 
     async def load(self) -> None:
-        logger.info("loading %s; /health answers 503 until it is ready", self.config.engine.model or "the default model")
+        logger.info(
+            "loading %s; /health answers 503 until it is ready", self.config.engine.model or "the default model"
+        )
         try:
             engine = await _in_daemon_thread(self._loader, self.config.engine)
             if self.phase == "stopping":  # the server stopped while it loaded: nobody will serve it
                 await engine.shutdown()
                 return
             self.parsers = _resolve_parsers(self.config, engine.tokenizer.chat_template)
-            await engine.start(self.config.queue, on_dead=self._engine_died,
-                               max_output_tokens=self.config.limits.max_output_tokens)
+            await engine.start(
+                self.config.queue, on_dead=self._engine_died, max_output_tokens=self.config.limits.max_output_tokens
+            )
             engine.input_processor.max_tokens_policy = self.config.max_tokens_policy
         except Exception as e:
             if self.phase == "stopping":  # the shutdown killed the engine being loaded (`abandon_load`)
@@ -216,8 +223,10 @@ class ServerState:
         parallel, while one of its cores is; `engines` lists every core)."""
         engine = self.engine
         if self.phase != "ready" or engine is None:
-            return 503, {"status": self.phase,
-                         "error": {"message": self.unavailable_reason(), "type": "unavailable_error"}}
+            return 503, {
+                "status": self.phase,
+                "error": {"message": self.unavailable_reason(), "type": "unavailable_error"},
+            }
         cores = engine.core_statuses()
         restarts = [(core.last_restart, i) for i, core in enumerate(cores) if core.last_restart is not None]
         last, last_core = max(restarts, key=lambda pair: pair[0].at, default=(None, 0))
@@ -225,21 +234,34 @@ class ServerState:
             "status": "ok",
             "engine_pid": cores[0].pid,
             "engine_restarts": sum(core.num_restarts for core in cores),
-            "last_restart": None if last is None else {
-                "engine": last_core, "reason": last.reason, "detail": last.detail, "at": int(last.at),
+            "last_restart": None
+            if last is None
+            else {
+                "engine": last_core,
+                "reason": last.reason,
+                "detail": last.detail,
+                "at": int(last.at),
                 "duration_s": None if last.duration_s is None else round(last.duration_s, 1),
             },
-            "engines": [{"index": i, "pid": core.pid, "state": core.state, "restarts": core.num_restarts}
-                        for i, core in enumerate(cores)],
+            "engines": [
+                {"index": i, "pid": core.pid, "state": core.state, "restarts": core.num_restarts}
+                for i, core in enumerate(cores)
+            ],
         }
         if all(core.state == "restarting" for core in cores):
             assert last is not None, "a restart has a cause"
             message = f"the engine was lost ({last.detail}) and is restarting; requests wait for it"
             return 503, {**body, "status": "restarting", "error": {"message": message, "type": "unavailable_error"}}
         info = engine.info
-        return 200, {**body, "model": info.model_name, "device": info.device,
-                     "attention_backend": info.attention_backend, "dtype": info.dtype,
-                     "max_model_len": info.max_model_len, "kv_capacity_tokens": info.kv_capacity_tokens}
+        return 200, {
+            **body,
+            "model": info.model_name,
+            "device": info.device,
+            "attention_backend": info.attention_backend,
+            "dtype": info.dtype,
+            "max_model_len": info.max_model_len,
+            "kv_capacity_tokens": info.kv_capacity_tokens,
+        }
 
     def abandon_load(self) -> None:
         """The server stops before the engine is ready: kill the engine processes being loaded, so
@@ -249,8 +271,9 @@ class ServerState:
         from engine.front import AsyncEngine
 
         if killed := AsyncEngine.abandon_loads():
-            logger.info("stopped while loading: killed %d engine process%s being loaded", killed,
-                        "" if killed == 1 else "es")
+            logger.info(
+                "stopped while loading: killed %d engine process%s being loaded", killed, "" if killed == 1 else "es"
+            )
 
     def begin_shutdown(self) -> None:
         if self.phase in ("loading", "ready"):

@@ -49,8 +49,11 @@ def _chat(target: Target, **extra: object) -> dict[str, object]:
 async def huge_enum(client: httpx.AsyncClient, target: Target, rng: random.Random) -> str:
     """A response_format whose enum has ENUM_SIZE fresh values: a new grammar to compile each time."""
     salt = rng.randrange(1 << 40)
-    schema = {"type": "object", "properties": {"v": {"enum": [f"{salt:x}-option-{i}" for i in range(ENUM_SIZE)]}},
-              "required": ["v"]}
+    schema = {
+        "type": "object",
+        "properties": {"v": {"enum": [f"{salt:x}-option-{i}" for i in range(ENUM_SIZE)]}},
+        "required": ["v"],
+    }
     body = _chat(target, response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}})
     r = await client.post("/v1/chat/completions", json=body, headers=target.auth)
     return _status("huge_enum", r.status_code)
@@ -65,8 +68,11 @@ async def deep_schema(client: httpx.AsyncClient, target: Target, rng: random.Ran
         body = _chat(target, response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": schema}})
         kind = "deep_schema"
     else:
-        body = _chat(target, tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}],
-                     tool_choice="required")
+        body = _chat(
+            target,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": schema}}],
+            tool_choice="required",
+        )
         kind = "deep_tool"
     r = await client.post("/v1/chat/completions", json=body, headers=target.auth)
     return _status(kind, r.status_code)
@@ -74,8 +80,15 @@ async def deep_schema(client: httpx.AsyncClient, target: Target, rng: random.Ran
 
 async def burst(client: httpx.AsyncClient, target: Target, rng: random.Random) -> str:
     """Twenty requests at once: past the key's rate and concurrency limits."""
-    replies = await asyncio.gather(*(client.post("/v1/completions", headers=target.auth, json={
-        "model": target.model, "prompt": "hi", "max_tokens": 4}) for _ in range(20)), return_exceptions=True)
+    replies = await asyncio.gather(
+        *(
+            client.post(
+                "/v1/completions", headers=target.auth, json={"model": target.model, "prompt": "hi", "max_tokens": 4}
+            )
+            for _ in range(20)
+        ),
+        return_exceptions=True,
+    )
     statuses = sorted({r.status_code for r in replies if isinstance(r, httpx.Response)})
     bad = [s for s in statuses if s >= 500 and s != 503]
     refused = [r for r in replies if isinstance(r, httpx.Response) and r.status_code == 429]
@@ -86,8 +99,10 @@ async def burst(client: httpx.AsyncClient, target: Target, rng: random.Random) -
 
 # ---- raw HTTP/1.1 ----------------------------------------------------------------------------------------
 def _head(target: Target, key: str, framing: str, path: str = "/v1/chat/completions") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: {target.host}\r\nAuthorization: Bearer {key}\r\n"
-            f"Content-Type: application/json\r\n{framing}\r\n").encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {target.host}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\n{framing}\r\n"
+    ).encode()
 
 
 async def _read_all(reader: asyncio.StreamReader, timeout_s: float) -> tuple[bytes, bool]:
@@ -175,9 +190,18 @@ async def oversized_h2(target: Target, rng: random.Random) -> str:
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
     stream_id = conn.get_next_available_stream_id()
-    conn.send_headers(stream_id, [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"),
-                                  (":authority", target.host), ("authorization", f"Bearer {target.key}"),
-                                  ("content-type", "application/json"), ("content-length", str(DECLARED_BYTES))])
+    conn.send_headers(
+        stream_id,
+        [
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            (":scheme", "http"),
+            (":authority", target.host),
+            ("authorization", f"Bearer {target.key}"),
+            ("content-type", "application/json"),
+            ("content-length", str(DECLARED_BYTES)),
+        ],
+    )
     conn.send_data(stream_id, b" " * 16384)
     status = "left"
     try:

@@ -41,9 +41,22 @@ key = "{admin}"
 admin = true
 """
 MIB = 1 << 20
-SPAWN_ARGS = ("--model", "fp4serve-demo-qwen3", "--max-model-len", "1024", "--kv-cache-memory", "128MiB",
-              "--max-num-seqs", "16",
-              "--body-timeout", "10", "--grammar-cache-bytes", "64MiB", "--max-request-bytes", str(4 * MIB))
+SPAWN_ARGS = (
+    "--model",
+    "fp4serve-demo-qwen3",
+    "--max-model-len",
+    "1024",
+    "--kv-cache-memory",
+    "128MiB",
+    "--max-num-seqs",
+    "16",
+    "--body-timeout",
+    "10",
+    "--grammar-cache-bytes",
+    "64MiB",
+    "--max-request-bytes",
+    str(4 * MIB),
+)
 
 
 @dataclass(frozen=True)
@@ -100,16 +113,23 @@ def _metric(text: str, name: str) -> float | None:
     return None
 
 
-async def _user_loop(client: httpx.AsyncClient, config: AbuseSoakConfig, start: float, until: float,
-                     result: AbuseSoakResult) -> None:
-    body = {"model": config.model, "messages": [{"role": "user", "content": "Tell me about the sea."}],
-            "max_tokens": config.max_tokens, "stream": True, "ignore_eos": True}
+async def _user_loop(
+    client: httpx.AsyncClient, config: AbuseSoakConfig, start: float, until: float, result: AbuseSoakResult
+) -> None:
+    body = {
+        "model": config.model,
+        "messages": [{"role": "user", "content": "Tell me about the sea."}],
+        "max_tokens": config.max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
     while time.monotonic() < until:
         sent = time.monotonic()
         first: float | None = None
         try:
-            async with client.stream("POST", "/v1/chat/completions", json=body,
-                                     headers={"Authorization": f"Bearer {config.user_key}"}) as r:
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {config.user_key}"}
+            ) as r:
                 if r.status_code != 200:
                     result.user_failures.append(f"{r.status_code} {(await r.aread())[:120]!r}")
                     continue
@@ -128,8 +148,9 @@ async def _user_loop(client: httpx.AsyncClient, config: AbuseSoakConfig, start: 
             result.user_failures.append(f"{type(e).__name__}: {e}")
 
 
-async def _abuser_loop(index: int, client: httpx.AsyncClient, target: Target, until: float,
-                       result: AbuseSoakResult) -> None:
+async def _abuser_loop(
+    index: int, client: httpx.AsyncClient, target: Target, until: float, result: AbuseSoakResult
+) -> None:
     rng = random.Random(index)
     kinds = [name for name, (weight, _) in ABUSES.items() for _ in range(weight)]
     rng.shuffle(kinds)  # each abuser goes through every kind, in its own order
@@ -143,22 +164,31 @@ async def _abuser_loop(index: int, client: httpx.AsyncClient, target: Target, un
         result.outcomes[label] += 1
 
 
-async def _sampler(client: httpx.AsyncClient, config: AbuseSoakConfig, start: float, stop: asyncio.Event,
-                   result: AbuseSoakResult) -> None:
+async def _sampler(
+    client: httpx.AsyncClient, config: AbuseSoakConfig, start: float, stop: asyncio.Event, result: AbuseSoakResult
+) -> None:
     while not stop.is_set():
         try:
             text = (await client.get("/metrics")).text
         except httpx.HTTPError:
             text = ""
-        http_rss, cache, held, budget = (_metric(text, n) for n in (
-            "process_resident_memory_bytes", "fp4serve_grammar_cache_bytes", "fp4serve_grammar_held_bytes",
-            "fp4serve_grammar_cache_budget_bytes"))
+        http_rss, cache, held, budget = (
+            _metric(text, n)
+            for n in (
+                "process_resident_memory_bytes",
+                "fp4serve_grammar_cache_bytes",
+                "fp4serve_grammar_held_bytes",
+                "fp4serve_grammar_cache_budget_bytes",
+            )
+        )
         sample = {"t": time.monotonic() - start, "in_flight": _metric(text, "fp4serve_http_requests_in_flight") or 0.0}
-        for key, value in (("engine_rss_mib", _engine_rss_mib(config.engine_pid)),
-                           ("http_rss_mib", None if http_rss is None else http_rss / MIB),
-                           ("grammar_cache_mib", None if cache is None else cache / MIB),
-                           ("grammar_held_mib", None if held is None else held / MIB),
-                           ("grammar_budget_mib", None if budget is None else budget / MIB)):
+        for key, value in (
+            ("engine_rss_mib", _engine_rss_mib(config.engine_pid)),
+            ("http_rss_mib", None if http_rss is None else http_rss / MIB),
+            ("grammar_cache_mib", None if cache is None else cache / MIB),
+            ("grammar_held_mib", None if held is None else held / MIB),
+            ("grammar_budget_mib", None if budget is None else budget / MIB),
+        ):
             if value is not None:
                 sample[key] = value
         result.samples.append(sample)
@@ -178,8 +208,10 @@ async def run_abuse_soak(config: AbuseSoakConfig) -> AbuseSoakResult:
         until = start + config.duration_s
         stop = asyncio.Event()
         sampler = asyncio.create_task(_sampler(client, config, start, stop, result))
-        await asyncio.gather(*(_user_loop(client, config, start, until, result) for _ in range(config.streams)),
-                             *(_abuser_loop(i, client, target, until, result) for i in range(config.abusers)))
+        await asyncio.gather(
+            *(_user_loop(client, config, start, until, result) for _ in range(config.streams)),
+            *(_abuser_loop(i, client, target, until, result) for i in range(config.abusers)),
+        )
         settle_start = time.monotonic()
         while time.monotonic() - settle_start < config.settle_s:
             result.in_flight_after = _metric((await client.get("/metrics")).text, "fp4serve_http_requests_in_flight")
@@ -201,11 +233,18 @@ def format_abuse_report(config: AbuseSoakConfig, result: AbuseSoakResult, chart:
         f"soak --abuse: {config.duration_s:g} s, {config.streams} well-behaved streams, {config.abusers} abusers, "
         f"{config.root_url}, {config.model}",
         f"well-behaved  {len(ttft)} streams, {len(result.user_failures)} failed; TTFT p50 "
-        + (f"{percentile(ttft, 50) * 1000:.0f} ms, p99 {percentile(ttft, 99) * 1000:.0f} ms, max {ttft[-1] * 1000:.0f} ms"
-           if ttft else "n/a"),
+        + (
+            f"{percentile(ttft, 50) * 1000:.0f} ms, p99 {percentile(ttft, 99) * 1000:.0f} ms, max {ttft[-1] * 1000:.0f} ms"  # noqa: E501
+            if ttft
+            else "n/a"
+        ),
         "abuse         " + ", ".join(f"{label} x{n}" for label, n in sorted(result.outcomes.items())),
-        "engine RSS    " + (f"{engine[0]:.0f} MiB at the start, peak {max(engine):.0f}, end {engine[-1]:.0f}"
-                            if engine else "n/a (no --engine-pid)"),
+        "engine RSS    "
+        + (
+            f"{engine[0]:.0f} MiB at the start, peak {max(engine):.0f}, end {engine[-1]:.0f}"
+            if engine
+            else "n/a (no --engine-pid)"
+        ),
         f"grammar cache peak {max(cache, default=0.0):.1f} MiB (and "
         f"{max((s.get('grammar_held_mib', 0.0) for s in result.samples), default=0.0):.1f} MiB held past it) of a "
         + (f"{budget:.0f} MiB budget" if budget else "budget not reported (no constrained request finished)"),
@@ -224,19 +263,32 @@ def write_abuse_outputs(config: AbuseSoakConfig, result: AbuseSoakResult, out_di
     from bench.plot import plot_soak_timeline
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {"config": config.__dict__ | {"user_key": "***", "abuser_key": "***"},
-                           "ttfts": result.ttfts, "outcomes": dict(result.outcomes), "samples": result.samples,
-                           "user_failures": result.user_failures, "failures": result.failures()}
+    doc: dict[str, Any] = {
+        "config": config.__dict__ | {"user_key": "***", "abuser_key": "***"},
+        "ttfts": result.ttfts,
+        "outcomes": dict(result.outcomes),
+        "samples": result.samples,
+        "user_failures": result.user_failures,
+        "failures": result.failures(),
+    }
     (out_dir / "soak_abuse.json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
-    return plot_soak_timeline(result.samples, result.ttfts, out_dir / "soak_abuse.png",
-                              f"fp4serve under abuse: {config.streams} well-behaved streams, {config.abusers} abusers")
+    return plot_soak_timeline(
+        result.samples,
+        result.ttfts,
+        out_dir / "soak_abuse.png",
+        f"fp4serve under abuse: {config.streams} well-behaved streams, {config.abusers} abusers",
+    )
 
 
 # ---- the command -------------------------------------------------------------------------------------
 def add_abuse_arguments(p: Any) -> None:
     g = p.add_argument_group("--abuse", "well-behaved streams beside abusive clients (issue 32's probe)")
-    g.add_argument("--abuse", action="store_true", help="run the abuse soak instead of the mixed-traffic one; with "
-                   f"--spawn the server gets three keys (user, abuser with limits, admin) and {' '.join(SPAWN_ARGS)}")
+    g.add_argument(
+        "--abuse",
+        action="store_true",
+        help="run the abuse soak instead of the mixed-traffic one; with "
+        f"--spawn the server gets three keys (user, abuser with limits, admin) and {' '.join(SPAWN_ARGS)}",
+    )
     g.add_argument("--streams", type=int, default=4, help="well-behaved streaming clients (default: %(default)s)")
     g.add_argument("--abusers", type=int, default=6, help="abusive clients (default: %(default)s)")
     g.add_argument("--user-key", help="the well-behaved clients' key (external server)")
@@ -269,8 +321,9 @@ def cmd_abuse_soak(args: Any) -> int:
         if args.spawn:
             keys_file = Path(tempfile.mkdtemp(prefix="fp4serve-abuse-")) / "keys.toml"
             keys_file.write_text(KEYS_TOML.format(**keys))
-            server = SpawnedServer(["--api-keys-file", str(keys_file), *shlex.split(args.server_args)],
-                                   base_args=SPAWN_ARGS, name="abuse")
+            server = SpawnedServer(
+                ["--api-keys-file", str(keys_file), *shlex.split(args.server_args)], base_args=SPAWN_ARGS, name="abuse"
+            )
             root, engine_pid = server.base_url.removesuffix("/v1"), _engine_child(server.process.pid)
         else:
             if args.base_url is None or not (args.user_key and args.abuser_key):
@@ -278,9 +331,16 @@ def cmd_abuse_soak(args: Any) -> int:
                 return 2
             keys.update(user=args.user_key, abuser=args.abuser_key)
             root, engine_pid = args.base_url.rstrip("/").removesuffix("/v1"), args.engine_pid
-        config = AbuseSoakConfig(root_url=root, model=args.model or discover_model(f"{root}/v1", keys["user"]),
-                                 user_key=keys["user"], abuser_key=keys["abuser"], duration_s=args.duration,
-                                 streams=args.streams, abusers=args.abusers, engine_pid=engine_pid)
+        config = AbuseSoakConfig(
+            root_url=root,
+            model=args.model or discover_model(f"{root}/v1", keys["user"]),
+            user_key=keys["user"],
+            abuser_key=keys["abuser"],
+            duration_s=args.duration,
+            streams=args.streams,
+            abusers=args.abusers,
+            engine_pid=engine_pid,
+        )
         result = asyncio.run(run_abuse_soak(config))
     except (EndpointError, httpx.HTTPError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -29,8 +29,16 @@ import psutil
 
 from bench.datasets import COMMON_WORDS
 
-SERVE_ARGS = ("--model", "fp4serve-demo-qwen3", "--max-model-len", "20480", "--kv-cache-memory", "256MiB",
-              "--tool-parser", "qwen3")
+SERVE_ARGS = (
+    "--model",
+    "fp4serve-demo-qwen3",
+    "--max-model-len",
+    "20480",
+    "--kv-cache-memory",
+    "256MiB",
+    "--tool-parser",
+    "qwen3",
+)
 TYPES = ("string", "integer", "boolean", "number")
 
 
@@ -45,14 +53,22 @@ def make_tool(rng: random.Random, name: str) -> dict[str, Any]:
         elif kind < 0.3:
             props[f"p{i}"] = {"type": "array", "items": {"type": rng.choice(TYPES)}}
         elif kind < 0.4:
-            props[f"p{i}"] = {"type": "object", "properties": {f"q{j}": {"type": rng.choice(TYPES)} for j in range(3)},
-                              "required": ["q0"]}
+            props[f"p{i}"] = {
+                "type": "object",
+                "properties": {f"q{j}": {"type": rng.choice(TYPES)} for j in range(3)},
+                "required": ["q0"],
+            }
         else:
             props[f"p{i}"] = {"type": rng.choice(TYPES), "description": " ".join(rng.choices(COMMON_WORDS, k=12))}
     required = sorted(rng.sample(sorted(props), k=max(1, len(props) // 2)))
-    return {"type": "function", "function": {
-        "name": name, "description": " ".join(rng.choices(COMMON_WORDS, k=40)),
-        "parameters": {"type": "object", "properties": props, "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": " ".join(rng.choices(COMMON_WORDS, k=40)),
+            "parameters": {"type": "object", "properties": props, "required": required},
+        },
+    }
 
 
 @dataclass
@@ -80,9 +96,13 @@ def turn_request(rng: random.Random, agent: Agent, prompt_tokens: int, max_token
     filler = prompt_tokens - 3000 - TOOL_TOKENS * len(agent.tools)
     history = " ".join(rng.choices(COMMON_WORDS, k=max(filler, 10)))
     extra = [make_tool(rng, f"mcp_{rng.randrange(10**6)}") for _ in range(rng.choice((0, 0, 1, 3)))]
-    return {"messages": [{"role": "system", "content": agent.system}, {"role": "user", "content": history}],
-            "tools": agent.tools + extra, "tool_choice": "required", "max_tokens": max_tokens,
-            "extra_body": {"ignore_eos": True}}
+    return {
+        "messages": [{"role": "system", "content": agent.system}, {"role": "user", "content": history}],
+        "tools": agent.tools + extra,
+        "tool_choice": "required",
+        "max_tokens": max_tokens,
+        "extra_body": {"ignore_eos": True},
+    }
 
 
 @dataclass
@@ -103,8 +123,9 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.samples.append((time.monotonic() - self._t0, self._server.memory_info().rss,
-                                     self._engine.memory_info().rss))
+                self.samples.append(
+                    (time.monotonic() - self._t0, self._server.memory_info().rss, self._engine.memory_info().rss)
+                )
             except psutil.NoSuchProcess:
                 return
 
@@ -112,8 +133,16 @@ class Sampler:
         self._stop.set()
 
 
-async def drive(base_url: str, model: str, agents: list[Agent], num_requests: int, concurrency: int,
-                lengths: tuple[int, int], max_tokens: int, seed: int) -> list[str]:
+async def drive(
+    base_url: str,
+    model: str,
+    agents: list[Agent],
+    num_requests: int,
+    concurrency: int,
+    lengths: tuple[int, int],
+    max_tokens: int,
+    seed: int,
+) -> list[str]:
     rng = random.Random(seed)
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=1800)
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -178,8 +207,18 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.0)
         agents = make_agents(random.Random(args.seed), args.num_agents, args.num_tools)
         t0 = time.monotonic()
-        outcomes = asyncio.run(drive(url + "/v1", body["model"], agents, args.num_requests, args.concurrency,
-                                     (args.min_len, args.max_len), args.max_tokens, args.seed))
+        outcomes = asyncio.run(
+            drive(
+                url + "/v1",
+                body["model"],
+                agents,
+                args.num_requests,
+                args.concurrency,
+                (args.min_len, args.max_len),
+                args.max_tokens,
+                args.seed,
+            )
+        )
         took = time.monotonic() - t0
         time.sleep(args.idle_s)
         sampler.stop()
@@ -190,10 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     s = sampler.samples
     mib = 2**20
     summary = {
-        "requests": len(outcomes), "errors": sum(o.startswith("error") for o in outcomes), "took_s": round(took, 1),
-        "engine_rss_start_mib": round(s[0][2] / mib), "engine_rss_peak_mib": round(max(x[2] for x in s) / mib),
-        "engine_rss_idle_mib": round(s[-1][2] / mib), "server_rss_peak_mib": round(max(x[1] for x in s) / mib),
-        "both_peak_mib": round(max(x[1] + x[2] for x in s) / mib), "outcomes": outcomes,
+        "requests": len(outcomes),
+        "errors": sum(o.startswith("error") for o in outcomes),
+        "took_s": round(took, 1),
+        "engine_rss_start_mib": round(s[0][2] / mib),
+        "engine_rss_peak_mib": round(max(x[2] for x in s) / mib),
+        "engine_rss_idle_mib": round(s[-1][2] / mib),
+        "server_rss_peak_mib": round(max(x[1] for x in s) / mib),
+        "both_peak_mib": round(max(x[1] + x[2] for x in s) / mib),
+        "outcomes": outcomes,
     }
     print(json.dumps(summary))
     if args.out:

@@ -48,11 +48,25 @@ def words(n: int, rng: random.Random) -> str:
     return " ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(n))
 
 
-def send(client: httpx.Client, base_url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
-         kind: str, index: int) -> Sample:
+def send(
+    client: httpx.Client,
+    base_url: str,
+    model: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    kind: str,
+    index: int,
+) -> Sample:
     """One streamed chat request: TTFT at the first content, usage from the last chunk."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     t0 = time.perf_counter()
     ttft, pieces, usage = None, [], {}
     with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as resp:
@@ -69,12 +83,26 @@ def send(client: httpx.Client, base_url: str, model: str, messages: list[dict[st
                     pieces.append(text)
             usage = chunk.get("usage") or usage
     details = usage.get("prompt_tokens_details") or {}
-    return Sample(kind, index, usage.get("prompt_tokens", 0), details.get("cached_tokens") or 0,
-                  ttft if ttft is not None else float("nan"), "".join(pieces))
+    return Sample(
+        kind,
+        index,
+        usage.get("prompt_tokens", 0),
+        details.get("cached_tokens") or 0,
+        ttft if ttft is not None else float("nan"),
+        "".join(pieces),
+    )
 
 
-def replay(targets: dict[str, str], model: str, system_len: int, turns: int, turn_len: int, output_len: int,
-           users: int, seed: int) -> dict[str, list[Sample]]:
+def replay(
+    targets: dict[str, str],
+    model: str,
+    system_len: int,
+    turns: int,
+    turn_len: int,
+    output_len: int,
+    users: int,
+    seed: int,
+) -> dict[str, list[Sample]]:
     """Every request to every target in turn; the history follows the first target's answers."""
     rng = random.Random(seed)
     system = words(system_len, rng)
@@ -82,12 +110,16 @@ def replay(targets: dict[str, str], model: str, system_len: int, turns: int, tur
     messages = [{"role": "system", "content": system}, {"role": "user", "content": words(turn_len, rng)}]
     with httpx.Client(timeout=600.0, trust_env=False) as client:
         for turn in range(turns):
-            samples = {name: send(client, url, model, messages, output_len, "turn", turn) for name, url in targets.items()}
+            samples = {
+                name: send(client, url, model, messages, output_len, "turn", turn) for name, url in targets.items()
+            }
             for name, sample in samples.items():
                 out[name].append(sample)
             first = next(iter(samples.values()))
-            messages = messages + [{"role": "assistant", "content": first.answer},
-                                   {"role": "tool" if turn % 2 else "user", "content": words(turn_len, rng)}]
+            messages = messages + [
+                {"role": "assistant", "content": first.answer},
+                {"role": "tool" if turn % 2 else "user", "content": words(turn_len, rng)},
+            ]
         for user in range(users):
             asked = [{"role": "system", "content": system}, {"role": "user", "content": words(turn_len // 4 + 1, rng)}]
             for name, url in targets.items():
@@ -115,11 +147,17 @@ def table(results: dict[str, list[Sample]]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--base-url", help="a running OpenAI-compatible server (e.g. http://127.0.0.1:8000)")
-    where.add_argument("--model", help="a checkpoint folder: start fp4serve on it twice, prefix caching on and "
-                       "off, and send every request to both (bench tiny-model hybrid writes a tiny one)")
+    where.add_argument(
+        "--model",
+        help="a checkpoint folder: start fp4serve on it twice, prefix caching on and "
+        "off, and send every request to both (bench tiny-model hybrid writes a tiny one)",
+    )
     p.add_argument("--served-model", default=None, help="the model name in requests (default: the server's first)")
-    p.add_argument("--serve-args", default="--dtype float32 --kv-cache-memory 256MiB",
-                   help="with --model: more fp4serve serve flags for both servers")
+    p.add_argument(
+        "--serve-args",
+        default="--dtype float32 --kv-cache-memory 256MiB",
+        help="with --model: more fp4serve serve flags for both servers",
+    )
     p.add_argument("--system-len", type=int, default=2000, help="system prompt words")
     p.add_argument("--turns", type=int, default=6, help="agent turns (each resends the whole history)")
     p.add_argument("--turn-len", type=int, default=120, help="words of each new user or tool message")
@@ -127,11 +165,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--users", type=int, default=3, help="other users sharing the system prompt, after the agent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the samples as JSON here")
-    p.add_argument("--sessions", type=int, default=0, metavar="N",
-                   help="many agents: N conversations (own system prompts), turns round-robin; with --model the "
-                   "servers are the host KV tier on and off (0: the one agent and its users)")
-    p.add_argument("--offload-size", default="1", metavar="GiB",
-                   help="with --model and --sessions: --kv-offloading-size of the tier-on server")
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=0,
+        metavar="N",
+        help="many agents: N conversations (own system prompts), turns round-robin; with --model the "
+        "servers are the host KV tier on and off (0: the one agent and its users)",
+    )
+    p.add_argument(
+        "--offload-size",
+        default="1",
+        metavar="GiB",
+        help="with --model and --sessions: --kv-offloading-size of the tier-on server",
+    )
 
 
 def _served_name(base_url: str, given: str | None) -> str:
@@ -141,8 +188,14 @@ def _served_name(base_url: str, given: str | None) -> str:
 
 
 def cmd_agent_replay(args: argparse.Namespace) -> int:
-    scenario = dict(system_len=args.system_len, turns=args.turns, turn_len=args.turn_len,
-                    output_len=args.output_len, users=args.users, seed=args.seed)
+    scenario = dict(
+        system_len=args.system_len,
+        turns=args.turns,
+        turn_len=args.turn_len,
+        output_len=args.output_len,
+        users=args.users,
+        seed=args.seed,
+    )
     assert not args.sessions, "bench/__main__.py sends --sessions to bench/agent_sessions.py"
     before = load_snapshot()
     if args.base_url:
@@ -153,8 +206,13 @@ def cmd_agent_replay(args: argparse.Namespace) -> int:
     print(table(results))
     totals = summary(results)
     print("  ".join(f"{k} {v:.3g}" for k, v in totals.items()))
-    document = {"scenario": scenario, "load_before": before, "load_after": load_snapshot(), "summary": totals,
-                "samples": {name: [asdict(s) for s in samples] for name, samples in results.items()}}
+    document = {
+        "scenario": scenario,
+        "load_before": before,
+        "load_after": load_snapshot(),
+        "summary": totals,
+        "samples": {name: [asdict(s) for s in samples] for name, samples in results.items()},
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(document, indent=1))
     return 0
@@ -183,8 +241,20 @@ def start_servers(args: argparse.Namespace, variants: tuple[tuple[str, list[str]
         for name, flags in variants:
             p = port()
             log = Path(tempfile.mkstemp(prefix=f"agent-replay-{name}-", suffix=".log")[1])
-            argv = [sys.executable, "-m", "api.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
-                    "--port", str(p), *extra, *flags]
+            argv = [
+                sys.executable,
+                "-m",
+                "api.cli",
+                "serve",
+                "--model",
+                args.model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(p),
+                *extra,
+                *flags,
+            ]
             proc = stack.enter_context(running(argv, {}, log))
             urls[name] = f"http://127.0.0.1:{p}"
             wait_ready(proc, f"{urls[name]}/health", 600.0, log)
@@ -197,8 +267,10 @@ def summary(results: dict[str, list[Sample]]) -> dict[str, float]:
     on = results.get("on") or next(iter(results.values()))
     turns = [s for s in on if s.kind == "turn"]
     users = [s for s in on if s.kind == "user"]
-    out = {"min_cached_share_later_turns": min((s.cached_tokens / s.prompt_tokens for s in turns[1:]), default=0.0),
-           "min_cached_tokens_users": float(min((s.cached_tokens for s in users), default=0))}
+    out = {
+        "min_cached_share_later_turns": min((s.cached_tokens / s.prompt_tokens for s in turns[1:]), default=0.0),
+        "min_cached_tokens_users": float(min((s.cached_tokens for s in users), default=0)),
+    }
     if "off" in results:
         off_turns = [s for s in results["off"] if s.kind == "turn"]
         out["last_turn_ttft_ratio"] = off_turns[-1].ttft_s / turns[-1].ttft_s

@@ -24,23 +24,36 @@ from bench.agent_replay import Sample, _served_name, send, start_servers, words
 from bench.server_process import load_snapshot
 
 
-def replay_sessions(targets: dict[str, str], model: str, sessions: int, system_len: int, turns: int, turn_len: int,
-                    output_len: int, seed: int) -> dict[str, list[Sample]]:
+def replay_sessions(
+    targets: dict[str, str],
+    model: str,
+    sessions: int,
+    system_len: int,
+    turns: int,
+    turn_len: int,
+    output_len: int,
+    seed: int,
+) -> dict[str, list[Sample]]:
     """Every request to every target in turn; each history follows the first target's answers."""
     rng = random.Random(seed)
-    histories = [[{"role": "system", "content": words(system_len, rng)},
-                  {"role": "user", "content": words(turn_len, rng)}] for _ in range(sessions)]
+    histories = [
+        [{"role": "system", "content": words(system_len, rng)}, {"role": "user", "content": words(turn_len, rng)}]
+        for _ in range(sessions)
+    ]
     out: dict[str, list[Sample]] = {name: [] for name in targets}
     with httpx.Client(timeout=600.0, trust_env=False) as client:
         for turn in range(turns):
             for session, messages in enumerate(histories):
-                samples = {name: send(client, url, model, messages, output_len, "turn", turn)
-                           for name, url in targets.items()}
+                samples = {
+                    name: send(client, url, model, messages, output_len, "turn", turn) for name, url in targets.items()
+                }
                 for name, sample in samples.items():
                     out[name].append(Sample(**{**asdict(sample), "session": session}))
                 answer = next(iter(samples.values())).answer
-                messages += [{"role": "assistant", "content": answer},
-                             {"role": "tool" if turn % 2 else "user", "content": words(turn_len, rng)}]
+                messages += [
+                    {"role": "assistant", "content": answer},
+                    {"role": "tool" if turn % 2 else "user", "content": words(turn_len, rng)},
+                ]
     return out
 
 
@@ -57,8 +70,9 @@ def session_summary(samples: list[Sample]) -> dict[str, float]:
 
 def table(results: dict[str, list[Sample]]) -> str:
     names = list(results)
-    lines = [f"{'session':>8}{'turn':>6}{'prompt':>8}" + "".join(f"{n + ' cached':>16}{n + ' TTFT ms':>16}"
-                                                                for n in names)]
+    lines = [
+        f"{'session':>8}{'turn':>6}{'prompt':>8}" + "".join(f"{n + ' cached':>16}{n + ' TTFT ms':>16}" for n in names)
+    ]
     for row in zip(*results.values()):
         line = f"{row[0].session + 1:>8}{row[0].index + 1:>6}{row[0].prompt_tokens:>8}"
         for s in row:
@@ -69,8 +83,14 @@ def table(results: dict[str, list[Sample]]) -> str:
 
 
 def cmd_sessions(args: argparse.Namespace, before: dict[str, float]) -> int:
-    scenario = dict(sessions=args.sessions, system_len=args.system_len, turns=args.turns, turn_len=args.turn_len,
-                    output_len=args.output_len, seed=args.seed)
+    scenario = dict(
+        sessions=args.sessions,
+        system_len=args.system_len,
+        turns=args.turns,
+        turn_len=args.turn_len,
+        output_len=args.output_len,
+        seed=args.seed,
+    )
     if args.base_url:
         base = args.base_url.rstrip("/")
         results = replay_sessions({"server": base}, _served_name(base, args.served_model), **scenario)
@@ -82,13 +102,21 @@ def cmd_sessions(args: argparse.Namespace, before: dict[str, float]) -> int:
     totals = {name: session_summary(samples) for name, samples in results.items()}
     if "host" in totals and "device" in totals:
         host, device = totals["host"], totals["device"]
-        totals["ratios"] = {"ttft_later_device_over_host": device["mean_ttft_later_s"] / host["mean_ttft_later_s"],
-                            "ttft_first_host_over_device": host["mean_ttft_first_s"] / device["mean_ttft_first_s"]}
+        totals["ratios"] = {
+            "ttft_later_device_over_host": device["mean_ttft_later_s"] / host["mean_ttft_later_s"],
+            "ttft_first_host_over_device": host["mean_ttft_first_s"] / device["mean_ttft_first_s"],
+        }
     for name, values in totals.items():
         print(name + ": " + "  ".join(f"{k} {v:.3g}" for k, v in values.items()))
-    document = {"scenario": scenario, "serve_args": getattr(args, "serve_args", None),
-                "offload_size_gib": args.offload_size, "load_before": before, "load_after": load_snapshot(),
-                "summary": totals, "samples": {name: [asdict(s) for s in samples] for name, samples in results.items()}}
+    document = {
+        "scenario": scenario,
+        "serve_args": getattr(args, "serve_args", None),
+        "offload_size_gib": args.offload_size,
+        "load_before": before,
+        "load_after": load_snapshot(),
+        "summary": totals,
+        "samples": {name: [asdict(s) for s in samples] for name, samples in results.items()},
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(document, indent=1))
     return 0

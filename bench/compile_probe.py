@@ -45,7 +45,7 @@ def compiled_decode_forward(engine: Engine, batch_size: int, backend: Any = "ind
 
     fn = torch.compile(run, backend=backend, dynamic=False, fullgraph=True)
 
-    def compiled(batch: ForwardBatch) -> torch.Tensor:
+    def compiled(batch: Any) -> torch.Tensor:
         if batch.num_requests != batch_size or not is_pure_decode(batch):
             return eager(batch)
         opaque.plan(batch)
@@ -60,8 +60,10 @@ def fill_decode_batch(engine: Engine, batch_size: int, prompt_len: int, max_toke
 
     vocab = engine.core.runner.model_config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    ids = [engine.add_request([(7 * i + 13 * j) % (vocab - 1) + 1 for j in range(prompt_len)], params)
-           for i in range(batch_size)]
+    ids = [
+        engine.add_request([(7 * i + 13 * j) % (vocab - 1) + 1 for j in range(prompt_len)], params)
+        for i in range(batch_size)
+    ]
     started: set[str] = set()
     while len(started) < batch_size:
         started.update(out.request_id for out in engine.step())
@@ -111,13 +113,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4, help="eager/compiled rounds, interleaved")
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.batch_size.split(",")]
-    engine = OfflineEngine.from_config(EngineConfig(model=args.model, max_num_seqs=max(sizes), max_model_len=2048,
-                                                    kv_cache_memory="512MiB"))
+    engine = OfflineEngine.from_config(
+        EngineConfig(model=args.model, max_num_seqs=max(sizes), max_model_len=2048, kv_cache_memory="512MiB")
+    )
     for size in sizes:
         r = probe(engine, size, args.input_len, args.steps, args.rounds)
-        print(f"batch {size}: compile {r['compile_s']:.1f} s; eager {r['eager_wall_ms']:.1f} ms/step wall, "
-              f"{r['eager_cpu_ms']:.1f} CPU; compiled {r['compiled_wall_ms']:.1f} wall, {r['compiled_cpu_ms']:.1f} CPU "
-              f"(medians of {args.rounds} rounds of {args.steps} steps)", flush=True)
+        print(
+            f"batch {size}: compile {r['compile_s']:.1f} s; eager {r['eager_wall_ms']:.1f} ms/step wall, "
+            f"{r['eager_cpu_ms']:.1f} CPU; compiled {r['compiled_wall_ms']:.1f} wall, {r['compiled_cpu_ms']:.1f} CPU "
+            f"(medians of {args.rounds} rounds of {args.steps} steps)",
+            flush=True,
+        )
     return 0
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-
 PROMPT_LEN = 16
 
 
@@ -41,8 +40,9 @@ def run_context_curve(engine: _Engine, batch_size: int, context: int, window: in
     from scheduler.request import SamplingParams
 
     assert context > PROMPT_LEN and window >= 1, "context must exceed the prompt; window positive"
-    params = SamplingParams(max_tokens=context - PROMPT_LEN, min_tokens=context - PROMPT_LEN, ignore_eos=True,
-                            temperature=0.0)
+    params = SamplingParams(
+        max_tokens=context - PROMPT_LEN, min_tokens=context - PROMPT_LEN, ignore_eos=True, temperature=0.0
+    )
     for i in range(batch_size):
         engine.add_request([(7 * i + j) % 100 + 1 for j in range(PROMPT_LEN)], params)
     engine.step()  # the prefill step, not part of the curve
@@ -86,16 +86,31 @@ def write_tiny_model(dst: Path, kind: str, hidden: int, num_layers: int, seed: i
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
     vocab, heads = 1024, max(hidden // 64, 1)
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=num_layers,
-                  num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), head_dim=64,
-                  max_position_embeddings=32768, eos_token_id=vocab - 1, tie_word_embeddings=True)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 2, 1),
+        head_dim=64,
+        max_position_embeddings=32768,
+        eos_token_id=vocab - 1,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)
     if kind == "dense":
         model: torch.nn.Module = Qwen3ForCausalLM(Qwen3Config(**common))
     elif kind == "hybrid":
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common, linear_num_key_heads=heads,
-                                                     linear_num_value_heads=2 * heads, linear_key_head_dim=64,
-                                                     linear_value_head_dim=64))
+        model = Qwen3_5ForCausalLM(
+            Qwen3_5TextConfig(
+                **common,
+                linear_num_key_heads=heads,
+                linear_num_value_heads=2 * heads,
+                linear_key_head_dim=64,
+                linear_value_head_dim=64,
+            )
+        )
     else:
         raise ValueError(f"kind must be dense or hybrid, got {kind!r}")
     dst.mkdir(parents=True, exist_ok=True)
@@ -105,21 +120,32 @@ def write_tiny_model(dst: Path, kind: str, hidden: int, num_layers: int, seed: i
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(dst / "tokenizer.json"))
     # A plain chat template (roles as words), so `bench agent-replay` can chat with it.
-    template = ("{% for m in messages %}w1 {{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                "{% if add_generation_prompt %}w1 assistant {% endif %}")
-    (dst / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                           "eos_token": "<eos>", "chat_template": template}))
+    template = (
+        "{% for m in messages %}w1 {{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}w1 assistant {% endif %}"
+    )
+    (dst / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "chat_template": template})
+    )
     return dst
 
 
-def curves_for(models: Sequence[str], batch_size: int, context: int, window: int,
-               kv_cache_memory: str) -> dict[str, list[CurvePoint]]:
+def curves_for(
+    models: Sequence[str], batch_size: int, context: int, window: int, kv_cache_memory: str
+) -> dict[str, list[CurvePoint]]:
     from engine.config import EngineConfig
     from engine.front.offline import OfflineEngine
 
     curves: dict[str, list[CurvePoint]] = {}
     for path in models:
-        engine = OfflineEngine.from_config(EngineConfig(model=path, dtype="float32", max_num_seqs=batch_size,
-                                                        kv_cache_memory=kv_cache_memory, max_model_len=context + 1))
+        engine = OfflineEngine.from_config(
+            EngineConfig(
+                model=path,
+                dtype="float32",
+                max_num_seqs=batch_size,
+                kv_cache_memory=kv_cache_memory,
+                max_model_len=context + 1,
+            )
+        )
         curves[Path(path).name] = run_context_curve(engine, batch_size, context, window)
     return curves

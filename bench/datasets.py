@@ -21,7 +21,10 @@ TURN_SEPARATOR = "\n\n"  # between system, turns and answers in a completions-en
 
 # Common English words that are one token (with their leading space) in the GPT-2, Llama 3 and
 # Qwen vocabularies: the approximate tokenizer counts one token per word.
-COMMON_WORDS = tuple(sorted(set("""
+COMMON_WORDS = tuple(
+    sorted(
+        set(
+            """
 the of and to in is was for that with on as by at from his her they this which have not are but
 had were their one all been has more when who will would there can into its only other new some
 time could these two may first then any like now my such our over man me even most made after
@@ -29,7 +32,10 @@ also did many before must through back years where much your way well down shoul
 just those people how too little state good very make world still own see men work long get here
 between both life being under never day same another know while last might us great old year off
 come since against go came right used take three small large house water city light night point
-""".split())))
+""".split()
+        )
+    )
+)
 
 
 class TokenCounter(Protocol):
@@ -71,9 +77,11 @@ class LocalTokenizer:
             # Byte-level BPE marks a leading space with "Ġ", SentencePiece with "▁": such
             # single-token lowercase words give varied prompts that re-encode one token a word.
             vocab = sorted(self._tok.get_vocab().items(), key=lambda kv: kv[1])
-            words = [t[1:] for t, _ in vocab
-                     if len(t) >= 4 and t[0] in "Ġ▁" and t[1:].isascii() and t[1:].isalpha()
-                     and t[1:].islower()]
+            words = [
+                t[1:]
+                for t, _ in vocab
+                if len(t) >= 4 and t[0] in "Ġ▁" and t[1:].isascii() and t[1:].isalpha() and t[1:].islower()
+            ]
             self._words = words if len(words) >= 100 else list(COMMON_WORDS)
         return self._words
 
@@ -133,8 +141,7 @@ def _served_root(base_url: str, model: str, api_key: str | None) -> str | None:
     only when the name is one here; the server's /tokenize serves then."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        resp = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=10.0,
-                         trust_env=False)
+        resp = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=10.0, trust_env=False)
         entries = resp.json().get("data") or [] if resp.status_code == 200 else []
     except (httpx.HTTPError, ValueError, AttributeError):
         return None
@@ -142,9 +149,7 @@ def _served_root(base_url: str, model: str, api_key: str | None) -> str | None:
     return str(roots[0]) if roots and roots[0] else None
 
 
-def load_tokenizer(
-    path: str | None, base_url: str | None, model: str | None, api_key: str | None
-) -> TokenCounter:
+def load_tokenizer(path: str | None, base_url: str | None, model: str | None, api_key: str | None) -> TokenCounter:
     """`path` if given; else the served model's folder when it is on this machine (the model
     name, or the `root` GET /models lists); else the server's /tokenize; else the
     approximation (callers say so in their report)."""
@@ -251,7 +256,7 @@ class _TextMaker:
             if n < num_tokens:
                 words.extend(draw(self._pool) for _ in range(step))
             elif len(words) > step:
-                del words[len(words) - step:]
+                del words[len(words) - step :]
             else:
                 words = [draw(self._pool)]
             if step == 1 and len(words) > 1 and self._rng.random() < 0.5:
@@ -326,12 +331,10 @@ def build_dataset(spec: DatasetSpec, tokenizer: TokenCounter) -> list[Conversati
         prefixes = [maker.make(spec.prefix_len) for _ in range(spec.num_groups)]
         groups = [i % spec.num_groups for i in range(spec.num_requests)]
         rng.shuffle(groups)
-        return [Conversation(i, (turn(),), prefixes[g][0], prefixes[g][1], g)
-                for i, g in enumerate(groups)]
+        return [Conversation(i, (turn(),), prefixes[g][0], prefixes[g][1], g) for i, g in enumerate(groups)]
     if spec.name == "multi-turn":
         num_convs = math.ceil(spec.num_requests / spec.num_turns)
-        return [Conversation(i, tuple(turn() for _ in range(spec.num_turns)))
-                for i in range(num_convs)]
+        return [Conversation(i, tuple(turn() for _ in range(spec.num_turns))) for i in range(num_convs)]
     records = read_records(spec.path or "")
     rng.shuffle(records)
     convs = []
@@ -339,6 +342,9 @@ def build_dataset(spec: DatasetSpec, tokenizer: TokenCounter) -> list[Conversati
         if spec.output_len is None and max_tokens is None and answer:
             max_tokens = max(1, tokenizer.count(answer))
         tokens = spec.output_len or max_tokens or DEFAULT_OUTPUT_LEN
-        convs.append(Conversation(i, (Turn(prompt, tokenizer.count(prompt), tokens),), system,
-                                  tokenizer.count(system) if system else 0))
+        convs.append(
+            Conversation(
+                i, (Turn(prompt, tokenizer.count(prompt), tokens),), system, tokenizer.count(system) if system else 0
+            )
+        )
     return convs

@@ -37,8 +37,12 @@ import httpx
 from bench.random_checkpoint import SHAPES, write_random_checkpoint
 from bench.spawned import SpawnedServer
 
-PROMPTS = ("Write a haiku about the sea.", "List three prime numbers.", "What is the capital of France?",
-           "Explain paged attention in one sentence.")
+PROMPTS = (
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "What is the capital of France?",
+    "Explain paged attention in one sentence.",
+)
 
 
 @dataclass
@@ -81,9 +85,26 @@ class SmokeReport:
 
 # ---- the servers ------------------------------------------------------------------------------------
 def server_args(model: Path, device: str, backend: str, streams: int) -> list[str]:
-    return ["--model", str(model), "--device", device, "--dtype", "bfloat16", "--quantization", "nvfp4",
-            "--attention-backend", backend, "--max-model-len", "512", "--kv-cache-memory", "4GiB",
-            "--max-num-seqs", str(streams), "--max-logprobs", "5"]
+    return [
+        "--model",
+        str(model),
+        "--device",
+        device,
+        "--dtype",
+        "bfloat16",
+        "--quantization",
+        "nvfp4",
+        "--attention-backend",
+        backend,
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        "4GiB",
+        "--max-num-seqs",
+        str(streams),
+        "--max-logprobs",
+        "5",
+    ]
 
 
 def start_pair(model: Path, device: str, streams: int) -> tuple[SpawnedServer, SpawnedServer, float]:
@@ -94,8 +115,9 @@ def start_pair(model: Path, device: str, streams: int) -> tuple[SpawnedServer, S
 
     def start(name: str, backend: str) -> None:
         try:
-            servers[name] = SpawnedServer(server_args(model, device, backend, streams), start_timeout_s=600.0,
-                                          base_args=(), name=f"smoke-{name}")
+            servers[name] = SpawnedServer(
+                server_args(model, device, backend, streams), start_timeout_s=600.0, base_args=(), name=f"smoke-{name}"
+            )
         except BaseException as e:  # reported below, with the other server stopped
             servers[name] = e
 
@@ -121,15 +143,22 @@ def backend_of(server: SpawnedServer) -> str:
 
 
 # ---- the checks -------------------------------------------------------------------------------------
-async def one_stream(client: Any, model: str, prompt: str, max_tokens: int,
-                     clock: Callable[[], float] = time.monotonic) -> StreamResult:
+async def one_stream(
+    client: Any, model: str, prompt: str, max_tokens: int, clock: Callable[[], float] = time.monotonic
+) -> StreamResult:
     result = StreamResult()
     arrivals: list[float] = []
     start = clock()
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True,
-            temperature=1.0, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            stream=True,
+            temperature=1.0,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if chunk.usage is not None:
                 result.completion_tokens = chunk.usage.completion_tokens
@@ -160,8 +189,10 @@ def check_streams(results: list[StreamResult], max_tokens: int) -> list[str]:
         elif r.content_chunks < 0.8 * r.completion_tokens:
             failures.append(f"stream {i}: {r.content_chunks} content chunks for {r.completion_tokens} tokens")
         elif r.half_chunks_at > 0.95 or r.most_chunks_in_1ms > max(2, r.content_chunks // 4):
-            failures.append(f"stream {i}: its chunks came in a burst (half of them by {r.half_chunks_at:.2f} of "
-                            f"its streaming time, {r.most_chunks_in_1ms} within 1 ms)")
+            failures.append(
+                f"stream {i}: its chunks came in a burst (half of them by {r.half_chunks_at:.2f} of "
+                f"its streaming time, {r.most_chunks_in_1ms} within 1 ms)"
+            )
     return failures
 
 
@@ -170,8 +201,9 @@ async def run_streams(base_url: str, model: str, streams: int, max_tokens: int) 
 
     async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600) as client:
         start = time.monotonic()
-        results = await asyncio.gather(*(one_stream(client, model, PROMPTS[i % len(PROMPTS)] + f" ({i})", max_tokens)
-                                         for i in range(streams)))
+        results = await asyncio.gather(
+            *(one_stream(client, model, PROMPTS[i % len(PROMPTS)] + f" ({i})", max_tokens) for i in range(streams))
+        )
         wall = time.monotonic() - start
     return list(results), sum(r.completion_tokens for r in results) / wall
 
@@ -182,14 +214,21 @@ def greedy_tokens(base_url: str, model: str, prompt: str, tokens: int) -> list[t
 
     with OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600) as client:
         out = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0.0,
-            logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=tokens,
+            temperature=0.0,
+            logprobs=True,
+            top_logprobs=2,
+            extra_body={"ignore_eos": True},
+        )
     content = out.choices[0].logprobs.content or []
     return [(c.token, [t.logprob for t in c.top_logprobs]) for c in content]
 
 
-def compare_greedy(prompt: str, test: list[tuple[str, list[float]]], ref: list[tuple[str, list[float]]],
-                   tie_margin: float) -> GreedyResult:
+def compare_greedy(
+    prompt: str, test: list[tuple[str, list[float]]], ref: list[tuple[str, list[float]]], tie_margin: float
+) -> GreedyResult:
     same = 0
     while same < min(len(test), len(ref)) and test[same][0] == ref[same][0]:
         same += 1
@@ -219,16 +258,23 @@ def run(args: argparse.Namespace, folder: Path) -> SmokeReport:
         report = SmokeReport(args.shape, layers, args.device, backend_of(test), backend_of(ref), round(startup, 1))
         name = model_dir.name
         report.streams, report.output_tokens_per_s = asyncio.run(
-            run_streams(test.base_url, name, args.streams, args.max_tokens))
+            run_streams(test.base_url, name, args.streams, args.max_tokens)
+        )
         report.failures += check_streams(report.streams, args.max_tokens)
         print(f"[smoke] {args.streams} streams done", file=sys.stderr, flush=True)
         for prompt in PROMPTS:
-            result = compare_greedy(prompt, greedy_tokens(test.base_url, name, prompt, args.greedy_tokens),
-                                    greedy_tokens(ref.base_url, name, prompt, args.greedy_tokens), args.tie_margin)
+            result = compare_greedy(
+                prompt,
+                greedy_tokens(test.base_url, name, prompt, args.greedy_tokens),
+                greedy_tokens(ref.base_url, name, prompt, args.greedy_tokens),
+                args.tie_margin,
+            )
             report.greedy.append(result)
             if result.verdict == "differ":
-                report.failures.append(f"greedy '{prompt}': parted from the torch backend at token "
-                                       f"{result.equal_tokens} (margin {result.margin_at_split})")
+                report.failures.append(
+                    f"greedy '{prompt}': parted from the torch backend at token "
+                    f"{result.equal_tokens} (margin {result.margin_at_split})"
+                )
         if args.device == "cuda" and "flashinfer" not in report.backend:
             report.failures.append(f"the server under test runs '{report.backend}', not FlashInfer")
     finally:
@@ -242,18 +288,24 @@ def run(args: argparse.Namespace, folder: Path) -> SmokeReport:
 
 def print_report(r: SmokeReport) -> None:
     ok = [s for s in r.streams if not s.error]
-    print(f"served smoke test: {r.shape}, {r.layers} layers, NVFP4 at load, {r.device}; "
-          f"backend {r.backend!r} against {r.reference_backend!r}; both ready in {r.startup_s} s")
+    print(
+        f"served smoke test: {r.shape}, {r.layers} layers, NVFP4 at load, {r.device}; "
+        f"backend {r.backend!r} against {r.reference_backend!r}; both ready in {r.startup_s} s"
+    )
     if ok:
-        print(f"  {len(r.streams)} streams: {sum(s.completion_tokens for s in ok)} tokens, "
-              f"{r.output_tokens_per_s:.1f} output tok/s; TTFT median {statistics.median(s.ttft_s for s in ok):.3f} s; "
-              f"content chunks per token min {min(s.content_chunks / max(s.completion_tokens, 1) for s in ok):.2f}; "
-              f"half of the chunks by {max(s.half_chunks_at for s in ok):.2f} of the streaming time and "
-              f"{max(s.most_chunks_in_1ms for s in ok)} chunks within 1 ms at worst")
+        print(
+            f"  {len(r.streams)} streams: {sum(s.completion_tokens for s in ok)} tokens, "
+            f"{r.output_tokens_per_s:.1f} output tok/s; TTFT median {statistics.median(s.ttft_s for s in ok):.3f} s; "
+            f"content chunks per token min {min(s.content_chunks / max(s.completion_tokens, 1) for s in ok):.2f}; "
+            f"half of the chunks by {max(s.half_chunks_at for s in ok):.2f} of the streaming time and "
+            f"{max(s.most_chunks_in_1ms for s in ok)} chunks within 1 ms at worst"
+        )
     for g in r.greedy:
-        print(f"  greedy {g.verdict:6} {g.equal_tokens}/{g.tokens} tokens alike"
-              + ("" if g.margin_at_split is None else f", margin {g.margin_at_split} where they part")
-              + f"  ({g.prompt})")
+        print(
+            f"  greedy {g.verdict:6} {g.equal_tokens}/{g.tokens} tokens alike"
+            + ("" if g.margin_at_split is None else f", margin {g.margin_at_split} where they part")
+            + f"  ({g.prompt})"
+        )
     print("PASS" if not r.failures else "FAIL:\n  " + "\n  ".join(r.failures))
 
 
@@ -267,8 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=64, help="concurrent streaming requests")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per stream")
     p.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens compared with the torch backend")
-    p.add_argument("--tie-margin", type=float, default=0.05,
-                   help="logprob gap under which a parting of the two backends counts as a near-tie")
+    p.add_argument(
+        "--tie-margin",
+        type=float,
+        default=0.05,
+        help="logprob gap under which a parting of the two backends counts as a near-tie",
+    )
     p.add_argument("--logs", default=None, help="copy both servers' logs into this folder")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     args = p.parse_args(argv)

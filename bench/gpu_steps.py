@@ -62,11 +62,22 @@ def decode_step(batch_size: int, context: int, vocab: int, new: bool, hybrid: bo
     g = torch.Generator().manual_seed(batch_size)
     tokens = torch.randint(0, vocab, (batch_size, 1 + drafts), generator=g).tolist()
     data = NewRequestData(SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True), (0,), ())
-    return SchedulerOutput(tuple(
-        ScheduledRequest(f"decode-{batch_size}-{i}", tuple(tokens[i]), context, tuple(range(i * pages, (i + 1) * pages)),
-                         True, new_request=data if new else None, state_slot=i if hybrid else None,
-                         num_draft_tokens=drafts)
-        for i in range(batch_size)), ())
+    return SchedulerOutput(
+        tuple(
+            ScheduledRequest(
+                f"decode-{batch_size}-{i}",
+                tuple(tokens[i]),
+                context,
+                tuple(range(i * pages, (i + 1) * pages)),
+                True,
+                new_request=data if new else None,
+                state_slot=i if hybrid else None,
+                num_draft_tokens=drafts,
+            )
+            for i in range(batch_size)
+        ),
+        (),
+    )
 
 
 def time_decode(runner: Any, batch_size: int, context: int, reps: int, drafts: int = 0) -> float:
@@ -87,8 +98,9 @@ def time_decode(runner: Any, batch_size: int, context: int, reps: int, drafts: i
     return statistics.median(times)
 
 
-def bench_decode_steps(runner: Any, fmt: str, batch_sizes: list[int], context: int, gbps: float, reps: int,
-                       progress: Callable[[str], None]) -> tuple[list[StepRow], str]:
+def bench_decode_steps(
+    runner: Any, fmt: str, batch_sizes: list[int], context: int, gbps: float, reps: int, progress: Callable[[str], None]
+) -> tuple[list[StepRow], str]:
     """Eager first, then (where the engine would) the engine's decode graphs captured and replayed.
     Returns the rows and a line saying whether graphs ran and why not."""
     from engine.cuda_graph import graphs_disabled_reason
@@ -110,8 +122,10 @@ def bench_decode_steps(runner: Any, fmt: str, batch_sizes: list[int], context: i
     why_not = graphs_disabled_reason(False, runner.device, runner.backend)
     if why_not is None:
         graphs.enable_verify_graphs(1 + VERIFY_DRAFTS)
-        progress(f"{fmt}: capturing CUDA graphs (batch sizes {','.join(map(str, graphs.buckets.sizes))}; verify "
-                 f"steps: {'yes' if graphs.verify_query_len else 'no, the backend cannot'})")
+        progress(
+            f"{fmt}: capturing CUDA graphs (batch sizes {','.join(map(str, graphs.buckets.sizes))}; verify "
+            f"steps: {'yes' if graphs.verify_query_len else 'no, the backend cannot'})"
+        )
         try:
             graphs.capture()
             progress(f"{fmt}: captured")
@@ -135,8 +149,23 @@ def bench_decode_steps(runner: Any, fmt: str, batch_sizes: list[int], context: i
         g, vg, ve = graph.get(b), verify_graph.get(b), verify_eager.get(b)
         plain = eager[b] if g is None else g
         verify = vg if vg is not None else ve
-        rows.append(StepRow(fmt, b, context, round(eager[b], 3), None if g is None else round(g, 3), round(floor_ms, 3),
-                            parts.total, parts.weights, parts.experts, parts.kv, parts.state,
-                            round(floor_ms / plain, 3), None if ve is None else round(ve, 3),
-                            None if vg is None else round(vg, 3), None if verify is None else round(verify / plain, 3)))
+        rows.append(
+            StepRow(
+                fmt,
+                b,
+                context,
+                round(eager[b], 3),
+                None if g is None else round(g, 3),
+                round(floor_ms, 3),
+                parts.total,
+                parts.weights,
+                parts.experts,
+                parts.kv,
+                parts.state,
+                round(floor_ms / plain, 3),
+                None if ve is None else round(ve, 3),
+                None if vg is None else round(vg, 3),
+                None if verify is None else round(verify / plain, 3),
+            )
+        )
     return rows, graphs_note

@@ -64,8 +64,16 @@ def kernel_checks(kernels: dict[str, Any] | None) -> list[Check]:
     """Item 1: every (shape, M) point of the sweep against its speed target over cuBLAS bf16."""
     if kernels is None:
         return [Check("1 kernel", "NVFP4 W4A16 sweep", None, "every point", "missing")]
-    return [Check("1 kernel", f"{r['shape']} M={r['m']} speed over bf16", round(r["speedup"], 3),
-                  f">= {r['target']:g}", "pass" if r["passed"] else "FAIL") for r in kernels.get("rows", [])]
+    return [
+        Check(
+            "1 kernel",
+            f"{r['shape']} M={r['m']} speed over bf16",
+            round(r["speedup"], 3),
+            f">= {r['target']:g}",
+            "pass" if r["passed"] else "FAIL",
+        )
+        for r in kernels.get("rows", [])
+    ]
 
 
 def step_checks(dense: dict[str, Any] | None) -> list[Check]:
@@ -78,19 +86,28 @@ def step_checks(dense: dict[str, Any] | None) -> list[Check]:
     for batch in (1, 16):
         bf16, nvfp4 = _graph_ms(_step(dense, "bf16", batch)), _graph_ms(_step(dense, "nvfp4", batch))
         ratio = nvfp4 / bf16 if bf16 and nvfp4 else None
-        checks.append(_check("3 step", f"nvfp4 / bf16 graph step at batch {batch}", ratio, NVFP4_OVER_BF16_STEP,
-                             at_most=True))
+        checks.append(
+            _check("3 step", f"nvfp4 / bf16 graph step at batch {batch}", ratio, NVFP4_OVER_BF16_STEP, at_most=True)
+        )
     return checks
 
 
 def throughput_checks(dense: dict[str, Any] | None) -> list[Check]:
     """Item 4: the engine's output tokens/s, bf16 and NVFP4 over bf16."""
-    rows = {r["format"]: r["output_tokens_per_s"] for r in (dense or {}).get("throughput", [])
-            if r["system"] == "fp4serve"}
+    rows = {
+        r["format"]: r["output_tokens_per_s"] for r in (dense or {}).get("throughput", []) if r["system"] == "fp4serve"
+    }
     bf16, nvfp4 = rows.get("bf16"), rows.get("nvfp4")
-    return [_check("4 throughput", "bf16 output tok/s", bf16, BF16_OUTPUT_TOK_S, at_most=False),
-            _check("4 throughput", "nvfp4 / bf16 output tok/s", nvfp4 / bf16 if bf16 and nvfp4 else None,
-                   NVFP4_OVER_BF16_TOK_S, at_most=False)]
+    return [
+        _check("4 throughput", "bf16 output tok/s", bf16, BF16_OUTPUT_TOK_S, at_most=False),
+        _check(
+            "4 throughput",
+            "nvfp4 / bf16 output tok/s",
+            nvfp4 / bf16 if bf16 and nvfp4 else None,
+            NVFP4_OVER_BF16_TOK_S,
+            at_most=False,
+        ),
+    ]
 
 
 def graph_checks(hybrid: dict[str, Any] | None, moe: dict[str, Any] | None) -> list[Check]:
@@ -99,11 +116,25 @@ def graph_checks(hybrid: dict[str, Any] | None, moe: dict[str, Any] | None) -> l
     for batch in (1, 16, 64):
         row = _step(hybrid, "nvfp4", batch)
         ratio = None if _graph_ms(row) is None else row["graph_ms"] / row["floor_ms"]  # type: ignore[index]
-        checks.append(_check("5 hybrid/MoE graphs", f"hybrid batch {batch} graph step / floor", ratio,
-                             HYBRID_STEP_OVER_FLOOR, at_most=True))
+        checks.append(
+            _check(
+                "5 hybrid/MoE graphs",
+                f"hybrid batch {batch} graph step / floor",
+                ratio,
+                HYBRID_STEP_OVER_FLOOR,
+                at_most=True,
+            )
+        )
     captured = [r for r in (moe or {}).get("steps", []) if r.get("graph_ms") is not None]
-    checks.append(Check("5 hybrid/MoE graphs", "MoE decode steps replayed from graphs", len(captured) if moe else None,
-                        ">= 1", "missing" if moe is None else "pass" if captured else "FAIL"))
+    checks.append(
+        Check(
+            "5 hybrid/MoE graphs",
+            "MoE decode steps replayed from graphs",
+            len(captured) if moe else None,
+            ">= 1",
+            "missing" if moe is None else "pass" if captured else "FAIL",
+        )
+    )
     return checks
 
 
@@ -113,16 +144,27 @@ def verify_checks(dense: dict[str, Any] | None, hybrid: dict[str, Any] | None) -
     for name, report, fmt in (("Qwen3-8B", dense, "nvfp4"), ("hybrid", hybrid, "nvfp4")):
         for batch in (1, 16):
             row = _step(report, fmt, batch)
-            checks.append(_check("6 verify", f"{name} batch {batch} verify / plain step",
-                                 None if row is None else row.get("verify_over_plain"), VERIFY_OVER_PLAIN,
-                                 at_most=True))
+            checks.append(
+                _check(
+                    "6 verify",
+                    f"{name} batch {batch} verify / plain step",
+                    None if row is None else row.get("verify_over_plain"),
+                    VERIFY_OVER_PLAIN,
+                    at_most=True,
+                )
+            )
     return checks
 
 
 def evaluate(folder: Path) -> list[Check]:
     dense, hybrid = _load(folder, "bench-8b.json"), _load(folder, "bench-hybrid.json")
-    return [*kernel_checks(_load(folder, "kernels.json")), *step_checks(dense), *throughput_checks(dense),
-            *graph_checks(hybrid, _load(folder, "bench-moe.json")), *verify_checks(dense, hybrid)]
+    return [
+        *kernel_checks(_load(folder, "kernels.json")),
+        *step_checks(dense),
+        *throughput_checks(dense),
+        *graph_checks(hybrid, _load(folder, "bench-moe.json")),
+        *verify_checks(dense, hybrid),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = {v: sum(c.verdict == v for c in checks) for v in ("pass", "FAIL", "missing")}
     print(f"targets: {counts['pass']} pass, {counts['FAIL']} fail, {counts['missing']} missing")
     Path(args.out or folder / "targets.json").write_text(
-        json.dumps({"counts": counts, "checks": [asdict(c) for c in checks]}, indent=1))
+        json.dumps({"counts": counts, "checks": [asdict(c) for c in checks]}, indent=1)
+    )
     return 0
 
 

@@ -149,8 +149,9 @@ def stub_forward(runner: Any, seed: int = 0) -> None:
     runner.model.compute_logits = lambda rows: logits[: rows.shape[0]]
 
 
-def measure(engine: Any, batch_size: int, forward_ms: float, async_scheduling: bool, num_steps: int,
-            warmup: int, input_len: int) -> HostStep:
+def measure(
+    engine: Any, batch_size: int, forward_ms: float, async_scheduling: bool, num_steps: int, warmup: int, input_len: int
+) -> HostStep:
     """`batch_size` greedy requests prefill, decode `warmup` steps, then `num_steps` timed steps."""
     from engine.core_proc import EngineCoreLoop
     from scheduler.request import SamplingParams
@@ -195,12 +196,25 @@ def measure(engine: Any, batch_size: int, forward_ms: float, async_scheduling: b
     loop.drain()
     for outputs in emitted:
         emit(outputs)
-    return HostStep(batch_size, forward_ms, async_scheduling, num_steps, 1000 * wall / num_steps,
-                    {k: 1000 * v / num_steps for k, v in phases.items()})
+    return HostStep(
+        batch_size,
+        forward_ms,
+        async_scheduling,
+        num_steps,
+        1000 * wall / num_steps,
+        {k: 1000 * v / num_steps for k, v in phases.items()},
+    )
 
 
-def run_host_step(batch_sizes: Sequence[int], forward_ms: Sequence[float], num_steps: int, warmup: int,
-                  input_len: int, hidden_size: int, model: str | None = None) -> list[HostStep]:
+def run_host_step(
+    batch_sizes: Sequence[int],
+    forward_ms: Sequence[float],
+    num_steps: int,
+    warmup: int,
+    input_len: int,
+    hidden_size: int,
+    model: str | None = None,
+) -> list[HostStep]:
     import torch
 
     from bench.context_curve import write_tiny_model
@@ -210,9 +224,17 @@ def run_host_step(batch_sizes: Sequence[int], forward_ms: Sequence[float], num_s
     with tempfile.TemporaryDirectory() as tmp:
         path = model or str(write_tiny_model(Path(tmp) / "tiny", "dense", hidden_size, 1))
         max_seqs = max(batch_sizes)
-        engine = OfflineEngine.from_config(EngineConfig(
-            model=path, dtype="float32", max_num_seqs=max_seqs, max_num_batched_tokens=max(2048, max_seqs),
-            max_model_len=input_len + warmup + num_steps + 64, kv_cache_memory="256MiB", quantization="none"))
+        engine = OfflineEngine.from_config(
+            EngineConfig(
+                model=path,
+                dtype="float32",
+                max_num_seqs=max_seqs,
+                max_num_batched_tokens=max(2048, max_seqs),
+                max_model_len=input_len + warmup + num_steps + 64,
+                kv_cache_memory="256MiB",
+                quantization="none",
+            )
+        )
     stub_forward(engine.core.runner)
     gc.collect()
     gc.freeze()  # as the engine process does once loaded (engine/core_proc.py); undone after
@@ -222,25 +244,35 @@ def run_host_step(batch_sizes: Sequence[int], forward_ms: Sequence[float], num_s
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return [measure(engine, batch_size, ms, on, num_steps, warmup, input_len)
-                for batch_size in batch_sizes for ms in forward_ms for on in (False, True)]
+        return [
+            measure(engine, batch_size, ms, on, num_steps, warmup, input_len)
+            for batch_size in batch_sizes
+            for ms in forward_ms
+            for on in (False, True)
+        ]
     finally:
         torch.set_num_threads(threads)
         gc.unfreeze()
 
 
 def format_host_step(results: Sequence[HostStep]) -> str:
-    head = f"{'batch':>5} {'fwd ms':>6} {'async':>5} {'step ms':>8} {'host ms':>8} {'exposed':>8}  " + \
-        " ".join(f"{p:>9}" for p in PHASES)
+    head = f"{'batch':>5} {'fwd ms':>6} {'async':>5} {'step ms':>8} {'host ms':>8} {'exposed':>8}  " + " ".join(
+        f"{p:>9}" for p in PHASES
+    )
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r.batch_size:>5} {r.forward_ms:>6.2f} {'on' if r.async_scheduling else 'off':>5} "
-                     f"{r.step_ms:>8.3f} {r.host_ms:>8.3f} {r.exposed_ms:>8.3f}  "
-                     + " ".join(f"{r.phases_ms[p]:>9.3f}" for p in PHASES))
+        lines.append(
+            f"{r.batch_size:>5} {r.forward_ms:>6.2f} {'on' if r.async_scheduling else 'off':>5} "
+            f"{r.step_ms:>8.3f} {r.host_ms:>8.3f} {r.exposed_ms:>8.3f}  "
+            + " ".join(f"{r.phases_ms[p]:>9.3f}" for p in PHASES)
+        )
     return "\n".join(lines)
 
 
 def host_step_document(results: Sequence[HostStep], config: dict[str, Any]) -> dict[str, Any]:
-    return {"config": config, "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
-            "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "results": [r.to_dict() for r in results]}
+    return {
+        "config": config,
+        "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
+        "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "results": [r.to_dict() for r in results],
+    }

@@ -29,8 +29,13 @@ if TYPE_CHECKING:
 QWEN3_8B_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 # Qwen3.6-27B: hidden 5120, intermediate 17408; full attention 24 gated q heads and 4 kv heads of
 # 256 (q_proj doubles for the gate); Gated DeltaNet 16 key and 48 value heads of 128 (qkvz).
-QWEN36_27B_SHAPES = {"attn_qkv": (14336, 5120), "o": (5120, 6144), "gdn_qkvz": (16384, 5120),
-                     "gate_up": (34816, 5120), "down": (5120, 17408)}
+QWEN36_27B_SHAPES = {
+    "attn_qkv": (14336, 5120),
+    "o": (5120, 6144),
+    "gdn_qkvz": (16384, 5120),
+    "gate_up": (34816, 5120),
+    "down": (5120, 17408),
+}
 SHAPES = {**{f"8b/{k}": v for k, v in QWEN3_8B_SHAPES.items()}, **{f"27b/{k}": v for k, v in QWEN36_27B_SHAPES.items()}}
 SWEEP_M = (1, 16, 64, 256)
 # With --sweep, neighbouring tiles are tried on these shapes only, and only while the run is
@@ -107,12 +112,17 @@ def copy_bandwidth_gbps(reps: int, device: torch.device | str = "cuda", nbytes: 
 def sweep_configs(chosen: "W4A16Config") -> list["W4A16Config"]:
     """A few neighbours of the chosen tiles: the other decode (joined or lanes), the other row
     tile (64 or 128), the other K step (128 or 256), twice the slices."""
-    return [replace(chosen, lanes=not chosen.lanes), replace(chosen, block_n=128 if chosen.block_n == 64 else 64),
-            replace(chosen, halves=4 if chosen.halves == 2 else 2), replace(chosen, split_k=2 * chosen.split_k)]
+    return [
+        replace(chosen, lanes=not chosen.lanes),
+        replace(chosen, block_n=128 if chosen.block_n == 64 else 64),
+        replace(chosen, halves=4 if chosen.halves == 2 else 2),
+        replace(chosen, split_k=2 * chosen.split_k),
+    ]
 
 
-def bench_point(name: str, m: int, n: int, k: int, copy_gbps: float, flush: torch.Tensor,
-                warmup: int, reps: int, sweep: bool) -> Row:
+def bench_point(
+    name: str, m: int, n: int, k: int, copy_gbps: float, flush: torch.Tensor, warmup: int, reps: int, sweep: bool
+) -> Row:
     from kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
     from kernels.nvfp4_dequant import dequantize_layout
     from kernels.nvfp4_matmul import matmul_path, nvfp4_linear_prepared
@@ -139,7 +149,7 @@ def bench_point(name: str, m: int, n: int, k: int, copy_gbps: float, flush: torc
     best, variants, fp16_dot_us = chosen, {chosen.describe(): round(kernel_us, 2)}, None
     for config in sweep_configs(chosen) if sweep else []:
         errors.append(error(w4a16_matmul(x, layout, config=config)))
-        us = time_us(lambda: w4a16_matmul(x, layout, config=config), flush, warmup, reps)
+        us = time_us(lambda: w4a16_matmul(x, layout, config=config), flush, warmup, reps)  # noqa: B023  (timed at once)
         variants[config.describe()] = round(us, 2)
         if us < best_us:
             best_us, best = us, config
@@ -160,26 +170,49 @@ def bench_point(name: str, m: int, n: int, k: int, copy_gbps: float, flush: torc
     nvfp4_gbps = (layout.nbytes + activation_bytes) / nvfp4_us / 1e3
     bf16_gbps = (w_dense.nbytes + activation_bytes) / bf16_us / 1e3
     speedup = bf16_us / nvfp4_us
-    return Row(name, m, n, k, path, round(nvfp4_us, 2), round(nvfp4_gbps, 1), round(nvfp4_gbps / copy_gbps, 3),
-               round(bf16_us, 2), round(bf16_gbps, 1), round(bf16_gbps / copy_gbps, 3), round(speedup, 2),
-               target_for(m), speedup >= target_for(m), round(kernel_us, 2), chosen.describe(), round(best_us, 2),
-               best.describe(), variants, None if fp16_dot_us is None else round(fp16_dot_us, 2),
-               None if dequant_us is None else round(dequant_us, 2), round(max(errors), 5))
+    return Row(
+        name,
+        m,
+        n,
+        k,
+        path,
+        round(nvfp4_us, 2),
+        round(nvfp4_gbps, 1),
+        round(nvfp4_gbps / copy_gbps, 3),
+        round(bf16_us, 2),
+        round(bf16_gbps, 1),
+        round(bf16_gbps / copy_gbps, 3),
+        round(speedup, 2),
+        target_for(m),
+        speedup >= target_for(m),
+        round(kernel_us, 2),
+        chosen.describe(),
+        round(best_us, 2),
+        best.describe(),
+        variants,
+        None if fp16_dot_us is None else round(fp16_dot_us, 2),
+        None if dequant_us is None else round(dequant_us, 2),
+        round(max(errors), 5),
+    )
 
 
 def print_table(rows: list[Row], copy_gbps: float, device: str) -> None:
     print(f"{device}; copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
-    header = (f"{'shape':13} {'M':>4} {'N':>6} {'K':>6} {'path':>7} | {'nvfp4 us':>9} {'%copy':>6} | "
-              f"{'bf16 us':>8} {'%copy':>6} | {'speed':>6} {'target':>6}      | {'kernel':>7} {'best':>7} "
-              f"{'dequant':>8} {'rel err':>8}  best tiles")
+    header = (
+        f"{'shape':13} {'M':>4} {'N':>6} {'K':>6} {'path':>7} | {'nvfp4 us':>9} {'%copy':>6} | "
+        f"{'bf16 us':>8} {'%copy':>6} | {'speed':>6} {'target':>6}      | {'kernel':>7} {'best':>7} "
+        f"{'dequant':>8} {'rel err':>8}  best tiles"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         dequant = "-" if r.dequant_us is None else f"{r.dequant_us:.1f}"
-        print(f"{r.shape:13} {r.m:4d} {r.n:6d} {r.k:6d} {r.path:>7} | {r.nvfp4_us:9.1f} "
-              f"{100 * r.nvfp4_copy_fraction:5.1f}% | {r.bf16_us:8.1f} {100 * r.bf16_copy_fraction:5.1f}% | "
-              f"{r.speedup:5.2f}x {r.target:5.1f}x {'pass' if r.passed else 'FAIL':4} | {r.kernel_us:7.1f} "
-              f"{r.best_kernel_us:7.1f} {dequant:>8} {r.max_rel_error:8.5f}  {r.best_kernel_config}")
+        print(
+            f"{r.shape:13} {r.m:4d} {r.n:6d} {r.k:6d} {r.path:>7} | {r.nvfp4_us:9.1f} "
+            f"{100 * r.nvfp4_copy_fraction:5.1f}% | {r.bf16_us:8.1f} {100 * r.bf16_copy_fraction:5.1f}% | "
+            f"{r.speedup:5.2f}x {r.target:5.1f}x {'pass' if r.passed else 'FAIL':4} | {r.kernel_us:7.1f} "
+            f"{r.best_kernel_us:7.1f} {dequant:>8} {r.max_rel_error:8.5f}  {r.best_kernel_config}"
+        )
     print(f"{sum(r.passed for r in rows)}/{len(rows)} points meet their target")
 
 
@@ -189,17 +222,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--sweep", action="store_true",
-                        help=f"also time a few neighbouring tiles on {', '.join(SWEEP_SHAPES)}")
-    parser.add_argument("--sweep-budget-s", type=float, default=60.0,
-                        help="try no more neighbouring tiles once the run is this old")
+    parser.add_argument(
+        "--sweep", action="store_true", help=f"also time a few neighbouring tiles on {', '.join(SWEEP_SHAPES)}"
+    )
+    parser.add_argument(
+        "--sweep-budget-s", type=float, default=60.0, help="try no more neighbouring tiles once the run is this old"
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--tiny", action="store_true", help="N / 64 and K / 16 (the CPU rehearsal: several K slices, a ragged K)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="N / 64 and K / 16 (the CPU rehearsal: several K slices, a ragged K)"
+    )
     parser.add_argument("--out", help="write the rows, the copy bandwidth and the verdict as JSON here")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench.kernels: no CUDA device; `--device cpu --tiny` rehearses it under TRITON_INTERPRET=1.",
-              file=sys.stderr)
+        print(
+            "bench.kernels: no CUDA device; `--device cpu --tiny` rehearses it under TRITON_INTERPRET=1.",
+            file=sys.stderr,
+        )
         return 2
     if args.device == "cpu":
         # Before the kernel modules are imported (bench_point imports them): see kernels.nvfp4_triton.
@@ -226,11 +265,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_report(path: str, device: str, copy_gbps: float, rows: list[Row], seconds: float) -> None:
-    report = {"device": device, "copy_gbps": round(copy_gbps, 1), "targets": TARGETS,
-              "passed": all(r.passed for r in rows), "points_passed": sum(r.passed for r in rows),
-              "seconds": round(seconds, 1), "rows": [asdict(r) for r in rows]}
+    report = {
+        "device": device,
+        "copy_gbps": round(copy_gbps, 1),
+        "targets": TARGETS,
+        "passed": all(r.passed for r in rows),
+        "points_passed": sum(r.passed for r in rows),
+        "seconds": round(seconds, 1),
+        "rows": [asdict(r) for r in rows],
+    }
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
+
 
 if __name__ == "__main__":
     sys.exit(main())

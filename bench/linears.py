@@ -31,12 +31,17 @@ FORMATS: dict[str, tuple[torch.dtype | str, torch.dtype]] = {
 def layer_kinds(cfg: Any) -> dict[str, tuple[int, int]]:
     """Each dense layer's linears as the engine fuses them: kind -> (out_features, in_features)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {"qkv_proj": (q + 2 * kv, cfg.hidden_size), "o_proj": (cfg.hidden_size, q),
-            "gate_up_proj": (2 * cfg.intermediate_size, cfg.hidden_size),
-            "down_proj": (cfg.hidden_size, cfg.intermediate_size)}
+    return {
+        "qkv_proj": (q + 2 * kv, cfg.hidden_size),
+        "o_proj": (cfg.hidden_size, q),
+        "gate_up_proj": (2 * cfg.intermediate_size, cfg.hidden_size),
+        "down_proj": (cfg.hidden_size, cfg.intermediate_size),
+    }
 
 
-def make_op(fmt: str, shape: tuple[int, int], lm_head_t: bool = False) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]:
+def make_op(
+    fmt: str, shape: tuple[int, int], lm_head_t: bool = False
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]:
     from engine.weights.formats.int8_linear import Int8Linear  # lazily: bench/ imports engine/ only in its functions
 
     wdtype, adtype = FORMATS[fmt]
@@ -63,19 +68,29 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="an HF folder (its config.json gives the shapes)")
     p.add_argument("--batch", default="1,32", help="batch sizes (tokens per forward), comma separated")
-    p.add_argument("--formats", default="float32,bfloat16,int8 (f32 act),int8 (bf16 act)", help="comma separated, of: " + ", ".join(FORMATS))
+    p.add_argument(
+        "--formats",
+        default="float32,bfloat16,int8 (f32 act),int8 (bf16 act)",
+        help="comma separated, of: " + ", ".join(FORMATS),
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeat", type=int, default=20, help="calls per timing")
     args = p.parse_args()
-    from engine.weights.model_config import ModelConfig
+    from engine.weights.config.model_config import ModelConfig
 
     cfg = ModelConfig.from_checkpoint(Path(args.model))
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     kinds = {**layer_kinds(cfg), "lm_head": (cfg.vocab_size, cfg.hidden_size)}
     torch.manual_seed(0)
-    ops = {(fmt, kind): make_op(fmt, shape, lm_head_t=kind == "lm_head") for fmt in formats for kind, shape in kinds.items()}
-    print(f"{cfg.architecture}, {cfg.num_layers} layers; threads {torch.get_num_threads()}; "
-          f"times in ms per forward (layer kinds x {cfg.num_layers} layers), best of {args.rounds} rounds")
+    ops = {
+        (fmt, kind): make_op(fmt, shape, lm_head_t=kind == "lm_head")
+        for fmt in formats
+        for kind, shape in kinds.items()
+    }
+    print(
+        f"{cfg.architecture}, {cfg.num_layers} layers; threads {torch.get_num_threads()}; "
+        f"times in ms per forward (layer kinds x {cfg.num_layers} layers), best of {args.rounds} rounds"
+    )
     with torch.inference_mode():
         for batch in (int(b) for b in args.batch.split(",")):
             times: dict[tuple[str, str], list[float]] = {key: [] for key in ops}
@@ -90,8 +105,11 @@ def main() -> None:
                 ms = {kind: min(times[fmt, kind]) * 1e3 for kind in kinds}
                 body = {k: v * cfg.num_layers for k, v in ms.items() if k != "lm_head"}
                 total = sum(body.values())
-                cells = [f"{v:.2f}" for v in body.values()] + [f"{ms['lm_head']:.2f}", f"{total:.2f}",
-                                                                 f"{total + ms['lm_head']:.2f}"]
+                cells = [f"{v:.2f}" for v in body.values()] + [
+                    f"{ms['lm_head']:.2f}",
+                    f"{total:.2f}",
+                    f"{total + ms['lm_head']:.2f}",
+                ]
                 print(f"| {fmt} | " + " | ".join(cells) + " |")
 
 

@@ -24,10 +24,21 @@ SHOWN = 3  # items shown before the one to pick
 
 SEQUENCES = {
     "days": ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"],
-    "months": ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-               "November", "December"],
-    "number words": ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
-                     "twelve"],
+    "months": [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ],
+    "number words": ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"],
     "numerals": [str(i) for i in range(1, 31)],
     "letters": list(string.ascii_uppercase),
     "ordinals": ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"],
@@ -84,10 +95,16 @@ def sequence_questions(rng: random.Random, count: int) -> list[dict]:
     questions = []
     for name, start in rng.sample(starts, count):
         items = SEQUENCES[name]
-        shown, answer = items[start:start + SHOWN], items[start + SHOWN]
+        shown, answer = items[start : start + SHOWN], items[start + SHOWN]
         wrong = rng.sample([item for item in items if item != answer and item not in shown], 3)
-        questions.append({"question": "Continue the list: " + ", ".join(shown) + ",", "answer": answer,
-                          "wrong": wrong, "kind": "sequence"})
+        questions.append(
+            {
+                "question": "Continue the list: " + ", ".join(shown) + ",",
+                "answer": answer,
+                "wrong": wrong,
+                "kind": "sequence",
+            }
+        )
     return questions
 
 
@@ -99,8 +116,15 @@ def build_questions(seed: int = SEED) -> list[dict]:
     for i, draft in enumerate(drafts):
         choices = [draft["answer"], *draft["wrong"]]
         rng.shuffle(choices)
-        questions.append({"id": i, "kind": draft["kind"], "question": draft["question"], "choices": choices,
-                          "gold": choices.index(draft["answer"])})
+        questions.append(
+            {
+                "id": i,
+                "kind": draft["kind"],
+                "question": draft["question"],
+                "choices": choices,
+                "gold": choices.index(draft["answer"]),
+            }
+        )
     return questions
 
 

@@ -40,8 +40,12 @@ CHANCE = 1 / NUM_CHOICES
 DEFAULT_TOLERANCE = 1e-3  # nats per choice: the server's float32 prefill against transformers' float32 forward
 # The server for the run: float32 like the reference, a context far above the task's prompts.
 SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "2048")
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 @dataclass(frozen=True)
@@ -66,28 +70,57 @@ class Check:
     num_choices: int
 
     def passed(self, tolerance: float) -> bool:
-        return (self.max_abs_diff <= tolerance and self.acc == self.reference_acc
-                and self.acc_norm == self.reference_acc_norm)
+        return (
+            self.max_abs_diff <= tolerance
+            and self.acc == self.reference_acc
+            and self.acc_norm == self.reference_acc_norm
+        )
 
 
 def find_lm_eval(given: str | None) -> str:
     """The `lm_eval` executable: --lm-eval, $LM_EVAL, beside this Python, or on PATH."""
-    candidates = [given, os.environ.get("LM_EVAL"), str(Path(sys.executable).with_name("lm_eval")),
-                  shutil.which("lm_eval")]
+    candidates = [
+        given,
+        os.environ.get("LM_EVAL"),
+        str(Path(sys.executable).with_name("lm_eval")),
+        shutil.which("lm_eval"),
+    ]
     for candidate in candidates:
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return candidate
-    raise EndpointError("no lm_eval executable: install lm_eval[api] (`make lm-eval` makes a venv for it) "
-                        "and pass --lm-eval PATH or set $LM_EVAL")
+    raise EndpointError(
+        "no lm_eval executable: install lm_eval[api] (`make lm-eval` makes a venv for it) "
+        "and pass --lm-eval PATH or set $LM_EVAL"
+    )
 
 
-def lm_eval_command(lm_eval: str, base_url: str, model: str, tokenizer: Path, out_dir: Path,
-                    num_concurrent: int, limit: int | None) -> list[str]:
-    model_args = ",".join([f"base_url={base_url.rstrip('/')}/completions", f"model={model}",
-                           "tokenizer_backend=huggingface", f"tokenizer={tokenizer}",
-                           f"num_concurrent={num_concurrent}", "max_retries=1"])
-    command = [lm_eval, "--model", "local-completions", "--model_args", model_args, "--tasks", TASK,
-               "--include_path", str(TASKS_DIR.relative_to(REPO)), "--output_path", str(out_dir), "--log_samples"]
+def lm_eval_command(
+    lm_eval: str, base_url: str, model: str, tokenizer: Path, out_dir: Path, num_concurrent: int, limit: int | None
+) -> list[str]:
+    model_args = ",".join(
+        [
+            f"base_url={base_url.rstrip('/')}/completions",
+            f"model={model}",
+            "tokenizer_backend=huggingface",
+            f"tokenizer={tokenizer}",
+            f"num_concurrent={num_concurrent}",
+            "max_retries=1",
+        ]
+    )
+    command = [
+        lm_eval,
+        "--model",
+        "local-completions",
+        "--model_args",
+        model_args,
+        "--tasks",
+        TASK,
+        "--include_path",
+        str(TASKS_DIR.relative_to(REPO)),
+        "--output_path",
+        str(out_dir),
+        "--log_samples",
+    ]
     return command + (["--limit", str(limit)] if limit else [])
 
 
@@ -100,9 +133,19 @@ def read_run(out_dir: Path) -> tuple[dict[str, Any], list[Question]]:
     for line in samples_path.read_bytes().splitlines():
         sample = orjson.loads(line)
         arguments = sample["arguments"]
-        requests = [(arguments[k]["arg_0"], arguments[k]["arg_1"]) for k in sorted(arguments, key=lambda k: int(k.rsplit("_", 1)[1]))]
-        questions.append(Question(sample["doc_id"], int(sample["doc"]["gold"]), sample["doc"]["choices"], requests,
-                                  [float(resp[0]) for resp in sample["filtered_resps"]]))
+        requests = [
+            (arguments[k]["arg_0"], arguments[k]["arg_1"])
+            for k in sorted(arguments, key=lambda k: int(k.rsplit("_", 1)[1]))
+        ]
+        questions.append(
+            Question(
+                sample["doc_id"],
+                int(sample["doc"]["gold"]),
+                sample["doc"]["choices"],
+                requests,
+                [float(resp[0]) for resp in sample["filtered_resps"]],
+            )
+        )
     return results, questions
 
 
@@ -115,7 +158,7 @@ def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[i
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = tokenizer(context + continuation, add_special_tokens=False).input_ids
     head = tokenizer(context, add_special_tokens=False).input_ids
-    return whole[:len(head)], whole[len(head):]
+    return whole[: len(head)], whole[len(head) :]
 
 
 def reference_loglikelihoods(folder: Path, requests: list[tuple[str, str]], batch: int = 32) -> list[float]:
@@ -133,11 +176,11 @@ def reference_loglikelihoods(folder: Path, requests: list[tuple[str, str]], batc
     out = []
     with torch.inference_mode():
         for start in range(0, len(pairs), batch):
-            chunk = pairs[start:start + batch]
+            chunk = pairs[start : start + batch]
             width = max(len(head) + len(tail) for head, tail in chunk)
             ids = torch.zeros(len(chunk), width, dtype=torch.long)
             for row, (head, tail) in enumerate(chunk):
-                ids[row, :len(head) + len(tail)] = torch.tensor(head + tail)
+                ids[row, : len(head) + len(tail)] = torch.tensor(head + tail)
             logprobs = torch.log_softmax(model(ids).logits.float(), dim=-1)
             for row, (head, tail) in enumerate(chunk):
                 positions = torch.arange(len(head) - 1, len(head) + len(tail) - 1)
@@ -148,6 +191,7 @@ def reference_loglikelihoods(folder: Path, requests: list[tuple[str, str]], batc
 def accuracy(questions: list[Question], loglikelihoods: list[list[float]]) -> tuple[float, float]:
     """lm-eval's multiple-choice acc (the highest loglikelihood is the gold choice) and acc_norm
     (the same, each divided by its choice's length in characters)."""
+
     def argmax(values: list[float]) -> int:
         return max(range(len(values)), key=lambda i: (values[i], -i))  # ties: the first, as numpy's
 
@@ -163,13 +207,14 @@ def check_run(results: dict[str, Any], questions: list[Question], folder: Path) 
     flat = reference_loglikelihoods(folder, requests)
     reference, i = [], 0
     for q in questions:
-        reference.append(flat[i:i + len(q.requests)])
+        reference.append(flat[i : i + len(q.requests)])
         i += len(q.requests)
     served = [q.loglikelihoods for q in questions]
     reported = results["results"][TASK]
     acc, acc_norm = accuracy(questions, served)
-    assert math.isclose(acc, reported["acc,none"]) and math.isclose(acc_norm, reported["acc_norm,none"]), \
+    assert math.isclose(acc, reported["acc,none"]) and math.isclose(acc_norm, reported["acc_norm,none"]), (
         f"lm-eval's reported scores {reported} differ from its samples' ({acc}, {acc_norm})"
+    )
     ref_acc, ref_acc_norm = accuracy(questions, reference)
     diff = max(abs(a - b) for s, r in zip(served, reference, strict=True) for a, b in zip(s, r, strict=True))
     return Check(acc, acc_norm, ref_acc, ref_acc_norm, diff, len(requests))
@@ -184,15 +229,21 @@ def model_folder(model: str | None) -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lm-eval", default=None, help="the lm_eval executable (default: $LM_EVAL, one beside this "
-                   "Python, or on PATH)")
-    p.add_argument("--model", default=None, help="`fp4serve serve --model` (default: the default model, "
-                   "SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--lm-eval", default=None, help="the lm_eval executable (default: $LM_EVAL, one beside this Python, or on PATH)"
+    )
+    p.add_argument(
+        "--model", default=None, help="`fp4serve serve --model` (default: the default model, SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--server-args", default="", help="more `fp4serve serve` flags, one string")
     p.add_argument("--num-concurrent", type=int, default=4, help="lm-eval's concurrent requests (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="only the first N questions (lm-eval --limit)")
-    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                   help="largest per-choice |served - transformers| loglikelihood in nats (default: %(default)s)")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help="largest per-choice |served - transformers| loglikelihood in nats (default: %(default)s)",
+    )
     p.add_argument("--out", default=None, help="keep lm-eval's results and samples in this folder")
 
 
@@ -227,11 +278,15 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
     print("\n".join(line for line in run.stdout.splitlines() if line.startswith("|")))
     results, questions = read_run(out_dir)
     check = check_run(results, questions, folder)
-    print(f"lm-eval {results.get('lm_eval_version')}, {len(questions)} questions of {NUM_CHOICES} choices "
-          f"(chance {CHANCE:.2f}), {check.num_choices} loglikelihood requests in {seconds:.0f} s")
-    print(f"transformers float32 on {folder}: acc {check.reference_acc:.2f}, acc_norm "
-          f"{check.reference_acc_norm:.2f}; per-choice loglikelihood max |served - transformers| "
-          f"{check.max_abs_diff:.2e} nats (tolerance {args.tolerance:g})")
+    print(
+        f"lm-eval {results.get('lm_eval_version')}, {len(questions)} questions of {NUM_CHOICES} choices "
+        f"(chance {CHANCE:.2f}), {check.num_choices} loglikelihood requests in {seconds:.0f} s"
+    )
+    print(
+        f"transformers float32 on {folder}: acc {check.reference_acc:.2f}, acc_norm "
+        f"{check.reference_acc_norm:.2f}; per-choice loglikelihood max |served - transformers| "
+        f"{check.max_abs_diff:.2e} nats (tolerance {args.tolerance:g})"
+    )
     if not check.passed(args.tolerance):
         print("bench lm-eval: the served loglikelihoods do not match transformers'", file=sys.stderr)
         return 1

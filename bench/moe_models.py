@@ -11,8 +11,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-                    "special_tokens_map.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
 
 
 @dataclass(frozen=True)
@@ -38,12 +43,23 @@ def write_moe_pair(dst: Path, shapes: MoeShapes, seed: int = 0) -> tuple[Path, P
     demo = ensure_demo_model()
     vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
     cfg = Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=shapes.hidden_size, intermediate_size=4 * shapes.hidden_size,
-        num_hidden_layers=shapes.num_layers, num_attention_heads=shapes.num_heads,
-        num_key_value_heads=shapes.num_kv_heads, head_dim=shapes.head_dim, num_experts=shapes.num_experts,
-        num_experts_per_tok=shapes.top_k, moe_intermediate_size=shapes.moe_intermediate_size,
-        norm_topk_prob=True, tie_word_embeddings=True, max_position_embeddings=4096,
-        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, initializer_range=0.02)
+        vocab_size=vocab,
+        hidden_size=shapes.hidden_size,
+        intermediate_size=4 * shapes.hidden_size,
+        num_hidden_layers=shapes.num_layers,
+        num_attention_heads=shapes.num_heads,
+        num_key_value_heads=shapes.num_kv_heads,
+        head_dim=shapes.head_dim,
+        num_experts=shapes.num_experts,
+        num_experts_per_tok=shapes.top_k,
+        moe_intermediate_size=shapes.moe_intermediate_size,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        initializer_range=0.02,
+    )
     torch.manual_seed(seed)
     sparse = dst / f"moe-top{shapes.top_k}-of-{shapes.num_experts}"
     dense = dst / f"moe-all-{shapes.num_experts}"
@@ -65,13 +81,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden-size", type=int, default=defaults.hidden_size, help="model width")
     p.add_argument("--num-experts", type=int, default=defaults.num_experts, help="experts per MoE layer")
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="experts per token of the sparse model")
-    p.add_argument("--moe-intermediate-size", type=int, default=defaults.moe_intermediate_size,
-                   help="each expert's SwiGLU width")
+    p.add_argument(
+        "--moe-intermediate-size", type=int, default=defaults.moe_intermediate_size, help="each expert's SwiGLU width"
+    )
 
 
 def cmd_moe_models(args: argparse.Namespace) -> int:
-    shapes = MoeShapes(num_layers=args.num_layers, hidden_size=args.hidden_size, num_experts=args.num_experts,
-                       top_k=args.top_k, moe_intermediate_size=args.moe_intermediate_size)
+    shapes = MoeShapes(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        moe_intermediate_size=args.moe_intermediate_size,
+    )
     for path in write_moe_pair(Path(args.dst), shapes):
         print(f"wrote {path}; run: python -m bench offline --model {path}")
     return 0

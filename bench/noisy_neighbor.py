@@ -49,18 +49,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def scenario_from_args(args: argparse.Namespace, model: str) -> Scenario:
     return Scenario(
-        base_url=args.base_url, model=model,
-        flood_key=args.flood_api_key or args.api_key, interactive_key=args.interactive_api_key or args.api_key,
-        flood_requests=args.flood_requests, flood_prompt_len=args.flood_prompt_len,
-        flood_output_len=args.flood_output_len, interactive_requests=args.interactive_requests,
-        interactive_interval_s=args.interactive_interval, seed=args.seed,
+        base_url=args.base_url,
+        model=model,
+        flood_key=args.flood_api_key or args.api_key,
+        interactive_key=args.interactive_api_key or args.api_key,
+        flood_requests=args.flood_requests,
+        flood_prompt_len=args.flood_prompt_len,
+        flood_output_len=args.flood_output_len,
+        interactive_requests=args.interactive_requests,
+        interactive_interval_s=args.interactive_interval,
+        seed=args.seed,
     )
 
 
 async def _one(client: httpx.AsyncClient, s: Scenario, key: str | None, prompt: list[int], max_tokens: int) -> float:
     """TTFT in seconds (NaN on an error)."""
-    body = {"model": s.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "temperature": 0.0}
+    body = {
+        "model": s.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     start = time.perf_counter()
     ttft = float("nan")
@@ -83,13 +94,18 @@ async def run(s: Scenario) -> dict[str, Any]:
 
     limits = httpx.Limits(max_connections=s.flood_requests + s.interactive_requests + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        flood = [asyncio.create_task(_one(client, s, s.flood_key, prompt(s.flood_prompt_len), s.flood_output_len))
-                 for _ in range(s.flood_requests)]
+        flood = [
+            asyncio.create_task(_one(client, s, s.flood_key, prompt(s.flood_prompt_len), s.flood_output_len))
+            for _ in range(s.flood_requests)
+        ]
         await asyncio.sleep(s.interactive_delay_s)
         interactive = []
         for _ in range(s.interactive_requests):
-            interactive.append(asyncio.create_task(
-                _one(client, s, s.interactive_key, prompt(s.interactive_prompt_len), s.interactive_output_len)))
+            interactive.append(
+                asyncio.create_task(
+                    _one(client, s, s.interactive_key, prompt(s.interactive_prompt_len), s.interactive_output_len)
+                )
+            )
             await asyncio.sleep(s.interactive_interval_s)
         flood_ttft = await asyncio.gather(*flood)
         interactive_ttft = await asyncio.gather(*interactive)
@@ -104,8 +120,15 @@ def summarize(ttfts: list[float]) -> dict[str, float]:
     def pct(p: float) -> float:
         return ok[min(int(p / 100 * len(ok)), len(ok) - 1)]
 
-    return {"n": len(ok), "errors": len(ttfts) - len(ok), "mean": statistics.fmean(ok), "p50": pct(50),
-            "p90": pct(90), "p99": pct(99), "max": ok[-1]}
+    return {
+        "n": len(ok),
+        "errors": len(ttfts) - len(ok),
+        "mean": statistics.fmean(ok),
+        "p50": pct(50),
+        "p90": pct(90),
+        "p99": pct(99),
+        "max": ok[-1],
+    }
 
 
 def format_result(result: dict[str, Any]) -> str:
@@ -114,8 +137,10 @@ def format_result(result: dict[str, Any]) -> str:
         if not row.get("n"):
             lines.append(f"{key:<12} {0:>4} {row.get('errors', 0):>4}")
             continue
-        lines.append(f"{key:<12} {row['n']:>4} {row['errors']:>4} {row['mean']:>8.3f} {row['p50']:>8.3f} "
-                     f"{row['p90']:>8.3f} {row['p99']:>8.3f}")
+        lines.append(
+            f"{key:<12} {row['n']:>4} {row['errors']:>4} {row['mean']:>8.3f} {row['p50']:>8.3f} "
+            f"{row['p90']:>8.3f} {row['p99']:>8.3f}"
+        )
     f, i = result["flood"].get("mean"), result["interactive"].get("mean")
     if f and i:
         lines.append(f"interactive / flood mean TTFT: {i / f:.3f}")

@@ -59,14 +59,22 @@ class OfflineReport:
     def to_dict(self) -> dict[str, object]:
         total = sum(self.stage_seconds.values())
         split = {f"step_time.{k}_s": v for k, v in self.stage_seconds.items()}
-        split.update({f"step_time.{k}_pct": 100.0 * v / total if total else None
-                      for k, v in self.stage_seconds.items()})
-        return {"completed": self.num_requests, "total_prompt_tokens": self.num_prompt_tokens,
-                "total_output_tokens": self.num_output_tokens, "duration_s": self.duration_s,
-                "output_throughput": self.output_throughput,
-                "request_throughput": self.request_throughput, "num_steps": self.num_steps,
-                "step_time.other_s": self.duration_s - total, **split,
-                "timed_out": self.timed_out, "interrupted": self.interrupted}
+        split.update(
+            {f"step_time.{k}_pct": 100.0 * v / total if total else None for k, v in self.stage_seconds.items()}
+        )
+        return {
+            "completed": self.num_requests,
+            "total_prompt_tokens": self.num_prompt_tokens,
+            "total_output_tokens": self.num_output_tokens,
+            "duration_s": self.duration_s,
+            "output_throughput": self.output_throughput,
+            "request_throughput": self.request_throughput,
+            "num_steps": self.num_steps,
+            "step_time.other_s": self.duration_s - total,
+            **split,
+            "timed_out": self.timed_out,
+            "interrupted": self.interrupted,
+        }
 
 
 def timings_snapshot(timings: object) -> dict[str, float]:
@@ -83,8 +91,11 @@ def timings_snapshot(timings: object) -> dict[str, float]:
 
 
 def turn_prompt(
-    conv: Conversation, turn: int, encode: Callable[[str], list[int]],
-    previous: list[int] | None = None, previous_output: Sequence[int] = (),
+    conv: Conversation,
+    turn: int,
+    encode: Callable[[str], list[int]],
+    previous: list[int] | None = None,
+    previous_output: Sequence[int] = (),
 ) -> list[int]:
     """Token ids of a turn: the system prefix and the first user message, or the previous
     turn's prompt and output followed by this turn's user message."""
@@ -96,9 +107,14 @@ def turn_prompt(
 
 
 def run_offline(
-    engine: OfflineEngine, conversations: Sequence[Conversation],
-    encode: Callable[[str], list[int]], *, num_requests: int, duration_s: float,
-    temperature: float = 1.0, on_finish: Callable[[], None] | None = None,
+    engine: OfflineEngine,
+    conversations: Sequence[Conversation],
+    encode: Callable[[str], list[int]],
+    *,
+    num_requests: int,
+    duration_s: float,
+    temperature: float = 1.0,
+    on_finish: Callable[[], None] | None = None,
 ) -> OfflineReport:
     """Queue every conversation's first turn, step the engine until all `num_requests` turns
     finished (later turns join as their previous one ends) or `duration_s` passed."""
@@ -109,8 +125,7 @@ def run_offline(
         nonlocal issued
         n = conv.turns[turn].max_tokens
         # ignore_eos + min_tokens: every request generates exactly the asked length.
-        params = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True,
-                                temperature=temperature, seed=issued)
+        params = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=temperature, seed=issued)
         active[engine.add_request(prompt, params)] = (conv, turn, prompt, [])
         issued += 1
 
@@ -148,10 +163,15 @@ def run_offline(
     for request_id in list(active):  # leave the engine empty for whoever steps it next
         engine.abort(request_id)
     return OfflineReport(
-        num_requests=finished, num_prompt_tokens=prompt_tokens, num_output_tokens=output_tokens,
-        duration_s=duration, num_steps=int(after["steps"] - before["steps"]),
+        num_requests=finished,
+        num_prompt_tokens=prompt_tokens,
+        num_output_tokens=output_tokens,
+        duration_s=duration,
+        num_steps=int(after["steps"] - before["steps"]),
         stage_seconds={k: after[k] - before[k] for k in STAGES},
-        timed_out=timed_out, interrupted=interrupted)
+        timed_out=timed_out,
+        interrupted=interrupted,
+    )
 
 
 def format_offline(report: OfflineReport, title: str) -> str:
@@ -169,8 +189,9 @@ def format_offline(report: OfflineReport, title: str) -> str:
     lines.append(f"{'step time':<22}{'seconds':>12}{'%':>10}{'ms/step':>12}")
     for stage in STAGES:
         s = report.stage_seconds[stage]
-        lines.append(f"{stage:<22}{s:>12.3f}{100 * s / total if total else 0:>10.1f}"
-                     f"{1000 * s / max(report.num_steps, 1):>12.2f}")
+        lines.append(
+            f"{stage:<22}{s:>12.3f}{100 * s / total if total else 0:>10.1f}{1000 * s / max(report.num_steps, 1):>12.2f}"
+        )
     lines.append(f"{'outside the stages':<22}{report.duration_s - total:>12.3f}")
     if report.timed_out:
         lines.append("note: stopped by --duration with requests unfinished")

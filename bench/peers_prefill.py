@@ -26,16 +26,29 @@ def prefill_tokenizer(path: str | None) -> TokenCounter:
 def prefill_prompts(lengths: Sequence[int], tokenizer: TokenCounter, seed: int) -> list[tuple[int, str]]:
     """(tokens, text) of a random prompt of each length; a different `seed` gives other texts, so
     every server (and every round) meets prompts it has never cached."""
-    return [(n, build_dataset(DatasetSpec("random", 1, input_len=n, output_len=1, seed=seed + i), tokenizer)[0]
-             .turns[0].text) for i, n in enumerate(lengths)]
+    return [
+        (
+            n,
+            build_dataset(DatasetSpec("random", 1, input_len=n, output_len=1, seed=seed + i), tokenizer)[0]
+            .turns[0]
+            .text,
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
-def cold_prefill(base_url: str, model: str, text: str, timeout_s: float,
-                 extra_body: Mapping[str, object] | None = None) -> dict[str, object]:
+def cold_prefill(
+    base_url: str, model: str, text: str, timeout_s: float, extra_body: Mapping[str, object] | None = None
+) -> dict[str, object]:
     """One chat request for a single token: its latency in seconds and the prompt tokens the
     server counted (None where it does not say); or the error."""
-    body = {"model": model, "max_tokens": 1, "temperature": 0.0, "messages": [{"role": "user", "content": text}],
-            **(extra_body or {})}
+    body = {
+        "model": model,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "messages": [{"role": "user", "content": text}],
+        **(extra_body or {}),
+    }
     start = time.perf_counter()
     try:
         resp = httpx.post(base_url + "/chat/completions", json=body, timeout=timeout_s, trust_env=False)
@@ -48,8 +61,9 @@ def cold_prefill(base_url: str, model: str, text: str, timeout_s: float,
     return {"ttft_s": round(elapsed, 3), "prompt_tokens": usage.get("prompt_tokens")}
 
 
-def measure_cold_prefill(base_url: str, model: str, prompts: Sequence[tuple[int, str]],
-                         timeout_s: float) -> list[dict[str, object]]:
+def measure_cold_prefill(
+    base_url: str, model: str, prompts: Sequence[tuple[int, str]], timeout_s: float
+) -> list[dict[str, object]]:
     """`cold_prefill` of each prompt in turn, shortest first."""
     return [{"target_tokens": n, **cold_prefill(base_url, model, text, timeout_s)} for n, text in prompts]
 
@@ -57,8 +71,10 @@ def measure_cold_prefill(base_url: str, model: str, prompts: Sequence[tuple[int,
 def format_prefill(servers: Sequence[Mapping[str, object]], lengths: Sequence[int]) -> str:
     """Markdown: per server and round, the time to first token at each length (the prompt tokens
     the server counted in brackets)."""
-    lines = ["| server | round | " + " | ".join(f"~{n} tokens: TTFT (s)" for n in lengths) + " |",
-             "|---|---:|" + "---:|" * len(lengths)]
+    lines = [
+        "| server | round | " + " | ".join(f"~{n} tokens: TTFT (s)" for n in lengths) + " |",
+        "|---|---:|" + "---:|" * len(lengths),
+    ]
     for s in servers:
         measured = {m.get("target_tokens"): m for m in s.get("prefill") or [] if isinstance(m, dict)}
         if not measured:

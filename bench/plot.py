@@ -46,17 +46,20 @@ def plot_latency_vs_throughput(runs: Sequence[Run], path: Path) -> Path:
         for i, (label, results) in enumerate(runs):
             color = f"C{i % 10}"
             for pct, style in (("p50", "-"), ("p99", "--")):
-                pts = [(x, y, load_label(r)) for r in results
-                       if (x := _summary_value(r, "output_throughput")) is not None
-                       and (y := _summary_value(r, f"{key}.{pct}")) is not None]
+                pts = [
+                    (x, y, load_label(r))
+                    for r in results
+                    if (x := _summary_value(r, "output_throughput")) is not None
+                    and (y := _summary_value(r, f"{key}.{pct}")) is not None
+                ]
                 if not pts:
                     continue
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o",
-                        color=color, label=f"{label} {pct}")
+                ax.plot(
+                    [p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=color, label=f"{label} {pct}"
+                )
                 if pct == "p50":
                     for x, y, text in pts:
-                        ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4),
-                                    fontsize=7, color=color)
+                        ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
         ax.set_xlabel("output throughput (tok/s)")
         ax.set_ylabel(f"{name} (ms)")
         ax.set_title(f"{name} p50 (solid) and p99 (dashed) vs throughput")
@@ -70,11 +73,13 @@ def plot_throughput_vs_load(runs: Sequence[Run], path: Path) -> Path:
     ax = fig.subplots()
     levels: set[float] = set()
     for i, (label, results) in enumerate(runs):
-        pts = sorted((x, y) for r in results if (x := _load_value(r)) is not None
-                     and (y := _summary_value(r, "output_throughput")) is not None)
+        pts = sorted(
+            (x, y)
+            for r in results
+            if (x := _load_value(r)) is not None and (y := _summary_value(r, "output_throughput")) is not None
+        )
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i % 10}",
-                    label=label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i % 10}", label=label)
             levels.update(p[0] for p in pts)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(levels), [f"{x:g}" for x in sorted(levels)])
@@ -110,8 +115,7 @@ def plot_latency_cdfs(runs: Sequence[Run], path: Path) -> Path:
                 ys = [(k + 1) / len(values) for k in range(len(values))]
                 # Levels of one file share its colour, lighter for lighter load.
                 alpha = 0.35 + 0.65 * (j + 1) / len(results)
-                ax.step(values, ys, where="post", color=f"C{i % 10}", alpha=alpha,
-                        label=f"{label} {load_label(r)}")
+                ax.step(values, ys, where="post", color=f"C{i % 10}", alpha=alpha, label=f"{label} {load_label(r)}")
         if lo > 0 and hi / lo > 20:  # a log axis only where the spread needs one
             ax.set_xscale("log")
         ax.set_xlabel(f"{name} (ms)")
@@ -145,8 +149,10 @@ def plot_throughput_bars(rows: Sequence[dict[str, object]], path: str | Path) ->
     for i, server in enumerate(servers):
         xs, ys = [], []
         for j, level in enumerate(levels):
-            y = next((_num(r.get("output_throughput")) for r in rows
-                      if r["server"] == server and r.get("streams") == level), None)
+            y = next(
+                (_num(r.get("output_throughput")) for r in rows if r["server"] == server and r.get("streams") == level),
+                None,
+            )
             if y is not None:
                 xs.append(j + (i - (len(servers) - 1) / 2) * width)
                 ys.append(y)
@@ -159,16 +165,20 @@ def plot_throughput_bars(rows: Sequence[dict[str, object]], path: str | Path) ->
     return _save(fig, Path(path))
 
 
-def plot_soak_timeline(samples: Sequence[dict[str, float]], ttfts: Sequence[tuple[float, float]],
-                       path: str | Path, title: str = "") -> Path:
+def plot_soak_timeline(
+    samples: Sequence[dict[str, float]], ttfts: Sequence[tuple[float, float]], path: str | Path, title: str = ""
+) -> Path:
     """`bench soak --abuse`: resident memory (engine, HTTP) and the grammar cache's bytes against
     time, above the well-behaved clients' TTFTs (seconds since the start, TTFT)."""
     fig = Figure(figsize=(11, 6.4))
     top, bottom = fig.subplots(2, 1, sharex=True)
     t = [s["t"] for s in samples]
-    for key, label in (("engine_rss_mib", "engine RSS"), ("http_rss_mib", "HTTP RSS"),
-                       ("grammar_cache_mib", "grammar cache (xgrammar's size)"),
-                       ("grammar_held_mib", "grammars held by requests past the cache")):
+    for key, label in (
+        ("engine_rss_mib", "engine RSS"),
+        ("http_rss_mib", "HTTP RSS"),
+        ("grammar_cache_mib", "grammar cache (xgrammar's size)"),
+        ("grammar_held_mib", "grammars held by requests past the cache"),
+    ):
         ys = [s.get(key) for s in samples]
         if any(y is not None for y in ys):
             top.plot(t, [y if y is not None else float("nan") for y in ys], label=label)

@@ -11,7 +11,6 @@ import statistics
 import time
 
 
-
 def measure(model: str | None, threshold: int, long_len: int, num_decoders: int) -> dict[str, float]:
     # NOTE: imported here, as bench/__main__.py's offline subcommand does (tests/test_layering.py).
     from engine.config import EngineConfig
@@ -19,13 +18,23 @@ def measure(model: str | None, threshold: int, long_len: int, num_decoders: int)
     from engine.core_types import EngineCoreRequest
     from scheduler.request import SamplingParams
 
-    core = EngineCore(EngineConfig(model=model, max_model_len=long_len + 64, kv_cache_memory="512MiB",
-                                   max_num_batched_tokens=4096, long_prefill_token_threshold=threshold,
-                                   engine_process=False, enable_prefix_caching=False))
+    core = EngineCore(
+        EngineConfig(
+            model=model,
+            max_model_len=long_len + 64,
+            kv_cache_memory="512MiB",
+            max_num_batched_tokens=4096,
+            long_prefill_token_threshold=threshold,
+            engine_process=False,
+            enable_prefix_caching=False,
+        )
+    )
     greedy = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     long = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     # Warm-up: one long prompt through first, so the first measured run pays no one-off costs.
-    core.add_request(EngineCoreRequest("warm", tuple(200 + i % 500 for i in range(long_len)), long, (), time.monotonic()))
+    core.add_request(
+        EngineCoreRequest("warm", tuple(200 + i % 500 for i in range(long_len)), long, (), time.monotonic())
+    )
     while core.has_unfinished():
         core.step()
     for i in range(num_decoders):
@@ -41,8 +50,13 @@ def measure(model: str | None, threshold: int, long_len: int, num_decoders: int)
         steps.append(time.monotonic() - t)
         if any(o.request_id == "long" for o in out.outputs):
             break
-    return {"threshold": threshold, "ttft_long_s": time.monotonic() - start, "steps": len(steps),
-            "max_step_s": max(steps), "mean_step_s": statistics.fmean(steps)}
+    return {
+        "threshold": threshold,
+        "ttft_long_s": time.monotonic() - start,
+        "steps": len(steps),
+        "max_step_s": max(steps),
+        "mean_step_s": statistics.fmean(steps),
+    }
 
 
 def main() -> None:
@@ -55,8 +69,10 @@ def main() -> None:
     print(f"{'threshold':>9} {'long TTFT s':>11} {'steps':>5} {'max step s':>10} {'mean step s':>11}")
     for threshold in (int(x) for x in args.thresholds.split(",")):
         r = measure(args.model, threshold, args.long_len, args.decoders)
-        print(f"{threshold or 'none':>9} {r['ttft_long_s']:>11.3f} {r['steps']:>5} {r['max_step_s']:>10.3f} "
-              f"{r['mean_step_s']:>11.3f}")
+        print(
+            f"{threshold or 'none':>9} {r['ttft_long_s']:>11.3f} {r['steps']:>5} {r['max_step_s']:>10.3f} "
+            f"{r['mean_step_s']:>11.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -32,9 +32,21 @@ MODULE_KINDS = {
     "DecoderLayer": "residuals",  # the two residual adds
     "DecoderForCausalLM": "embedding",
 }
-KINDS = ("matmuls", "lm_head", "attention", "attention plan", "norms", "rope", "activation",
-         "residuals", "attention glue", "embedding", "compiled forward", "sampling",
-         "engine (schedule, batch, update)")
+KINDS = (
+    "matmuls",
+    "lm_head",
+    "attention",
+    "attention plan",
+    "norms",
+    "rope",
+    "activation",
+    "residuals",
+    "attention glue",
+    "embedding",
+    "compiled forward",
+    "sampling",
+    "engine (schedule, batch, update)",
+)
 
 
 class _SelfTimer:
@@ -67,6 +79,7 @@ class _SelfTimer:
                 return fn(*args, **kwargs)
             finally:
                 self.exit()
+
         return timed
 
 
@@ -118,13 +131,26 @@ class StepProfile:
     kind_cpu_ms: dict[str, float]  # hooked self CPU time per step, per kind
 
     def to_dict(self) -> dict[str, object]:
-        return {"batch_size": self.batch_size, "num_steps": self.num_steps, "step_ms": self.step_ms,
-                "cpu_ms": self.cpu_ms, "hooked_step_ms": self.hooked_step_ms,
-                "hooked_cpu_ms": self.hooked_cpu_ms, "kind_ms": self.kind_ms, "kind_cpu_ms": self.kind_cpu_ms}
+        return {
+            "batch_size": self.batch_size,
+            "num_steps": self.num_steps,
+            "step_ms": self.step_ms,
+            "cpu_ms": self.cpu_ms,
+            "hooked_step_ms": self.hooked_step_ms,
+            "hooked_cpu_ms": self.hooked_cpu_ms,
+            "kind_ms": self.kind_ms,
+            "kind_cpu_ms": self.kind_cpu_ms,
+        }
 
 
-def profile_decode(engine: OfflineEngine, batch_size: int, prompt_len: int, num_steps: int,
-                   temperature: float = 0.0, op_table: bool = False) -> tuple[StepProfile, str | None]:
+def profile_decode(
+    engine: OfflineEngine,
+    batch_size: int,
+    prompt_len: int,
+    num_steps: int,
+    temperature: float = 0.0,
+    op_table: bool = False,
+) -> tuple[StepProfile, str | None]:
     """Fill a decode batch of `batch_size` requests, then time `num_steps` steps plain and
     `num_steps` steps with hooks (and, with `op_table`, `num_steps` more under torch.profiler)."""
     from scheduler.request import SamplingParams
@@ -173,9 +199,11 @@ def profile_decode(engine: OfflineEngine, batch_size: int, prompt_len: int, num_
 def format_profile(profiles: Sequence[StepProfile], title: str) -> str:
     """ms per step by kind: wall, CPU (all threads), and the kind's share of the step's CPU."""
     width = 34 + 24 * len(profiles)
-    lines = [f"{' ' + title + ' ':=^{width}}",
-             f"{'':<34}" + "".join(f"{'batch ' + str(p.batch_size):>24}" for p in profiles),
-             f"{'kind':<34}" + "".join(f"{'wall':>8}{'cpu':>8}{'cpu %':>8}" for _ in profiles)]
+    lines = [
+        f"{' ' + title + ' ':=^{width}}",
+        f"{'':<34}" + "".join(f"{'batch ' + str(p.batch_size):>24}" for p in profiles),
+        f"{'kind':<34}" + "".join(f"{'wall':>8}{'cpu':>8}{'cpu %':>8}" for _ in profiles),
+    ]
     for kind in KINDS:
         if not any(kind in p.kind_ms for p in profiles):
             continue
@@ -184,9 +212,10 @@ def format_profile(profiles: Sequence[StepProfile], title: str) -> str:
             ms, cpu = p.kind_ms.get(kind, 0.0), p.kind_cpu_ms.get(kind, 0.0)
             cells.append(f"{ms:>8.2f}{cpu:>8.2f}{100 * cpu / max(p.hooked_cpu_ms, 1e-9):>7.1f}%")
         lines.append(f"{kind:<34}" + "".join(cells))
-    lines.append(f"{'step, with the hooks':<34}" + "".join(
-        f"{p.hooked_step_ms:>8.2f}{p.hooked_cpu_ms:>8.2f}{'':>8}" for p in profiles))
+    lines.append(
+        f"{'step, with the hooks':<34}"
+        + "".join(f"{p.hooked_step_ms:>8.2f}{p.hooked_cpu_ms:>8.2f}{'':>8}" for p in profiles)
+    )
     lines.append(f"{'step, no hooks':<34}" + "".join(f"{p.step_ms:>8.2f}{p.cpu_ms:>8.2f}{'':>8}" for p in profiles))
     lines.append("=" * width)
     return "\n".join(lines)
-

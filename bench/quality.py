@@ -53,8 +53,15 @@ def windows(token_ids: list[int], size: int, max_tokens: int) -> list[list[int]]
 
 
 def score_window(client: httpx.Client, model: str, window: list[int]) -> Scored:
-    body = {"model": model, "prompt": window, "max_tokens": 0, "echo": True, "logprobs": 0,
-            "prompt_logprobs": 1, "temperature": 0}
+    body = {
+        "model": model,
+        "prompt": window,
+        "max_tokens": 0,
+        "echo": True,
+        "logprobs": 0,
+        "prompt_logprobs": 1,
+        "temperature": 0,
+    }
     response = client.post("/completions", json=body)
     if response.status_code != 200:
         raise EndpointError(f"/completions answered {response.status_code}: {response.text[:300]}")
@@ -69,16 +76,22 @@ def score_window(client: httpx.Client, model: str, window: list[int]) -> Scored:
 def tokenize(base_url: str, model: str, text: str, headers: dict[str, str]) -> tuple[list[int], int]:
     """Token ids and the server's max_model_len, from POST /tokenize at the server root."""
     root = base_url.rstrip("/").removesuffix("/v1")
-    response = httpx.post(root + "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False},
-                          headers=headers, timeout=300.0, trust_env=False)
+    response = httpx.post(
+        root + "/tokenize",
+        json={"model": model, "prompt": text, "add_special_tokens": False},
+        headers=headers,
+        timeout=300.0,
+        trust_env=False,
+    )
     if response.status_code != 200:
         raise EndpointError(f"{root}/tokenize answered {response.status_code}: {response.text[:300]}")
     body = response.json()
     return body["tokens"], int(body["max_model_len"])
 
 
-def run_quality(base_url: str, model: str | None, text: str, window: int | None, max_tokens: int,
-                api_key: str | None = None) -> tuple[str, Scored, int]:
+def run_quality(
+    base_url: str, model: str | None, text: str, window: int | None, max_tokens: int, api_key: str | None = None
+) -> tuple[str, Scored, int]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = model or discover_model(base_url, api_key)
     token_ids, max_model_len = tokenize(base_url, model, text, headers)
@@ -87,8 +100,11 @@ def run_quality(base_url: str, model: str | None, text: str, window: int | None,
     with httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=3600.0, trust_env=False) as client:
         for chunk in tqdm(windows(token_ids, size, max_tokens), desc="quality", unit="window", file=sys.stderr):
             parts.append(score_window(client, model, chunk))
-    merged = Scored([x for p in parts for x in p.logprobs], [x for p in parts for x in p.top1_ids],
-                    [x for p in parts for x in p.target_ids])
+    merged = Scored(
+        [x for p in parts for x in p.logprobs],
+        [x for p in parts for x in p.top1_ids],
+        [x for p in parts for x in p.target_ids],
+    )
     return model, merged, size
 
 
@@ -101,13 +117,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's OpenAI base URL")
     p.add_argument("--model", default=None, help="model name; default: the first of GET /models")
     p.add_argument("--api-key", default=None, help="bearer token, if the server wants one")
-    p.add_argument("--text", default=None, help="a UTF-8 text file; default: the standard library's "
-                   "pydoc_data/topics.py documentation strings")
-    p.add_argument("--window", type=int, default=None,
-                   help="tokens per window; default: the server's context length less one")
+    p.add_argument(
+        "--text",
+        default=None,
+        help="a UTF-8 text file; default: the standard library's pydoc_data/topics.py documentation strings",
+    )
+    p.add_argument(
+        "--window", type=int, default=None, help="tokens per window; default: the server's context length less one"
+    )
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="score the text's first N tokens")
-    p.add_argument("--reference", default=None,
-                   help="a result file of another run over the same tokens: report top-1 agreement with it")
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="a result file of another run over the same tokens: report top-1 agreement with it",
+    )
     p.add_argument("--out", default=None, help="write the result (per-token logprobs and top-1 ids) as JSON here")
 
 
@@ -124,13 +147,21 @@ def cmd_quality(args: argparse.Namespace) -> int:
     if args.reference:
         ref = _load(Path(args.reference))
         diffs = [abs(x - y) for x, y in zip(scored.logprobs, ref.logprobs)]
-        print(f"  vs {args.reference}: top-1 agreement {agreement(scored, ref):.2%} over {len(scored.top1_ids)} "
-              f"positions; perplexity {ref.perplexity:.4f} there (ratio {scored.perplexity / ref.perplexity:.4f}); "
-              f"mean |d logprob| {sum(diffs) / len(diffs):.4f}")
+        print(
+            f"  vs {args.reference}: top-1 agreement {agreement(scored, ref):.2%} over {len(scored.top1_ids)} "
+            f"positions; perplexity {ref.perplexity:.4f} there (ratio {scored.perplexity / ref.perplexity:.4f}); "
+            f"mean |d logprob| {sum(diffs) / len(diffs):.4f}"
+        )
     if args.out:
-        document: dict[str, Any] = {"model": model, "text": source, "window": size, "perplexity": scored.perplexity,
-                                    "logprobs": scored.logprobs, "top1_ids": scored.top1_ids,
-                                    "target_ids": scored.target_ids}
+        document: dict[str, Any] = {
+            "model": model,
+            "text": source,
+            "window": size,
+            "perplexity": scored.perplexity,
+            "logprobs": scored.logprobs,
+            "top1_ids": scored.top1_ids,
+            "target_ids": scored.target_ids,
+        }
         Path(args.out).write_bytes(orjson.dumps(document))
     return 0
 

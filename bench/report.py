@@ -86,11 +86,13 @@ def format_summary(result: Result) -> str:
         lines.append(f"{name:<42}{fmt(value)}")
 
     row("endpoint", f"{cfg.get('endpoint')} @ {cfg.get('base_url')}")
-    row("dataset", f"{dataset.get('name')} in={dataset.get('input_len')} "
-                   f"out={dataset.get('output_len') or 'default'} "
-                   f"(tokenizer {cfg.get('tokenizer')})")
-    row("completed / failed / cancelled", f"{s.get('completed')} / {s.get('failed')} / "
-                                           f"{s.get('cancelled')}")
+    row(
+        "dataset",
+        f"{dataset.get('name')} in={dataset.get('input_len')} "
+        f"out={dataset.get('output_len') or 'default'} "
+        f"(tokenizer {cfg.get('tokenizer')})",
+    )
+    row("completed / failed / cancelled", f"{s.get('completed')} / {s.get('failed')} / {s.get('cancelled')}")
     row("duration (s)", s.get("duration_s"))
     row("request throughput (req/s)", s.get("request_throughput"))
     row("output token throughput (tok/s)", s.get("output_throughput"))
@@ -98,8 +100,7 @@ def format_summary(result: Result) -> str:
     if s.get("goodput") is not None:
         row(f"goodput ({s.get('slo')}) (req/s)", s.get("goodput"))
     row("mean requests in flight", s.get("concurrency"))
-    row("prompt / output tokens", f"{s.get('total_prompt_tokens')} / "
-                                  f"{s.get('total_output_tokens')}")
+    row("prompt / output tokens", f"{s.get('total_prompt_tokens')} / {s.get('total_output_tokens')}")
     lines.append(f"{'latency (ms)':<18}" + "".join(f"{c:>12}" for c in COLUMNS))
     for name, key in LATENCIES:
         lines.append(f"{name:<18}" + "".join(f"{fmt(s.get(f'{key}.{c}')):>12}" for c in COLUMNS))
@@ -115,10 +116,31 @@ def format_summary(result: Result) -> str:
 
 def format_sweep(results: Sequence[Result]) -> str:
     """One row per load level: throughput against the latencies that matter."""
-    head = ("load", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-            "TPOT p50", "E2E p50", "ok", "failed")
-    keys = ("request_throughput", "output_throughput", "ttft_ms.p50", "ttft_ms.p99", "itl_ms.p50",
-            "itl_ms.p99", "tpot_ms.p50", "e2e_ms.p50", "completed", "failed")
+    head = (
+        "load",
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "ITL p50",
+        "ITL p99",
+        "TPOT p50",
+        "E2E p50",
+        "ok",
+        "failed",
+    )
+    keys = (
+        "request_throughput",
+        "output_throughput",
+        "ttft_ms.p50",
+        "ttft_ms.p99",
+        "itl_ms.p50",
+        "itl_ms.p99",
+        "tpot_ms.p50",
+        "e2e_ms.p50",
+        "completed",
+        "failed",
+    )
     lines = [f"{head[0]:<18}" + "".join(f"{h:>11}" for h in head[1:])]
     for r in results:
         s = _summary(r)
@@ -139,8 +161,7 @@ def format_compare(a: Sequence[Result], b: Sequence[Result], name_a: str, name_b
     width = max(len(name_a), len(name_b), 12) + 2
     out: list[str] = []
     for ra, rb in pairs:
-        level = load_label(ra) if load_label(ra) == load_label(rb) else \
-            f"{load_label(ra)} vs {load_label(rb)}"
+        level = load_label(ra) if load_label(ra) == load_label(rb) else f"{load_label(ra)} vs {load_label(rb)}"
         out.append(f"{' ' + level + ' ':=^{30 + 2 * width + 10}}")
         out.append(f"{'metric':<30}{name_a:>{width}}{name_b:>{width}}{'b/a':>10}  b is")
         sa, sb = _summary(ra), _summary(rb)

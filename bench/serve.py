@@ -53,8 +53,12 @@ class Target:
 
     def payload(self, conv: Conversation, turn: int, answers: Sequence[str]) -> dict[str, object]:
         max_tokens = conv.turns[turn].max_tokens
-        body: dict[str, object] = {"model": self.model, "max_tokens": max_tokens, "stream": True,
-                                   "stream_options": {"include_usage": True}}
+        body: dict[str, object] = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.endpoint == "chat":
             body["messages"] = conv.messages(turn, answers)
         else:
@@ -128,8 +132,7 @@ def discover_model(base_url: str, api_key: str | None) -> str:
     """The first model id of GET /models."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        resp = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=10.0,
-                         trust_env=False)
+        resp = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=10.0, trust_env=False)
         resp.raise_for_status()
         return str(resp.json()["data"][0]["id"])
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
@@ -177,8 +180,9 @@ class _Stream:
             if self.chat:
                 delta = choice.get("delta") or {}
                 piece = delta.get("content") or ""
-                carries = carries or bool(piece or delta.get("reasoning_content")
-                                          or delta.get("reasoning") or delta.get("tool_calls"))
+                carries = carries or bool(
+                    piece or delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls")
+                )
             else:
                 piece = choice.get("text") or ""
                 carries = carries or bool(piece)
@@ -200,26 +204,38 @@ class _Stream:
             self.error = "empty_output"
             self.message = f"no output-bearing chunk arrived (usage: {tokens} completion tokens)"
 
-    def record(self, index: int, conv: Conversation, turn: int, send_time: float, send: float,
-               end: float | None) -> RequestRecord:
+    def record(
+        self, index: int, conv: Conversation, turn: int, send_time: float, send: float, end: float | None
+    ) -> RequestRecord:
         usage = self.usage or {}
         counted = usage.get("completion_tokens") is None
         times = self.chunk_times
         return RequestRecord(
-            index=index, send_time=send_time, ttft=times[0] - send if times else None,
+            index=index,
+            send_time=send_time,
+            ttft=times[0] - send if times else None,
             itls=tuple(b - a for a, b in zip(times, times[1:])),
             e2e=None if end is None or self.error else end - send,
-            prompt_tokens=None if usage.get("prompt_tokens") is None else
-            int(usage["prompt_tokens"]),
+            prompt_tokens=None if usage.get("prompt_tokens") is None else int(usage["prompt_tokens"]),
             output_tokens=len(times) if counted else int(usage["completion_tokens"]),
-            usage_counted=counted, error=self.error, error_message=self.message,
-            conversation_id=conv.conversation_id, turn=turn,
-            max_tokens=conv.turns[turn].max_tokens)
+            usage_counted=counted,
+            error=self.error,
+            error_message=self.message,
+            conversation_id=conv.conversation_id,
+            turn=turn,
+            max_tokens=conv.turns[turn].max_tokens,
+        )
 
 
 async def send_request(
-    client: httpx.AsyncClient, target: Target, conv: Conversation, turn: int,
-    answers: Sequence[str], index: int, t0: float, record: Callable[[RequestRecord], None],
+    client: httpx.AsyncClient,
+    target: Target,
+    conv: Conversation,
+    turn: int,
+    answers: Sequence[str],
+    index: int,
+    t0: float,
+    record: Callable[[RequestRecord], None],
 ) -> str | None:
     """Send one streamed request, hand its record to `record`, return the answer text (None if
     it failed). NOTE: cancellation records the request as cancelled, then propagates."""
@@ -228,8 +244,7 @@ async def send_request(
     end: float | None = None
     send = time.perf_counter()
     try:
-        async with client.stream("POST", target.url, json=payload,
-                                 headers=target.headers) as resp:
+        async with client.stream("POST", target.url, json=payload, headers=target.headers) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread())[:500].decode("utf-8", "replace")
                 stream.error, stream.message = f"http_{resp.status_code}", body
@@ -263,8 +278,12 @@ class _Budget:
 
 
 async def run_load(
-    target: Target, load: Load, conversations: Sequence[Conversation], *,
-    on_record: Callable[[RequestRecord], None] | None = None, stop: asyncio.Event | None = None,
+    target: Target,
+    load: Load,
+    conversations: Sequence[Conversation],
+    *,
+    on_record: Callable[[RequestRecord], None] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> RunResult:
     """Drive `conversations` at `load` until the count, the time bound or `stop` ends the run;
     requests still in flight then are recorded as cancelled."""
@@ -277,11 +296,9 @@ async def run_load(
 
     # Closed loop: `concurrency` clients bound what is in flight. Open loop: the optional cap
     # holds per request, as vLLM's --max-concurrency does.
-    gate = (asyncio.Semaphore(load.max_concurrency)
-            if load.request_rate is not None and load.max_concurrency else None)
+    gate = asyncio.Semaphore(load.max_concurrency) if load.request_rate is not None and load.max_concurrency else None
 
-    async def one(client: httpx.AsyncClient, conv: Conversation, turn: int,
-                  answers: list[str]) -> str | None:
+    async def one(client: httpx.AsyncClient, conv: Conversation, turn: int, answers: list[str]) -> str | None:
         index = budget.take()
         if index is None:
             return None
@@ -336,12 +353,10 @@ async def run_load(
         # context), which would otherwise delay the first arrivals of the schedule.
         t0 = time.perf_counter()
         budget = _Budget(load.num_requests, t0 + load.duration_s)
-        main = asyncio.ensure_future(
-            closed_loop(client) if load.concurrency is not None else open_loop(client))
+        main = asyncio.ensure_future(closed_loop(client) if load.concurrency is not None else open_loop(client))
         stopped = asyncio.ensure_future((stop or asyncio.Event()).wait())
         try:
-            await asyncio.wait({main, stopped}, timeout=load.duration_s,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({main, stopped}, timeout=load.duration_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             cut = not main.done()
             interrupted = cut and stopped.done()
@@ -370,5 +385,4 @@ async def probe_target(target: Target) -> tuple[Target, str | None]:
             if got[0].error not in ("http_400", "http_422"):
                 break
             note = f"server rejected ignore_eos/min_tokens ({got[0].error}); output lengths vary"
-    raise EndpointError(f"probe request to {target.url} failed: {got[0].error}: "
-                        f"{got[0].error_message}")
+    raise EndpointError(f"probe request to {target.url} failed: {got[0].error}: {got[0].error_message}")

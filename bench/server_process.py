@@ -23,11 +23,13 @@ class ServerFailed(RuntimeError):
 def cpu_busy(interval_s: float = 1.0) -> float:
     """Fraction of all cores busy over `interval_s` (from /proc/stat; 0 where it is missing).
     Unlike the load average it does not lag behind the previous server."""
+
     def sample() -> tuple[int, int]:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
         return sum(fields), idle
+
     try:
         t0, i0 = sample()
         time.sleep(interval_s)
@@ -48,15 +50,16 @@ def quiet_warning(snapshot: Mapping[str, float], cores: int, per_core: float = 0
     NOTE: the 1-minute load average is recorded but does not decide: right after the previous
     server's measurement it still reads ~1.5 on an idle 2-core machine (it decays over minutes)."""
     if snapshot["cpu_busy"] > per_core:
-        return (f"machine not quiet: load {snapshot['load1']:.2f} on {cores} cores, "
-                f"{snapshot['cpu_busy']:.0%} busy; figures are not comparable with a quiet run")
+        return (
+            f"machine not quiet: load {snapshot['load1']:.2f} on {cores} cores, "
+            f"{snapshot['cpu_busy']:.0%} busy; figures are not comparable with a quiet run"
+        )
     return None
 
 
 def run_version(argv: Sequence[str], env: Mapping[str, str]) -> str:
     try:
-        done = subprocess.run(list(argv), env={**os.environ, **env}, capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(list(argv), env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unknown ({type(e).__name__})"
     lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
@@ -82,14 +85,18 @@ def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
 
 
 @contextlib.contextmanager
-def running(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> Iterator[
-        subprocess.Popen[bytes]]:
+def running(argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """The server, in a new session (its own process group: Ctrl-C reaches only us, and the
     group is stopped whatever happens inside the block)."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(list(argv), env={**os.environ, **env}, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            list(argv),
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     try:
         yield proc
     finally:
@@ -108,11 +115,9 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_pa
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if proc.poll() is not None:
-            raise ServerFailed(f"exited with {proc.returncode} before answering:\n"
-                               f"{_tail(log_path)}")
+            raise ServerFailed(f"exited with {proc.returncode} before answering:\n{_tail(log_path)}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url, timeout=2.0, trust_env=False).status_code == 200:
                 return time.monotonic() - t0
         time.sleep(0.5)
-    raise ServerFailed(f"no answer at {url} within {timeout_s:g}s:\n"
-                       f"{_tail(log_path)}")
+    raise ServerFailed(f"no answer at {url} within {timeout_s:g}s:\n{_tail(log_path)}")

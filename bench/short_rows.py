@@ -15,7 +15,9 @@ from functools import partial
 from pathlib import Path
 
 SHAPES = {  # name: (batch, key heads, value heads, head_k_dim, head_v_dim)
-    "tiny-1": (1, 1, 2, 8, 4), "small-4": (4, 2, 4, 32, 32), "qwen3.5-1": (1, 16, 32, 128, 128),
+    "tiny-1": (1, 1, 2, 8, 4),
+    "small-4": (4, 2, 4, 32, 32),
+    "qwen3.5-1": (1, 16, 32, 128, 128),
     "qwen3.5-4": (4, 16, 32, 128, 128),
 }
 
@@ -57,14 +59,22 @@ def main() -> None:
                 times["chunked"] = min(times["chunked"], best_ms(chunked, args.repeats))
                 times["recurrence"] = min(times["recurrence"], best_ms(recurrence, args.repeats))
             (o1, s1), (o2, s2) = chunked(), recurrence()
-            row = {"shape": name, "batch": b, "L": length, "chunked_ms": round(times["chunked"], 3),
-                   "recurrence_ms": round(times["recurrence"], 3),
-                   "chunked_over_recurrence": round(times["chunked"] / times["recurrence"], 2),
-                   "max_abs_diff": float(max((o1 - o2).abs().max(), (s1 - s2).abs().max()))}
+            row = {
+                "shape": name,
+                "batch": b,
+                "L": length,
+                "chunked_ms": round(times["chunked"], 3),
+                "recurrence_ms": round(times["recurrence"], 3),
+                "chunked_over_recurrence": round(times["chunked"] / times["recurrence"], 2),
+                "max_abs_diff": float(max((o1 - o2).abs().max(), (s1 - s2).abs().max())),
+            }
             rows.append(row)
-            print(f"{name:10} L={length:3} chunked={row['chunked_ms']:9.3f} ms "
-                  f"recurrence={row['recurrence_ms']:9.3f} ms "
-                  f"ratio={row['chunked_over_recurrence']:7.2f} diff={row['max_abs_diff']:.1e}", flush=True)
+            print(
+                f"{name:10} L={length:3} chunked={row['chunked_ms']:9.3f} ms "
+                f"recurrence={row['recurrence_ms']:9.3f} ms "
+                f"ratio={row['chunked_over_recurrence']:7.2f} diff={row['max_abs_diff']:.1e}",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -93,8 +93,11 @@ class SoakReport:
         end, limit = self.end, self.config.max_rss_growth_mib
         if self.tally.counts["greedy"] == 0:
             out.append("no greedy answer was checked (all refused?)")
-        for name, value in (("running", end.num_running), ("waiting", end.num_waiting),
-                            ("KV pages held", end.kv_pages_held)):
+        for name, value in (
+            ("running", end.num_running),
+            ("waiting", end.num_waiting),
+            ("KV pages held", end.kv_pages_held),
+        ):
             if value:
                 out.append(f"{name} is {value:g} after {end.settled_s:.1f} s idle (expected 0)")
         if end.rss_warm is not None and end.rss_end is not None and (end.rss_end - end.rss_warm) / 2**20 > limit:
@@ -107,10 +110,17 @@ class SoakReport:
 def format_report(report: SoakReport) -> str:
     c, t, end = report.config, report.tally.counts, report.end
     total = sum(t[k] for k in ("ok", "greedy", "refused", "overloaded", "disconnected", "failed"))
-    growth = "n/a" if end.rss_warm is None or end.rss_end is None else f"{(end.rss_end - end.rss_warm) / 2**20:+.1f} MiB"
-    idle = "n/a (no fp4serve metrics)" if end.num_running is None else (
-        f"running {end.num_running:g}, waiting {end.num_waiting:g}, KV pages held {end.kv_pages_held:g} "
-        f"(after {end.settled_s:.1f} s)")
+    growth = (
+        "n/a" if end.rss_warm is None or end.rss_end is None else f"{(end.rss_end - end.rss_warm) / 2**20:+.1f} MiB"
+    )
+    idle = (
+        "n/a (no fp4serve metrics)"
+        if end.num_running is None
+        else (
+            f"running {end.num_running:g}, waiting {end.num_waiting:g}, KV pages held {end.kv_pages_held:g} "
+            f"(after {end.settled_s:.1f} s)"
+        )
+    )
     lines = [
         f"soak: {c.duration_s:g} s, {c.concurrency} clients, seed {c.seed}, {c.base_url} ({report.server}), {c.model}",
         f"traffic    {total} requests: {t['greedy'] + t['ok']} served, {t['refused']} refused (4xx), "
@@ -123,7 +133,9 @@ def format_report(report: SoakReport) -> str:
     if end.exit_code is not None:
         lines.append(f"server     exited {end.exit_code} after SIGTERM")
     failures = report.failures()
-    lines += [f"  FAIL {f}" for f in failures[:10]] + ([f"  ... {len(failures) - 10} more"] if len(failures) > 10 else [])
+    lines += [f"  FAIL {f}" for f in failures[:10]] + (
+        [f"  ... {len(failures) - 10} more"] if len(failures) > 10 else []
+    )
     lines.append("FAIL" if failures else "PASS")
     return "\n".join(lines)
 
@@ -134,12 +146,17 @@ def _mib(num_bytes: int | None) -> str:
 
 # ---- traffic -------------------------------------------------------------------------------------------
 def chat_body(config: SoakConfig, prompt: str, **extra: Any) -> dict[str, Any]:
-    return {"model": config.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": config.max_tokens,
-            "ignore_eos": True, **extra}
+    return {
+        "model": config.model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": config.max_tokens,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def sse_events(lines: list[str]) -> list[Any]:
-    return [l[6:] if l[6:] == "[DONE]" else orjson.loads(l[6:]) for l in lines if l.startswith("data: ")]
+    return [ln[6:] if ln[6:] == "[DONE]" else orjson.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
 
 
 @dataclass(frozen=True)
@@ -168,8 +185,9 @@ def refusal(status: int, headers: httpx.Headers, body: bytes, what: str) -> Outc
     return Outcome("failed", f"{what}: {status} {body[:160]!r}")
 
 
-async def one_greedy(client: httpx.AsyncClient, config: SoakConfig, reference: dict[str, str],
-                     rng: random.Random) -> Outcome:
+async def one_greedy(
+    client: httpx.AsyncClient, config: SoakConfig, reference: dict[str, str], rng: random.Random
+) -> Outcome:
     prompt, stream = rng.choice(PROMPTS), rng.random() < 0.5
     body = chat_body(config, prompt, temperature=0, stream=stream)
     async with client.stream("POST", "/chat/completions", json=body) as r:
@@ -177,15 +195,21 @@ async def one_greedy(client: httpx.AsyncClient, config: SoakConfig, reference: d
             return refusal(r.status_code, r.headers, await r.aread(), "greedy")
         if stream:
             events = sse_events([line async for line in r.aiter_lines()])
-            text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
-                           if isinstance(e, dict) and e.get("choices"))
+            text = "".join(
+                e["choices"][0]["delta"].get("content") or ""
+                for e in events
+                if isinstance(e, dict) and e.get("choices")
+            )
             whole = events[-1:] == ["[DONE]"] and not any(isinstance(e, dict) and "error" in e for e in events)
         else:
             text, whole = orjson.loads(await r.aread())["choices"][0]["message"]["content"], True
     if whole and text == reference[prompt]:
         return Outcome("greedy")
-    return Outcome("failed", f"greedy {'stream' if stream else 'answer'} for {prompt!r}: {text!r} != reference "
-                             f"{reference[prompt]!r}{'' if whole else ' (cut short)'}")
+    return Outcome(
+        "failed",
+        f"greedy {'stream' if stream else 'answer'} for {prompt!r}: {text!r} != reference "
+        f"{reference[prompt]!r}{'' if whole else ' (cut short)'}",
+    )
 
 
 async def one_other(kind: str, client: httpx.AsyncClient, config: SoakConfig, rng: random.Random) -> Outcome:
@@ -198,8 +222,10 @@ async def one_other(kind: str, client: httpx.AsyncClient, config: SoakConfig, rn
         return refusal(r.status_code, r.headers, r.content, f"invalid {payload!r:.60}")
     if kind == "sampled":
         n = rng.choice((1, 2))
-        r = await client.post("/chat/completions", json=chat_body(
-            config, rng.choice(PROMPTS), temperature=0.9, seed=rng.randrange(1 << 30), n=n))
+        r = await client.post(
+            "/chat/completions",
+            json=chat_body(config, rng.choice(PROMPTS), temperature=0.9, seed=rng.randrange(1 << 30), n=n),
+        )
         if r.status_code != 200:
             return refusal(r.status_code, r.headers, r.content, "sampled")
         choices = r.json()["choices"]
@@ -217,8 +243,9 @@ async def one_other(kind: str, client: httpx.AsyncClient, config: SoakConfig, rn
     return Outcome("disconnected")
 
 
-async def client_loop(index: int, client: httpx.AsyncClient, config: SoakConfig, reference: dict[str, str],
-                      until: float, tally: Tally) -> None:
+async def client_loop(
+    index: int, client: httpx.AsyncClient, config: SoakConfig, reference: dict[str, str], until: float, tally: Tally
+) -> None:
     rng = random.Random(config.seed * 1_000_003 + index)
     kinds = [k for k, w in WEIGHTS.items() for _ in range(w)]
     while time.monotonic() < until:
@@ -273,8 +300,10 @@ async def settle(
     start = time.monotonic()
     while True:
         text = (await client.get(f"{root}/metrics")).text
-        running, waiting, usage, pages = (metric(text, f"fp4serve_{n}") for n in (
-            "num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "kv_cache_pages_total"))
+        running, waiting, usage, pages = (
+            metric(text, f"fp4serve_{n}")
+            for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "kv_cache_pages_total")
+        )
         held = None if usage is None or pages is None else round(usage * pages)
         elapsed = time.monotonic() - start
         if running is None or not (running or waiting or held) or elapsed > limit_s:
@@ -286,8 +315,13 @@ async def run_soak(config: SoakConfig, pid: int | None = None) -> tuple[Tally, E
     root = config.base_url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=config.concurrency + 4)
-    async with httpx.AsyncClient(base_url=config.base_url.rstrip("/"), headers=headers, limits=limits,
-                                 timeout=config.request_timeout_s, trust_env=False) as client:
+    async with httpx.AsyncClient(
+        base_url=config.base_url.rstrip("/"),
+        headers=headers,
+        limits=limits,
+        timeout=config.request_timeout_s,
+        trust_env=False,
+    ) as client:
         reference = {}
         for prompt in PROMPTS:  # alone, before any load
             r = await client.post("/chat/completions", json=chat_body(config, prompt, temperature=0))
@@ -297,8 +331,9 @@ async def run_soak(config: SoakConfig, pid: int | None = None) -> tuple[Tally, E
         tally = Tally()
         start = time.monotonic()
         until = start + config.duration_s
-        clients = asyncio.gather(*(client_loop(i, client, config, reference, until, tally)
-                                   for i in range(config.concurrency)))
+        clients = asyncio.gather(
+            *(client_loop(i, client, config, reference, until, tally) for i in range(config.concurrency))
+        )
         # Warm: once the server has seen every kind of traffic; what grows after that is a leak.
         await asyncio.sleep(min(max(2.0, config.duration_s / 4), config.duration_s))
         rss_warm, _ = await read_rss(client, root, pid)
@@ -309,18 +344,31 @@ async def run_soak(config: SoakConfig, pid: int | None = None) -> tuple[Tally, E
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default=None, help="the endpoint, e.g. http://127.0.0.1:8000/v1 (or --spawn); "
-                   "greedy answers must not depend on the batch (fp4serve's are not, in float32)")
-    p.add_argument("--spawn", action="store_true",
-                   help=f"start the embedded demo server on a free port ({' '.join(SPAWN_ARGS)}), stop it after")
+    p.add_argument(
+        "--base-url",
+        default=None,
+        help="the endpoint, e.g. http://127.0.0.1:8000/v1 (or --spawn); "
+        "greedy answers must not depend on the batch (fp4serve's are not, in float32)",
+    )
+    p.add_argument(
+        "--spawn",
+        action="store_true",
+        help=f"start the embedded demo server on a free port ({' '.join(SPAWN_ARGS)}), stop it after",
+    )
     p.add_argument("--server-args", default="", help="more `fp4serve serve` flags for --spawn, one string")
     p.add_argument("--model", help="default: the first of GET /models")
     p.add_argument("--api-key")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=12, help="clients sending back to back (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens per greedy or sampled answer (default: %(default)s)")
-    p.add_argument("--max-rss-growth-mib", type=float, default=64.0,
-                   help="largest growth of the server's resident memory from warm-up to the end (default: %(default)s)")
+    p.add_argument(
+        "--max-tokens", type=int, default=8, help="tokens per greedy or sampled answer (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-rss-growth-mib",
+        type=float,
+        default=64.0,
+        help="largest growth of the server's resident memory from warm-up to the end (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     add_abuse_arguments(p)
 
@@ -336,9 +384,16 @@ def cmd_soak(args: argparse.Namespace) -> int:
         if args.spawn:
             server = SpawnedServer(shlex.split(args.server_args))
         base_url = server.base_url if server else args.base_url
-        config = SoakConfig(base_url=base_url, model=args.model or discover_model(base_url, args.api_key),
-                            duration_s=args.duration, concurrency=args.concurrency, max_tokens=args.max_tokens,
-                            seed=args.seed, max_rss_growth_mib=args.max_rss_growth_mib, api_key=args.api_key)
+        config = SoakConfig(
+            base_url=base_url,
+            model=args.model or discover_model(base_url, args.api_key),
+            duration_s=args.duration,
+            concurrency=args.concurrency,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            max_rss_growth_mib=args.max_rss_growth_mib,
+            api_key=args.api_key,
+        )
         tally, end = asyncio.run(run_soak(config, server.process.pid if server else None))
     except (EndpointError, httpx.HTTPError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,23 +17,48 @@ import httpx
 from bench.serve import EndpointError
 
 # The embedded demo model with a small cache and queue, so a soak reaches the limits quickly.
-SPAWN_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
-              "--max-queued-requests", "2")
+SPAWN_ARGS = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "512",
+    "--kv-cache-memory",
+    "64MiB",
+    "--max-num-seqs",
+    "8",
+    "--max-queued-requests",
+    "2",
+)
 
 
 class SpawnedServer:
     """`python -m api.cli serve` on a free port of 127.0.0.1 (bench/ drives the server over HTTP
     only; it starts it as any user would)."""
 
-    def __init__(self, extra_args: list[str], start_timeout_s: float = 300.0,
-                 base_args: tuple[str, ...] = SPAWN_ARGS, name: str = "soak") -> None:
+    def __init__(
+        self,
+        extra_args: list[str],
+        start_timeout_s: float = 300.0,
+        base_args: tuple[str, ...] = SPAWN_ARGS,
+        name: str = "soak",
+    ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         fd, log = tempfile.mkstemp(prefix=f"fp4serve-{name}-", suffix=".log")
         self.log_path = Path(log)
-        command = [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   *base_args, *extra_args]
+        command = [
+            sys.executable,
+            "-m",
+            "api.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *base_args,
+            *extra_args,
+        ]
         repo = Path(__file__).resolve().parents[1]
         self.process = subprocess.Popen(command, cwd=repo, stdout=fd, stderr=subprocess.STDOUT)
         os.close(fd)

@@ -19,8 +19,10 @@ from typing import Any
 # and step outputs are typed Any here: an OfflineEngine and EngineCoreOutputs.
 
 SOURCE = Path(__file__).resolve().parents[1] / "engine" / "spec_decode" / "ngram.py"
-INSTRUCTION = ("Here is a Python file. Return the whole file unchanged except that the method `propose` is "
-               "renamed to `draft`. Output only the code.\n\n")
+INSTRUCTION = (
+    "Here is a Python file. Return the whole file unchanged except that the method `propose` is "
+    "renamed to `draft`. Output only the code.\n\n"
+)
 
 
 def code_edit_prompt(engine: Any) -> list[int]:
@@ -46,9 +48,7 @@ def record_steps(engine: Any) -> list[Any]:
     return steps
 
 
-def run(
-    engine: Any, prompt: list[int], concurrency: int, max_tokens: int, steps: list[Any]
-) -> dict[str, Any]:
+def run(engine: Any, prompt: list[int], concurrency: int, max_tokens: int, steps: list[Any]) -> dict[str, Any]:
     """`steps`: record_steps(engine)'s list, cleared by the caller before the run."""
     from scheduler.request import SamplingParams
 
@@ -110,12 +110,19 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per request at most")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K for the n-gram run")
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache size")
-    p.add_argument("--step-rows", default=None,
-                   help="comma-separated rows per step (1 + drafts): time steps by rows instead")
-    p.add_argument("--steps", type=int, default=20, help="with --step-rows: timed steps per row count (the fastest counts)")
+    p.add_argument(
+        "--step-rows", default=None, help="comma-separated rows per step (1 + drafts): time steps by rows instead"
+    )
+    p.add_argument(
+        "--steps", type=int, default=20, help="with --step-rows: timed steps per row count (the fastest counts)"
+    )
     p.add_argument("--context", type=int, default=256, help="with --step-rows: prompt tokens before the steps")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: the engine's); 1 gives steadier figures on a busy machine")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: the engine's); 1 gives steadier figures on a busy machine",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     from engine.config import EngineConfig
@@ -127,21 +134,34 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.step_rows:
         rows = [int(x) for x in args.step_rows.split(",")]
-        config = EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory, speculative_method="ngram",
-                              num_speculative_tokens=max(max(rows) - 1, 1), speculative_max_batch=64)
+        config = EngineConfig(
+            model=args.model,
+            kv_cache_memory=args.kv_cache_memory,
+            speculative_method="ngram",
+            num_speculative_tokens=max(max(rows) - 1, 1),
+            speculative_max_batch=64,
+        )
         table = step_ms_by_rows(OfflineEngine.from_config(config), rows, args.steps, args.context)
         one = table[0]
         for r in table:
-            print(f"rows={r['rows']} step_ms={r['step_ms']:8.2f} cpu_ms={r['cpu_ms']:8.2f} "
-                  f"x one row: {r['step_ms'] / one['step_ms']:.2f} (cpu {r['cpu_ms'] / one['cpu_ms']:.2f})", flush=True)
+            print(
+                f"rows={r['rows']} step_ms={r['step_ms']:8.2f} cpu_ms={r['cpu_ms']:8.2f} "
+                f"x one row: {r['step_ms'] / one['step_ms']:.2f} (cpu {r['cpu_ms'] / one['cpu_ms']:.2f})",
+                flush=True,
+            )
         if args.out:
             Path(args.out).write_text(json.dumps(table, indent=1))
         return
 
     rows = []
     for method in (None, "ngram"):
-        config = EngineConfig(model=args.model, kv_cache_memory=args.kv_cache_memory, speculative_method=method,
-                              num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=64)
+        config = EngineConfig(
+            model=args.model,
+            kv_cache_memory=args.kv_cache_memory,
+            speculative_method=method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            speculative_max_batch=64,
+        )
         engine = OfflineEngine.from_config(config)
         prompt = code_edit_prompt(engine)
         steps = record_steps(engine)
@@ -152,8 +172,11 @@ def main() -> None:
             row["method"] = method or "none"
             row["prompt_tokens"] = len(prompt)
             rows.append(row)
-            print(f"method={row['method']:5} c={c} tok/s={row['tok_per_s']:8.2f} tokens={row['output_tokens']} "
-                  f"steps={row['steps']} acceptance={row['acceptance']}", flush=True)
+            print(
+                f"method={row['method']:5} c={c} tok/s={row['tok_per_s']:8.2f} tokens={row['output_tokens']} "
+                f"steps={row['steps']} acceptance={row['acceptance']}",
+                flush=True,
+            )
     for c in {r["concurrency"] for r in rows}:
         base, spec = [r for r in rows if r["concurrency"] == c]
         same = base["texts"] == spec["texts"]

@@ -29,8 +29,13 @@ def build_checkpoints(dst: Path, hidden: int, layers: int) -> dict[str, Path]:
     from tests.factories import make_hybrid_checkpoint
     from tests.mtp_factory import add_mtp_tensors, make_predictable
 
-    shapes = dict(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden,
-                  num_attention_heads=max(4, hidden // 64), head_dim=64 if hidden >= 256 else 16)
+    shapes = dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=max(4, hidden // 64),
+        head_dim=64 if hidden >= 256 else 16,
+    )
     return {
         "random": add_mtp_tensors(make_hybrid_checkpoint(dst / "random", **shapes)),
         "predictable": make_predictable(add_mtp_tensors(make_hybrid_checkpoint(dst / "predictable", seed=4, **shapes))),
@@ -54,16 +59,29 @@ def record_timings(engine: Any) -> list[Any]:
 class Run:
     """One engine (K drafts, or none) and the fastest of its timed runs."""
 
-    def __init__(self, path: Path, k: int, prompts: list[list[int]], max_tokens: int, method: str = "mtp",
-                 short_max: int | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        k: int,
+        prompts: list[list[int]],
+        max_tokens: int,
+        method: str = "mtp",
+        short_max: int | None = None,
+    ) -> None:
         from engine.config import EngineConfig
         from engine.front.offline import OfflineEngine
         from scheduler.request import SamplingParams
 
         self.k, self.prompts, self.short_max = k, prompts, short_max
-        config = EngineConfig(model=str(path), dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=False,
-                              speculative_method=method if k else None, num_speculative_tokens=max(k, 1),
-                              speculative_max_batch=64)
+        config = EngineConfig(
+            model=str(path),
+            dtype="float32",
+            kv_cache_memory="64MiB",
+            enable_prefix_caching=False,
+            speculative_method=method if k else None,
+            num_speculative_tokens=max(k, 1),
+            speculative_max_batch=64,
+        )
         self.engine = OfflineEngine.from_config(config)
         if short_max is not None:  # the torch linear-attention backend's route for 2..short_max-token rows
             self.engine.core.runner.backend.linear.short_max = short_max
@@ -114,9 +132,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8, help="tiny model depth (3 of 4 layers Gated DeltaNet)")
     p.add_argument("--repeats", type=int, default=3, help="rounds over every K; the fastest run of each is reported")
     p.add_argument("--method", default="mtp", choices=["mtp", "ngram"], help="draft method for K > 0")
-    p.add_argument("--short-max", default=None,
-                   help="comma-separated SHORT_ROW_MAX values to compare in the same rounds (0: chunked form only); "
-                        "default: the engine's own")
+    p.add_argument(
+        "--short-max",
+        default=None,
+        help="comma-separated SHORT_ROW_MAX values to compare in the same rounds (0: chunked form only); "
+        "default: the engine's own",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     import torch
@@ -127,8 +148,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for kind, path in build_checkpoints(Path(tmp), args.hidden_size, args.layers).items():
             shorts = [int(x) for x in args.short_max.split(",")] if args.short_max else [None]
-            runs = [Run(path, int(k), prompts, args.max_tokens, args.method, short)
-                    for short in shorts for k in args.ks.split(",")]
+            runs = [
+                Run(path, int(k), prompts, args.max_tokens, args.method, short)
+                for short in shorts
+                for k in args.ks.split(",")
+            ]
             for _ in range(args.repeats):  # rounds over every K: load from other jobs hits them alike
                 for r in runs:
                     r.once()
@@ -140,11 +164,14 @@ def main() -> None:
                 row["speed_up"] = round(row["tok_per_s"] / base["tok_per_s"], 2)
                 row["vs_first"] = round(row["tok_per_s"] / first["tok_per_s"], 2)
                 rows.append(row)
-                print(f"{kind:11} short_max={r.short_max} K={row['k']} tok/s={row['tok_per_s']:7.2f} "
-                      f"step={row['step_ms']:7.2f} ms "
-                      f"tokens/step={row['tokens_per_step']:.2f} acceptance={row['acceptance']} "
-                      f"draft={row['draft_ms_per_step']} ms/step ({row['draft_ms_per_draft_token']} ms/draft token) "
-                      f"speed-up={row['speed_up']:.2f}x", flush=True)
+                print(
+                    f"{kind:11} short_max={r.short_max} K={row['k']} tok/s={row['tok_per_s']:7.2f} "
+                    f"step={row['step_ms']:7.2f} ms "
+                    f"tokens/step={row['tokens_per_step']:.2f} acceptance={row['acceptance']} "
+                    f"draft={row['draft_ms_per_step']} ms/step ({row['draft_ms_per_draft_token']} ms/draft token) "
+                    f"speed-up={row['speed_up']:.2f}x",
+                    flush=True,
+                )
     if args.out:
         Path(args.out).write_text(json.dumps([{k: v for k, v in r.items() if k != "texts"} for r in rows], indent=1))
 

@@ -112,8 +112,11 @@ class Slo:
         return self.e2e_ms is None or record.e2e * 1000.0 <= self.e2e_ms
 
     def describe(self) -> str:
-        parts = [f"{k}<={v:g}ms" for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms),
-                                             ("e2e", self.e2e_ms)) if v is not None]
+        parts = [
+            f"{k}<={v:g}ms"
+            for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2e", self.e2e_ms))
+            if v is not None
+        ]
         return ",".join(parts)
 
 
@@ -148,9 +151,7 @@ def goodput(records: Sequence[RequestRecord], slo: Slo, duration_s: float) -> fl
     return sum(1 for r in records if slo.met_by(r)) / duration_s
 
 
-def summarize(
-    records: Sequence[RequestRecord], duration_s: float, slo: Slo | None = None
-) -> dict[str, SummaryValue]:
+def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo | None = None) -> dict[str, SummaryValue]:
     """The flat summary of one run: dotted keys such as `ttft_ms.p99`, throughputs per second of
     `duration_s` (the run's wall time), counts and errors by kind."""
     ok = [r for r in records if r.ok]

@@ -28,8 +28,12 @@ from typing import Any
 
 SMALL = {
     "type": "object",
-    "properties": {"mode": {"enum": ["fast", "slow"]}, "level": {"type": "integer"}, "ok": {"type": "boolean"},
-                   "name": {"type": "string", "maxLength": 12}},
+    "properties": {
+        "mode": {"enum": ["fast", "slow"]},
+        "level": {"type": "integer"},
+        "ok": {"type": "boolean"},
+        "name": {"type": "string", "maxLength": 12},
+    },
     "required": ["mode", "level", "ok", "name"],
     "additionalProperties": False,
 }
@@ -43,12 +47,20 @@ NESTED = {  # an agent's edit tool: nested objects in an array, enums, a $ref, o
         "options": {"type": "object", "properties": {"dry_run": {"type": "boolean"}, "context": {"type": "integer"}}},
     },
     "required": ["path", "edits"],
-    "$defs": {"edit": {"type": "object", "properties": {
-        "old": {"type": "string"}, "new": {"type": "string"}, "line": {"type": ["integer", "null"]}},
-        "required": ["old", "new"]}},
+    "$defs": {
+        "edit": {
+            "type": "object",
+            "properties": {"old": {"type": "string"}, "new": {"type": "string"}, "line": {"type": ["integer", "null"]}},
+            "required": ["old", "new"],
+        }
+    },
 }
-NESTED_DOC = {"path": "src/main.py", "edits": [{"old": "x = 1", "new": "x = 2", "line": 4}, {"old": "y", "new": "z"}],
-              "mode": "replace", "options": {"dry_run": False, "context": 3}}
+NESTED_DOC = {
+    "path": "src/main.py",
+    "edits": [{"old": "x = 1", "new": "x = 2", "line": 4}, {"old": "y", "new": "z"}],
+    "mode": "replace",
+    "options": {"dry_run": False, "context": 3},
+}
 ENUM = {"type": "string", "enum": [f"value-{i:05d}" for i in range(10_000)]}
 ENUM_DOC = "value-04321"
 SCHEMAS = {"small object": (SMALL, SMALL_DOC), "nested tool": (NESTED, NESTED_DOC), "10k enum": (ENUM, ENUM_DOC)}
@@ -77,12 +89,16 @@ def variants(schema: Any) -> dict[str, Callable[[Any], Any]]:
 
     tool = StructuredOutput.tool_calls((ToolSpec(TOOL_NAME, canonical_json(schema)),), "qwen3", parallel=False)
     tag = xgrammar.get_builtin_structural_tag(
-        "qwen_3", tools=[{"type": "function", "function": {"name": TOOL_NAME, "parameters": schema}}],
-        tool_choice={"type": "function", "function": {"name": TOOL_NAME}}, reasoning="disabled")
+        "qwen_3",
+        tools=[{"type": "function", "function": {"name": TOOL_NAME, "parameters": schema}}],
+        tool_choice={"type": "function", "function": {"name": TOOL_NAME}},
+        reasoning="disabled",
+    )
     return {
         "ours json_schema": lambda c: c.compile_grammar(ebnf(StructuredOutput.json_schema(schema))),
         "xgr compile_json_schema": lambda c: c.compile_json_schema(
-            json.dumps(schema), any_whitespace=False, separators=(", ", ": "), strict_mode=True),
+            json.dumps(schema), any_whitespace=False, separators=(", ", ": "), strict_mode=True
+        ),
         "ours tool_calls": lambda c: c.compile_grammar(ebnf(tool)),
         "xgr structural tag": lambda c: c.compile_structural_tag(tag),
     }
@@ -121,7 +137,12 @@ def guarantees(c: Any) -> None:
     from scheduler.structured_output import StructuredOutput, ToolSpec, canonical_json
 
     cases = [
-        ("compact only: refuses '{\"a\":1}'", {"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a":1}', False),
+        (
+            "compact only: refuses '{\"a\":1}'",
+            {"type": "object", "properties": {"a": {"type": "integer"}}},
+            '{"a":1}',
+            False,
+        ),
         ("numbers bounded: refuses 40 digits", {"type": "integer"}, "1" * 40, False),
         ("maxLength 2 takes '\"\\n\\t\"' (two characters)", {"type": "string", "maxLength": 2}, '"\\n\\t"', True),
         ("pattern ^[a-z]+$ refuses '\"A1\"'", {"type": "string", "pattern": "^[a-z]+$"}, '"A1"', False),
@@ -129,9 +150,10 @@ def guarantees(c: Any) -> None:
     ]
     for what, schema, text, want in cases:
         row = []
-        for name, compiled in (("ours", c.compile_grammar(ebnf(StructuredOutput.json_schema(schema)))),
-                               ("xgrammar", c.compile_json_schema(json.dumps(schema), any_whitespace=False,
-                                                                  separators=(", ", ": ")))):
+        for name, compiled in (
+            ("ours", c.compile_grammar(ebnf(StructuredOutput.json_schema(schema)))),
+            ("xgrammar", c.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))),
+        ):
             matcher = xgrammar.GrammarMatcher(compiled)
             got = matcher.accept_string(text) and matcher.is_completed()
             row.append(f"{name} {'yes' if got == want else 'NO'}")
@@ -139,13 +161,21 @@ def guarantees(c: Any) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     tools = [{"type": "function", "function": {"name": TOOL_NAME, "parameters": schema}}]
     ours = StructuredOutput.tool_calls((ToolSpec(TOOL_NAME, canonical_json(schema)),), "qwen3", parallel=True)
-    compiled = {"ours": c.compile_grammar(ebnf(ours)), "xgrammar tag": c.compile_structural_tag(
-        xgrammar.get_builtin_structural_tag("qwen_3", tools=tools, tool_choice="required", reasoning="disabled"))}
+    compiled = {
+        "ours": c.compile_grammar(ebnf(ours)),
+        "xgrammar tag": c.compile_structural_tag(
+            xgrammar.get_builtin_structural_tag("qwen_3", tools=tools, tool_choice="required", reasoning="disabled")
+        ),
+    }
     call = '<tool_call>\n{"name": "edit", "arguments": ARGS}\n</tool_call>'
-    cases = [("a call with '{\"a\":1}' refused (not compact)", call.replace("ARGS", '{"a":1}')),
-             ("a call with '{\"a\": 1 }' refused (padded)", call.replace("ARGS", '{"a": 1 }')),
-             ("text between two calls refused", call.replace("ARGS", '{"a": 1}') + "\nsome text\n"
-              + call.replace("ARGS", '{"a": 2}'))]
+    cases = [
+        ("a call with '{\"a\":1}' refused (not compact)", call.replace("ARGS", '{"a":1}')),
+        ("a call with '{\"a\": 1 }' refused (padded)", call.replace("ARGS", '{"a": 1 }')),
+        (
+            "text between two calls refused",
+            call.replace("ARGS", '{"a": 1}') + "\nsome text\n" + call.replace("ARGS", '{"a": 2}'),
+        ),
+    ]
     for what, text in cases:
         row = []
         for name, grammar in compiled.items():
@@ -167,7 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.guarantees_only:
         guarantees(c)
         return
-    print(f"{'schema':<14} {'variant':<24} {'compile ms':>10} {'mask mean ms':>12} {'mask max ms':>11} {'MiB':>6}  accepted")
+    print(
+        f"{'schema':<14} {'variant':<24} {'compile ms':>10} {'mask mean ms':>12} {'mask max ms':>11} {'MiB':>6}  accepted"  # noqa: E501
+    )
     for label, (schema, doc) in SCHEMAS.items():
         for name, compile_one in variants(schema).items():
             repeats = 1 if label == "10k enum" else args.repeats

@@ -10,7 +10,6 @@ import argparse
 import random
 import statistics
 import time
-
 from typing import Any
 
 import torch
@@ -46,7 +45,9 @@ def decode_step_times(engine: Any, prompts: list[list[int]], output_len: int) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="an HF checkpoint folder or a built-in model name")
-    p.add_argument("--settings", default="float32,bfloat16,int8+bf16", help="comma separated, of: " + ", ".join(SETTINGS))
+    p.add_argument(
+        "--settings", default="float32,bfloat16,int8+bf16", help="comma separated, of: " + ", ".join(SETTINGS)
+    )
     p.add_argument("--batch", default="1,32", help="batch sizes, comma separated")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
@@ -59,20 +60,27 @@ def main() -> None:
     engines = {}
     for name in names:
         dtype, quantization = SETTINGS[name]
-        engines[name] = OfflineEngine.from_config(EngineConfig(model=args.model, dtype=dtype, quantization=quantization,
-                                                               kv_cache_memory="256MiB", max_num_seqs=64))
+        engines[name] = OfflineEngine.from_config(
+            EngineConfig(
+                model=args.model, dtype=dtype, quantization=quantization, kv_cache_memory="256MiB", max_num_seqs=64
+            )
+        )
     rng = random.Random(0)
     vocab = next(iter(engines.values())).info.vocab_size
-    print(f"threads {torch.get_num_threads()}; median decode step in ms over {args.rounds} rounds x "
-          f"{args.output_len - 2} steps (input {args.input_len}, output {args.output_len})")
+    print(
+        f"threads {torch.get_num_threads()}; median decode step in ms over {args.rounds} rounds x "
+        f"{args.output_len - 2} steps (input {args.input_len}, output {args.output_len})"
+    )
     for batch in (int(b) for b in args.batch.split(",")):
         prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(batch)]
         steps: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(args.rounds):
             for name, engine in engines.items():
                 steps[name] += decode_step_times(engine, prompts, args.output_len)
-        cells = [f"{name} {statistics.median(t) * 1e3:.1f} (p10 {sorted(t)[len(t) // 10] * 1e3:.1f})"
-                 for name, t in steps.items()]
+        cells = [
+            f"{name} {statistics.median(t) * 1e3:.1f} (p10 {sorted(t)[len(t) // 10] * 1e3:.1f})"
+            for name, t in steps.items()
+        ]
         print(f"batch {batch}: " + " | ".join(cells))
 
 

@@ -80,8 +80,9 @@ def build_forward_batch(out: SchedulerOutput, block_size: int, device: torch.dev
         request_ids.append(r.request_id)
         if r.state_slot is not None:
             state_slots.append(r.state_slot)
-        interior_saves.extend((index, s.num_tokens - r.start_pos, s.checkpoint_id)
-                              for s in r.checkpoint_saves if s.num_tokens < seq_len)
+        interior_saves.extend(
+            (index, s.num_tokens - r.start_pos, s.checkpoint_id) for s in r.checkpoint_saves if s.num_tokens < seq_len
+        )
         if r.sample:  # the last row, and with drafts the row before each draft too
             logits_indices.extend(range(qo_indptr[-1] - 1 - r.num_draft_tokens, qo_indptr[-1]))
             sample_ids.append(r.request_id)

@@ -1,6 +1,7 @@
 """The engine core: scheduler + model runner, speaking token ids only. Each step is schedule ->
 execute -> update and returns every scheduled request's new token ids, logprob ids and finish
-reason, and prompt logprobs as ids and floats (`EngineCoreOutputs`). Text, stop strings, n > 1 and per-request metrics live in the
+reason, and prompt logprobs as ids and floats (`EngineCoreOutputs`). Text, stop strings, n > 1 and
+per-request metrics live in the
 front (engine/front/input_processor.py, engine/front/output_processor.py); the core runs in its own process
 (engine/core_proc.py) or on a thread of the server's (engine/client/core_client.py)."""
 
@@ -12,9 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.attention.host_pool import host_tier_fields
 from engine.config import EngineConfig
-from engine.weights.model_config import ModelConfig
-from engine.errors import ConfigError
 from engine.core_types import (
     VERSION,
     EngineCoreOutput,
@@ -24,15 +24,16 @@ from engine.core_types import (
     PromptLogprobsChunk,
     SampledToken,
 )
-from engine.weights.generation_config import generation_defaults
-from engine.weights.model_path import default_model_name, resolve_model_path
-from engine.attention.host_pool import host_tier_fields
+from engine.errors import ConfigError
 from engine.model_runner import ModelRunner
-from engine.step_result import PendingStep, StepResult
 from engine.spec_decode.config import DEFAULT_MAX_BATCH, SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
+from engine.step_result import PendingStep, StepResult
 from engine.structured_output.grammar_cache import DEFAULT_COMPILE_WORKERS
 from engine.structured_output.manager import StructuredOutputs
+from engine.weights.config.generation_config import generation_defaults
+from engine.weights.config.model_config import ModelConfig
+from engine.weights.model_path import default_model_name, resolve_model_path
 from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Drafter, Scheduler, SchedulerConfig
@@ -56,9 +57,12 @@ class EngineCore:
         max_model_len = config.max_model_len or mc.max_position_embeddings
         self.structured = StructuredOutputs(path, mc.vocab_size, config.grammar_cache_bytes)
         self.structured.start()  # the grammar compiler's tokenizer tables, built while the model loads
-        logger.info("grammar cache: compiled grammars kept up to %.0f MiB (--grammar-cache-bytes), least recently "
-                    "used out; %d compile threads, each API key compiling one grammar at a time",
-                    config.grammar_cache_bytes / (1 << 20), DEFAULT_COMPILE_WORKERS)
+        logger.info(
+            "grammar cache: compiled grammars kept up to %.0f MiB (--grammar-cache-bytes), least recently "
+            "used out; %d compile threads, each API key compiling one grammar at a time",
+            config.grammar_cache_bytes / (1 << 20),
+            DEFAULT_COMPILE_WORKERS,
+        )
         self.speculative = self._speculative_config(config, mc)  # before the runner: MTP changes what it loads
         self.kv_events = self._kv_events(config)  # before the model loads: a taken port fails start-up at once
         spec = self.speculative
@@ -76,8 +80,8 @@ class EngineCore:
                 block_size=config.block_size,
                 num_blocks=self.runner.num_kv_pages,
                 # Hybrid models: only with state checkpoints (the runner logs their budget).
-                enable_prefix_caching=config.enable_prefix_caching and (
-                    mc.hybrid is None or self.runner.num_state_checkpoints > 0),
+                enable_prefix_caching=config.enable_prefix_caching
+                and (mc.hybrid is None or self.runner.num_state_checkpoints > 0),
                 num_state_slots=self.runner.num_state_slots,
                 num_state_checkpoints=self.runner.num_state_checkpoints,
                 state_checkpoint_bits=self.runner.state_checkpoint_bits,
@@ -99,8 +103,10 @@ class EngineCore:
                 self.scheduler.checkpoints.page_sink = gate
             self.kv_events.started()
             if not self.scheduler.config.enable_prefix_caching:
-                logger.warning("KV events: prefix caching is off, so no page ever enters the cache and no "
-                               "BlockStored event will be sent")
+                logger.warning(
+                    "KV events: prefix caching is off, so no page ever enters the cache and no "
+                    "BlockStored event will be sent"
+                )
         # Data parallel: the front places requests by what each core caches (engine/client/placement.py).
         self.prefix_feed: PrefixCacheFeed | None = None
         if config.data_parallel_size > 1 and self.scheduler.config.enable_prefix_caching:
@@ -112,8 +118,11 @@ class EngineCore:
             self.scheduler.host.event_sink = self.scheduler.block_manager.event_sink
         self.async_scheduling = self._async_scheduling(config, mc)
         if mc.hybrid is not None and not self.scheduler.config.enable_prefix_caching:
-            logger.info("prefix caching off for %s (a hybrid model): %s", mc.architecture,
-                        "--no-prefix-caching" if not config.enable_prefix_caching else "--num-state-checkpoints 0")
+            logger.info(
+                "prefix caching off for %s (a hybrid model): %s",
+                mc.architecture,
+                "--no-prefix-caching" if not config.enable_prefix_caching else "--num-state-checkpoints 0",
+            )
         self.info = EngineInfo(
             model_name=config.served_model_name or default_model_name(config),
             model_path=str(path),
@@ -156,19 +165,32 @@ class EngineCore:
         hybrid = mc.hybrid is not None
         if spec.method == "mtp" and (not hybrid or mc.moe is not None):
             what = "a Qwen3.5-MoE checkpoint (its MTP head's experts are not loaded yet)" if hybrid else mc.architecture
-            raise ConfigError(f"--speculative-method mtp: needs a dense Qwen3.5/3.6 checkpoint with mtp.* weights, "
-                              f"not {what}; use --speculative-method ngram")
+            raise ConfigError(
+                f"--speculative-method mtp: needs a dense Qwen3.5/3.6 checkpoint with mtp.* weights, "
+                f"not {what}; use --speculative-method ngram"
+            )
         if hybrid:
-            logger.info("speculative decoding on a hybrid model: a rejected draft rolls the Gated DeltaNet state "
-                        "back by recompute (engine/spec_decode/rollback.py)")
+            logger.info(
+                "speculative decoding on a hybrid model: a rejected draft rolls the Gated DeltaNet state "
+                "back by recompute (engine/spec_decode/rollback.py)"
+            )
         if spec.method == "mtp":
-            logger.info("speculative decoding: mtp (the checkpoint's MTP head drafts greedily after each forward), "
-                        "up to %d draft tokens per step, while at most %d sequences run", spec.num_speculative_tokens,
-                        spec.max_batch)
+            logger.info(
+                "speculative decoding: mtp (the checkpoint's MTP head drafts greedily after each forward), "
+                "up to %d draft tokens per step, while at most %d sequences run",
+                spec.num_speculative_tokens,
+                spec.max_batch,
+            )
         else:
-            logger.info("speculative decoding: %s, up to %d draft tokens per step, n-gram %d..%d, while at most "
-                        "%d sequences run", spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max,
-                        spec.max_batch)
+            logger.info(
+                "speculative decoding: %s, up to %d draft tokens per step, n-gram %d..%d, while at most "
+                "%d sequences run",
+                spec.method,
+                spec.num_speculative_tokens,
+                spec.ngram_min,
+                spec.ngram_max,
+                spec.max_batch,
+            )
         return spec
 
     def _async_scheduling(self, config: EngineConfig, mc: ModelConfig) -> bool:
@@ -178,11 +200,15 @@ class EngineCore:
         if not wanted:
             return False
         if self.speculative is not None or mc.hybrid is not None:
-            logger.info("async scheduling off: %s needs each step's tokens before the next is scheduled",
-                        "speculative decoding" if self.speculative is not None else "a hybrid model's state")
+            logger.info(
+                "async scheduling off: %s needs each step's tokens before the next is scheduled",
+                "speculative decoding" if self.speculative is not None else "a hybrid model's state",
+            )
             return False
-        logger.info("async scheduling: each step is scheduled while the one before runs; sampled ids are read "
-                    "back one step late")
+        logger.info(
+            "async scheduling: each step is scheduled while the one before runs; sampled ids are read "
+            "back one step late"
+        )
         return True
 
     @staticmethod
@@ -277,8 +303,9 @@ class EngineCore:
         }
         live = self.scheduler.requests
         before = {rid: live[rid].num_output_tokens for rid in emitted if rid in live}
-        touched = self.scheduler.update(out, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()},
-                                        result.rolled_back)
+        touched = self.scheduler.update(
+            out, {rid: [t.token_id for t in toks] for rid, toks in emitted.items()}, result.rolled_back
+        )
         grammar_failed = self.structured.take_failed()  # they end with an error, not as if the model stopped
         for request_id in grammar_failed:
             self.scheduler.abort_request(request_id)
@@ -326,7 +353,9 @@ class EngineCore:
             prefix_cache=self.prefix_feed.take() if self.prefix_feed is not None else None,
             failed_request_ids=tuple(grammar_failed),
             error=f"its grammar could not be made ({', '.join(sorted(set(grammar_failed.values())))}); see the "
-                  "server log" if grammar_failed else None,
+            "server log"
+            if grammar_failed
+            else None,
         )
 
     def _unsent_prompt_logprobs(self, result: StepResult) -> dict[str, PromptLogprobsChunk]:
@@ -363,4 +392,3 @@ class EngineCore:
             return EngineCoreOutputs(stats=self.scheduler.stats(), grammar_cache=self.structured.stats())
         result = self.update(out, self.execute(out))
         return replace(result, step_time_s=time.perf_counter() - t0)
-

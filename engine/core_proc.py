@@ -24,12 +24,11 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.errors import ConfigError
 from engine.core_types import AbortRequests, AddRequests, EngineCoreOutputs, FairShareUpdate, Shutdown
+from engine.errors import ConfigError
 from engine.host.allocator import memory_releaser
 from engine.host.heartbeat import Heartbeat
-from scheduler.output import SchedulerOutput
-from scheduler.output import SchedulerStats
+from scheduler.output import SchedulerOutput, SchedulerStats
 
 if TYPE_CHECKING:  # NOTE: at run time it would bring torch into the API process before the model loads
     from engine.step_result import PendingStep
@@ -187,7 +186,11 @@ class EngineCoreLoop:
         logger.error("engine step failed (%d in a row)", self.num_failures, exc_info=error)
         if self.num_failures >= MAX_CONSECUTIVE_FAILURES:
             self.core.fail_all()
-            self.emit(EngineCoreOutputs(dead=f"{self.num_failures} engine steps failed in a row (last: {type(error).__name__})"))
+            self.emit(
+                EngineCoreOutputs(
+                    dead=f"{self.num_failures} engine steps failed in a row (last: {type(error).__name__})"
+                )
+            )
             return False
         failed = self.core.fail_all()
         # NOTE: clients see the exception's type only; its text (paths, sizes) stays in the log.

@@ -40,7 +40,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...] = ()  # from config.json and generation_config.json
     max_num_seqs: int = 128
     prefix_caching: bool = True  # whether the scheduler reuses cached pages (data parallel places by them)
-    # (field, value) sampling defaults from generation_config.json (engine/weights/generation_config.py),
+    # (field, value) sampling defaults from generation_config.json (engine/weights/config/generation_config.py),
     # for the fields a request leaves out
     sampling_defaults: tuple[tuple[str, float], ...] = ()
 
@@ -55,7 +55,6 @@ class Owner:
     weight: float = 1.0
     key_priority: int = 0
     priority: int = 0
-
 
 
 @dataclass(frozen=True)

@@ -23,17 +23,36 @@ from tqdm import tqdm
 from engine.attention.backend import AttentionBackend
 from engine.attention.hybrid_backend import HybridBackend
 from engine.batch import ForwardBatch, build_forward_batch
-from engine.cuda_graph_padding import PADDING_REQUEST_ID, is_pure_decode, pad_decode_batch, uniform_query_len, \
-    verify_graph_query_len
+from engine.cuda_graph_padding import (
+    PADDING_REQUEST_ID,
+    is_pure_decode,
+    pad_decode_batch,
+    uniform_query_len,
+    verify_graph_query_len,
+)
 from engine.models.decoder import DecoderForCausalLM
 from scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("fp4serve.cuda_graph")
 
 # Re-exported: callers pad and test batches through this module.
-__all__ = ["PADDING_REQUEST_ID", "is_pure_decode", "pad_decode_batch", "uniform_query_len", "verify_graph_query_len",
-           "CudaGraphRunner", "DecodeBuckets", "GraphAttentionBackend", "VerifyGraphBackend", "graphs_disabled_reason",
-           "can_capture", "can_capture_verify", "CudaGraphCapturer", "GraphCapturer", "CapturedGraph"]
+__all__ = [
+    "PADDING_REQUEST_ID",
+    "is_pure_decode",
+    "pad_decode_batch",
+    "uniform_query_len",
+    "verify_graph_query_len",
+    "CudaGraphRunner",
+    "DecodeBuckets",
+    "GraphAttentionBackend",
+    "VerifyGraphBackend",
+    "graphs_disabled_reason",
+    "can_capture",
+    "can_capture_verify",
+    "CudaGraphCapturer",
+    "GraphCapturer",
+    "CapturedGraph",
+]
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32)  # fine steps where a decode batch is latency-bound
 BUCKET_STEP = 16  # beyond 32: padding at most 15 rows costs little next to the weights read
@@ -226,14 +245,20 @@ class CudaGraphRunner:
             self._run_static(size, query_len)
             try:
                 self._graphs[size, query_len] = self._capturer.capture(
-                    functools.partial(self._run_static, size, query_len))
+                    functools.partial(self._run_static, size, query_len)
+                )
             except RuntimeError as e:
-                raise RuntimeError(f"CUDA graph capture failed at batch size {size} x {query_len} rows ({e}); "
-                                   "start with --enforce-eager to run without CUDA graphs") from e
-        logger.info("captured %d CUDA graphs (batch sizes %s; decode%s) in %.1f s", len(shapes),
-                    ",".join(map(str, self.buckets.sizes)),
-                    f" and verify steps of {self.verify_query_len} rows" if self.verify_query_len else "",
-                    time.perf_counter() - start)
+                raise RuntimeError(
+                    f"CUDA graph capture failed at batch size {size} x {query_len} rows ({e}); "
+                    "start with --enforce-eager to run without CUDA graphs"
+                ) from e
+        logger.info(
+            "captured %d CUDA graphs (batch sizes %s; decode%s) in %.1f s",
+            len(shapes),
+            ",".join(map(str, self.buckets.sizes)),
+            f" and verify steps of {self.verify_query_len} rows" if self.verify_query_len else "",
+            time.perf_counter() - start,
+        )
 
     def graph_size_for(self, batch: ForwardBatch) -> int | None:
         """The captured size this batch replays, or None when it runs eagerly."""

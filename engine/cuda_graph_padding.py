@@ -26,8 +26,9 @@ def uniform_query_len(batch: ForwardBatch) -> int | None:
     return batch.query_lens[0]
 
 
-def pad_decode_batch(batch: ForwardBatch, size: int, scratch_page: int, query_len: int = 1,
-                     scratch_slot: int | None = None) -> ForwardBatch:
+def pad_decode_batch(
+    batch: ForwardBatch, size: int, scratch_page: int, query_len: int = 1, scratch_slot: int | None = None
+) -> ForwardBatch:
     """`batch` (pure decode, or a verify step with `query_len` rows per request) with dummy
     requests appended up to `size` requests.
 
@@ -36,8 +37,9 @@ def pad_decode_batch(batch: ForwardBatch, size: int, scratch_page: int, query_le
     For a hybrid (`scratch_slot` given) it holds the state pool's scratch slot, so its DeltaNet
     rows read and write no request's state. Real rows keep their indices, and logits_indices is
     unchanged: dummies are never sampled. All on the batch's device, no host sync."""
-    assert batch.num_requests == 0 or uniform_query_len(batch) == query_len, \
+    assert batch.num_requests == 0 or uniform_query_len(batch) == query_len, (
         f"only pure-decode batches (or verify steps of {query_len} rows per request) are padded"
+    )
     assert query_len <= batch.block_size, f"a dummy's {query_len} rows do not fit the scratch page"
     pad = size - batch.num_requests
     assert pad >= 0, f"{batch.num_requests} requests do not fit a batch of {size}"

@@ -1,5 +1,6 @@
 """The logits processors (vLLM's, in its order: penalties, top-k/top-p, min-p), and sampling with
-static shapes and no host sync for a step whose rows all run the same ops: every row goes through penalties, temperature, top-k/top-p and min-p (a neutral parameter is an exact
+static shapes and no host sync for a step whose rows all run the same ops: every row goes through
+penalties, temperature, top-k/top-p and min-p (a neutral parameter is an exact
 no-op), and the draw is an exponential race whose noise is a counter-based hash of (seed, output
 position, token id), so a seeded row needs no generator and the whole function can run inside a
 CUDA graph. engine/sampler.py applies the same processors; greedy rows are the argmax of the same
@@ -44,9 +45,7 @@ def apply_penalties(
     return logits - presence[:, None] * in_output.to(logits.dtype)
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None
-) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
     """Keep each row's top-k tokens (top_k [R] int, 0 = all), then the smallest prefix of those
     whose renormalized mass reaches top_p ([R] f32, 1.0 = all; None: no row uses top-p, which
     skips the softmax); the rest become -inf.

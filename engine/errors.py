@@ -21,17 +21,28 @@ class ContextLengthError(ParamError):
     from its length in characters, before it was tokenized, so `num_prompt_tokens` is a lower
     bound (engine/front/prompt_bound.py)."""
 
-    def __init__(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                 at_least: bool = False) -> None:
+    def __init__(
+        self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, at_least: bool = False
+    ) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens  # the requested value; None when the prompt alone is too long
         self.max_model_len = max_model_len
         self.at_least = at_least
         count = f"at least {num_prompt_tokens}" if at_least else str(num_prompt_tokens)
         if max_tokens is None:
-            message, param = (f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
-                              f"{count} tokens (at least one token must be left to generate)"), "prompt"
+            message, param = (
+                (
+                    f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
+                    f"{count} tokens (at least one token must be left to generate)"
+                ),
+                "prompt",
+            )
         else:
-            message, param = (f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-                              f"{count} tokens and max_tokens asks for {max_tokens} more"), "max_tokens"
+            message, param = (
+                (
+                    f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                    f"{count} tokens and max_tokens asks for {max_tokens} more"
+                ),
+                "max_tokens",
+            )
         super().__init__(message, param, CONTEXT_LENGTH_EXCEEDED)

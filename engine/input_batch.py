@@ -15,9 +15,16 @@ from engine.batch import ForwardBatch
 from scheduler.output import SchedulerOutput
 
 # name -> dtype of each tensor a step copies to the device
-_FIELDS = {"input_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
-           "qo_indptr": torch.int32, "kv_indptr": torch.int32, "kv_indices": torch.int32,
-           "kv_last_page_len": torch.int32, "logits_indices": torch.int64}
+_FIELDS = {
+    "input_ids": torch.int64,
+    "positions": torch.int64,
+    "slot_mapping": torch.int64,
+    "qo_indptr": torch.int32,
+    "kv_indptr": torch.int32,
+    "kv_indices": torch.int32,
+    "kv_last_page_len": torch.int32,
+    "logits_indices": torch.int64,
+}
 
 
 class _Staging:
@@ -30,8 +37,9 @@ class _Staging:
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_num_tokens: int, max_pages_per_seq: int, block_size: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_num_tokens: int, max_pages_per_seq: int, block_size: int, device: torch.device
+    ) -> None:
         self.block_size = block_size
         self.device = device
         self.max_num_seqs = max_num_seqs
@@ -40,17 +48,24 @@ class InputBatch:
         self._num_pages_written = np.zeros(max_num_seqs, dtype=np.int64)
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        sizes = {"input_ids": max_num_tokens, "positions": max_num_tokens, "slot_mapping": max_num_tokens,
-                 "qo_indptr": max_num_seqs + 1, "kv_indptr": max_num_seqs + 1,
-                 "kv_indices": max_num_seqs * max_pages_per_seq, "kv_last_page_len": max_num_seqs,
-                 "logits_indices": max_num_tokens}
+        sizes = {
+            "input_ids": max_num_tokens,
+            "positions": max_num_tokens,
+            "slot_mapping": max_num_tokens,
+            "qo_indptr": max_num_seqs + 1,
+            "kv_indptr": max_num_seqs + 1,
+            "kv_indices": max_num_seqs * max_pages_per_seq,
+            "kv_last_page_len": max_num_seqs,
+            "logits_indices": max_num_tokens,
+        }
         on_cuda = device.type == "cuda"
         # Two staging sets on CUDA: a step's copies may still be queued while the next is built.
         self._staging = [_Staging(sizes, on_cuda) for _ in range(2 if on_cuda else 1)]
         self._turn = 0
         # The device buffers each step's tensors are views of (the staging itself on CPU).
-        self._device = ({k: torch.empty(sizes[k], dtype=dt, device=device) for k, dt in _FIELDS.items()}
-                        if on_cuda else None)
+        self._device = (
+            {k: torch.empty(sizes[k], dtype=dt, device=device) for k, dt in _FIELDS.items()} if on_cuda else None
+        )
 
     def remove_request(self, request_id: str) -> None:
         row = self._rows.pop(request_id, None)
@@ -100,15 +115,18 @@ class InputBatch:
             # admitted this step (back from preemption too) has a new table.
             first = 0 if r.resumed else min(r.start_pos // bs, int(self._num_pages_written[row]))
             if len(table) > first:
-                bt[row, first:len(table)] = table[first:]
+                bt[row, first : len(table)] = table[first:]
             self._num_pages_written[row] = len(table)
             if r.sample:
                 num_samples[i] = 1 + r.num_draft_tokens
             if r.state_slot is not None:
                 state_slots.append(r.state_slot)
             if r.checkpoint_saves:
-                interior_saves.extend((i, s.num_tokens - r.start_pos, s.checkpoint_id)
-                                      for s in r.checkpoint_saves if s.num_tokens < seq_len)
+                interior_saves.extend(
+                    (i, s.num_tokens - r.start_pos, s.checkpoint_id)
+                    for s in r.checkpoint_saves
+                    if s.num_tokens < seq_len
+                )
         staging = self._staging[self._turn]
         self._turn = (self._turn + 1) % len(self._staging)
         if staging.copied is not None:
@@ -117,8 +135,9 @@ class InputBatch:
         n_arr = np.asarray(query_lens, dtype=np.int64)
         seq_arr = np.asarray(seq_lens, dtype=np.int64)
         num_tokens = int(n_arr.sum())
-        a["input_ids"][:num_tokens] = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in reqs),
-                                                  dtype=np.int64, count=num_tokens)
+        a["input_ids"][:num_tokens] = np.fromiter(
+            itertools.chain.from_iterable(r.token_ids for r in reqs), dtype=np.int64, count=num_tokens
+        )
         qo = a["qo_indptr"][: num_reqs + 1]
         qo[0] = 0
         np.cumsum(n_arr, out=qo[1:])
@@ -138,11 +157,21 @@ class InputBatch:
         a["kv_last_page_len"][:num_reqs] = seq_arr - (num_pages - 1) * bs
         num_logits = int(num_samples.sum())
         ends = qo[1:].astype(np.int64)
-        a["logits_indices"][:num_logits] = (np.repeat(ends - num_samples, num_samples) + np.arange(num_logits)
-                                            - np.repeat(np.cumsum(num_samples) - num_samples, num_samples))
-        used = {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
-                "qo_indptr": num_reqs + 1, "kv_indptr": num_reqs + 1, "kv_indices": num_kv,
-                "kv_last_page_len": num_reqs, "logits_indices": num_logits}
+        a["logits_indices"][:num_logits] = (
+            np.repeat(ends - num_samples, num_samples)
+            + np.arange(num_logits)
+            - np.repeat(np.cumsum(num_samples) - num_samples, num_samples)
+        )
+        used = {
+            "input_ids": num_tokens,
+            "positions": num_tokens,
+            "slot_mapping": num_tokens,
+            "qo_indptr": num_reqs + 1,
+            "kv_indptr": num_reqs + 1,
+            "kv_indices": num_kv,
+            "kv_last_page_len": num_reqs,
+            "logits_indices": num_logits,
+        }
         tensors = self._to_device(staging, used)
         return ForwardBatch(
             **tensors,

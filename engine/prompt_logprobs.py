@@ -32,8 +32,9 @@ class PromptLogprobs:
     def remove_request(self, request_id: str) -> None:
         self._wanted.pop(request_id, None)
 
-    def compute(self, out: SchedulerOutput, hidden: torch.Tensor,
-                compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> PromptLogprobsByRequest:
+    def compute(
+        self, out: SchedulerOutput, hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]
+    ) -> PromptLogprobsByRequest:
         """`hidden`: [num_tokens, hidden_size], the step's rows in `out.requests` order."""
         if not self._wanted:
             return {}

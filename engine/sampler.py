@@ -13,8 +13,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core_types import SampledToken
-from engine.device_sampling import (SamplingTensors, apply_min_p, apply_penalties, apply_top_k_top_p, greedy_ids,
-                                    sample_static)
+from engine.device_sampling import (
+    SamplingTensors,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    greedy_ids,
+    sample_static,
+)
 from engine.step_result import LogprobLayout, SampledBatch
 from scheduler.request import SamplingParams
 
@@ -237,24 +243,38 @@ class Sampler:
     def _draw_static(self, x: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
         """Every row through engine/device_sampling.py (penalties are in x already). Each row's
         parameters go to the device as one small copy per dtype; no sync."""
-        floats = self._tensor([[s.params.temperature, s.params.top_p, s.params.min_p] for s in states],
-                              torch.float32)  # [B, 3]
-        ints = self._tensor([[s.params.top_k,
-                              s.params.seed if s.params.seed is not None else self._step_seeds.getrandbits(62),
-                              s.num_output_tokens] for s in states])  # [B, 3] int64
+        floats = self._tensor(
+            [[s.params.temperature, s.params.top_p, s.params.min_p] for s in states], torch.float32
+        )  # [B, 3]
+        ints = self._tensor(
+            [
+                [
+                    s.params.top_k,
+                    s.params.seed if s.params.seed is not None else self._step_seeds.getrandbits(62),
+                    s.num_output_tokens,
+                ]
+                for s in states
+            ]
+        )  # [B, 3] int64
         zeros = torch.zeros(len(states), dtype=torch.float32, device=self.device)
-        params = SamplingTensors(temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 1], min_p=floats[:, 2],
-                                 presence=zeros, frequency=zeros, repetition=zeros + 1.0, seed=ints[:, 1],
-                                 position=ints[:, 2])
+        params = SamplingTensors(
+            temperature=floats[:, 0],
+            top_k=ints[:, 0],
+            top_p=floats[:, 1],
+            min_p=floats[:, 2],
+            presence=zeros,
+            frequency=zeros,
+            repetition=zeros + 1.0,
+            seed=ints[:, 1],
+            position=ints[:, 2],
+        )
         return sample_static(x, params)
 
     def _draw_random(self, x: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
         """x [R, V] f32 (not written); temperature -> top-k/top-p -> min-p -> inverse-CDF draw."""
         temperature = self._tensor([s.params.temperature for s in states], torch.float32)
         x = x / temperature[:, None]  # [R, V] f32, a new tensor the filters may write into
-        kp_rows = [
-            i for i, s in enumerate(states) if 0 < s.params.top_k < self.vocab_size or s.params.top_p < 1.0
-        ]
+        kp_rows = [i for i, s in enumerate(states) if 0 < s.params.top_k < self.vocab_size or s.params.top_p < 1.0]
         if kp_rows:
             top_k = self._tensor([states[i].params.top_k for i in kp_rows])
             top_ps = [states[i].params.top_p for i in kp_rows]
@@ -319,9 +339,7 @@ class Sampler:
             self._prompt_mask[slot, self._tensor(list(prompt_token_ids))] = True
         return slot
 
-    def _on_rows(
-        self, x: torch.Tensor, rows: list[int], fn: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
+    def _on_rows(self, x: torch.Tensor, rows: list[int], fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """fn applied to the given rows of x (written in place unless it is every row)."""
         if len(rows) == x.shape[0]:
             return fn(x)
@@ -329,8 +347,6 @@ class Sampler:
         x[index] = fn(x[index])
         return x
 
-    def _tensor(
-        self, values: Sequence[int] | Sequence[float], dtype: torch.dtype = torch.int64
-    ) -> torch.Tensor:
+    def _tensor(self, values: Sequence[int] | Sequence[float], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """A small host list (per-row params, indices) as a device tensor: one copy, no sync."""
         return torch.tensor(values, dtype=dtype, device=self.device)

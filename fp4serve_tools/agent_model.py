@@ -74,42 +74,84 @@ def chat_template(fmt: str) -> str:
 def digest(fmt: str, shape: Shape | None = None, scales: Scales | None = None) -> str:
     """What the written files depend on: the construction's source and numbers, and the template."""
     shape, scales = shape or Shape(), scales or Scales()
-    h = hashlib.sha256(json.dumps({"fmt": fmt, "seed": SEED, "shape": asdict(shape), "scales": asdict(scales)},
-                                  sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps(
+            {"fmt": fmt, "seed": SEED, "shape": asdict(shape), "scales": asdict(scales)}, sort_keys=True
+        ).encode()
+    )
     for name in ("agent_weights.py", "agent_model.py"):
         h.update((resources.files("fp4serve_tools") / name).read_bytes())
     h.update(chat_template(fmt).encode())
     return h.hexdigest()[:16]
 
 
-def write_agent_model(dst: Path, fmt: str = JSON_FORMAT, shape: Shape | None = None, scales: Scales | None = None) -> None:
+def write_agent_model(
+    dst: Path, fmt: str = JSON_FORMAT, shape: Shape | None = None, scales: Scales | None = None
+) -> None:
     """An HF checkpoint folder: config, bf16 weights, the Qwen3 tokenizer with `fmt`'s template."""
     shape, scales = shape or Shape(), scales or Scales()
     dst.mkdir(parents=True, exist_ok=True)
     tokenizer = build_qwen_tokenizer(cache_root())
     weights = build_weights(tokenizer, SEED, shape, scales)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, str(dst / "model.safetensors"),
-              metadata={"format": "pt"})
-    write_qwen_tokenizer_files(dst, chat_template(fmt), model_max_length=shape.max_position_embeddings,
-                               cache_dir=cache_root())
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()},
+        str(dst / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    write_qwen_tokenizer_files(
+        dst, chat_template(fmt), model_max_length=shape.max_position_embeddings, cache_dir=cache_root()
+    )
     _write_json(dst / "config.json", _config(shape))
     # Greedy: the model is a program, sampling would only add noise to it.
-    _write_json(dst / "generation_config.json", {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": [EOS_TOKEN_ID, BOS_TOKEN_ID],
-                                                 "pad_token_id": BOS_TOKEN_ID, "do_sample": False})
-    _write_json(dst / SPEC_FILE, {"name": AGENT_MODEL_NAMES[fmt], "format": fmt, "digest": digest(fmt, shape, scales),
-                                  "seed": SEED, "shape": asdict(shape), "scales": asdict(scales)})
+    _write_json(
+        dst / "generation_config.json",
+        {
+            "bos_token_id": BOS_TOKEN_ID,
+            "eos_token_id": [EOS_TOKEN_ID, BOS_TOKEN_ID],
+            "pad_token_id": BOS_TOKEN_ID,
+            "do_sample": False,
+        },
+    )
+    _write_json(
+        dst / SPEC_FILE,
+        {
+            "name": AGENT_MODEL_NAMES[fmt],
+            "format": fmt,
+            "digest": digest(fmt, shape, scales),
+            "seed": SEED,
+            "shape": asdict(shape),
+            "scales": asdict(scales),
+        },
+    )
 
 
 def _config(s: Shape) -> dict[str, object]:
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": QWEN3_VOCAB_SIZE,
-        "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size, "num_hidden_layers": s.num_layers,
-        "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_heads, "head_dim": s.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": s.max_position_embeddings, "rope_theta": s.rope_theta,
-        "rope_scaling": None, "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0,
-        "use_sliding_window": False, "sliding_window": None, "max_window_layers": s.num_layers,
-        "initializer_range": 0.02, "tie_word_embeddings": True, "use_cache": True, "torch_dtype": "bfloat16",
-        "bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": QWEN3_VOCAB_SIZE,
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.intermediate_size,
+        "num_hidden_layers": s.num_layers,
+        "num_attention_heads": s.num_heads,
+        "num_key_value_heads": s.num_heads,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": s.max_position_embeddings,
+        "rope_theta": s.rope_theta,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": s.num_layers,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
     }
 
 
@@ -124,11 +166,16 @@ def _write_json(path: Path, value: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fp4serve_tools.agent_model",
-                                     description="Write an agent test model checkpoint folder.")
+    parser = argparse.ArgumentParser(
+        prog="python -m fp4serve_tools.agent_model", description="Write an agent test model checkpoint folder."
+    )
     parser.add_argument("--out", type=Path, required=True, help="the checkpoint folder to write")
-    parser.add_argument("--format", choices=(JSON_FORMAT, XML_FORMAT), default=JSON_FORMAT,
-                        help="tool-call format of its chat template: qwen3 (JSON) or qwen3_coder (XML); default qwen3")
+    parser.add_argument(
+        "--format",
+        choices=(JSON_FORMAT, XML_FORMAT),
+        default=JSON_FORMAT,
+        help="tool-call format of its chat template: qwen3 (JSON) or qwen3_coder (XML); default qwen3",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     write_agent_model(args.out, args.format)

@@ -89,7 +89,9 @@ class Layout:
     STOP = 4 * CODE + 8  # the copied token holds a newline (its NL flag)
 
 
-def build_weights(tokenizer: object, seed: int, shape: Shape = Shape(), scales: Scales = Scales()) -> dict[str, torch.Tensor]:
+def build_weights(
+    tokenizer: object, seed: int, shape: Shape = Shape(), scales: Scales = Scales()
+) -> dict[str, torch.Tensor]:
     """HF Qwen3 tensors (float32) for `tokenizer` (a `tokenizers.Tokenizer` with Qwen3's vocabulary)."""
     return _Builder(tokenizer, seed, shape, scales).w
 
@@ -128,17 +130,23 @@ class _Builder:
     def proj(self, layer: int, kind: str, head: int) -> torch.Tensor:
         """One head's rows of q/k/v_proj, [head_dim, hidden] (a view)."""
         hd = self.shape.head_dim
-        return self.w[f"model.layers.{layer}.self_attn.{kind}_proj.weight"][head * hd:(head + 1) * hd]
+        return self.w[f"model.layers.{layer}.self_attn.{kind}_proj.weight"][head * hd : (head + 1) * hd]
 
     def o_cols(self, layer: int, head: int) -> torch.Tensor:
         hd = self.shape.head_dim
-        return self.w[f"model.layers.{layer}.self_attn.o_proj.weight"][:, head * hd:(head + 1) * hd]
+        return self.w[f"model.layers.{layer}.self_attn.o_proj.weight"][:, head * hd : (head + 1) * hd]
 
     def mlp(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(self.w[f"model.layers.{layer}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))  # type: ignore[return-value]
 
     def _zeros(self) -> None:
-        s, d, hd, nh, i = self.shape, self.shape.hidden_size, self.shape.head_dim, self.shape.num_heads, self.shape.intermediate_size
+        s, d, hd, nh, i = (
+            self.shape,
+            self.shape.hidden_size,
+            self.shape.head_dim,
+            self.shape.num_heads,
+            self.shape.intermediate_size,
+        )
         for layer in range(s.num_layers):
             p = f"model.layers.{layer}"
             self.w[f"{p}.input_layernorm.weight"] = torch.zeros(d)
@@ -177,8 +185,15 @@ class _Builder:
             q[i + self.pairs, Layout.C] = -math.sin(self.theta[i] * distance)
             k[i, Layout.C] = 1.0
 
-    def flag_head(self, layer: int, head: int, pair: int, key: list[tuple[int | slice, torch.Tensor | float]],
-                  value: list[tuple[int | slice, torch.Tensor | float]], out: int) -> None:
+    def flag_head(
+        self,
+        layer: int,
+        head: int,
+        pair: int,
+        key: list[tuple[int | slice, torch.Tensor | float]],
+        value: list[tuple[int | slice, torch.Tensor | float]],
+        out: int,
+    ) -> None:
         """q constant on one content pair; k = +-1 from `key` (a linear test of the residual);
         the head attends to the tokens that pass, writes `value` of them into `out`."""
         q, k, v = self.proj(layer, "q", head), self.proj(layer, "k", head), self.proj(layer, "v", head)
@@ -203,8 +218,14 @@ class _Builder:
                 up[n, prev] = sign
                 down[Layout.Q2.start + i, n] = 1.0
 
-    def _detector(self, gate: torch.Tensor, row: int, terms: list[tuple[int | slice, torch.Tensor | float]],
-                  threshold: float, on: float) -> float:
+    def _detector(
+        self,
+        gate: torch.Tensor,
+        row: int,
+        terms: list[tuple[int | slice, torch.Tensor | float]],
+        threshold: float,
+        on: float,
+    ) -> float:
         """Neuron `row` fires when the sum of its terms (each a dot product with the stream, 1 for a
         match) passes `threshold`; `on` is that sum when it should fire. Returns its gate's value
         then (silu(x) ~ x there), what a down projection divides by to write exactly 1."""
@@ -221,8 +242,14 @@ class _Builder:
         # instructions, in the system turn, hold one too). NOTE: the value is 0 for a call inside the
         # system turn, since with no call past it the head attends to those (the best scores left).
         call = self.code("<tool_call>") / CODE
-        self.flag_head(1, 1, FLAG_PAIRS[0], [(Layout.T, call), (Layout.SYSEND, 1.0), (Layout.C, -1.5)],
-                       [(Layout.T, call), (Layout.SYSEND, 1.0), (Layout.C, -1.0)], Layout.ASKED)
+        self.flag_head(
+            1,
+            1,
+            FLAG_PAIRS[0],
+            [(Layout.T, call), (Layout.SYSEND, 1.0), (Layout.C, -1.5)],
+            [(Layout.T, call), (Layout.SYSEND, 1.0), (Layout.C, -1.0)],
+            Layout.ASKED,
+        )
         gate, up, down = self.mlp(1)
         n = 0
         # After `<tool_call>`: a 1-gram query (whatever came before it), the 2-gram query dropped.
@@ -322,7 +349,11 @@ class _Builder:
     def _norms(self) -> None:
         hd, d = self.shape.head_dim, self.shape.hidden_size
         # Layer norms keep the stream's values: each weight is the RMS the stream has there.
-        sums = {0: (65, 65 + CODE + 1), 1: (65 + 2 * CODE + 2, 65 + 3 * CODE + 3), 2: (65 + 3 * CODE + 3, 65 + 4 * CODE + 3)}
+        sums = {
+            0: (65, 65 + CODE + 1),
+            1: (65 + 2 * CODE + 2, 65 + 3 * CODE + 3),
+            2: (65 + 3 * CODE + 3, 65 + 4 * CODE + 3),
+        }
         for layer, (attn_in, mlp_in) in sums.items():
             self.w[f"model.layers.{layer}.input_layernorm.weight"][:] = math.sqrt(attn_in / d)
             self.w[f"model.layers.{layer}.post_attention_layernorm.weight"][:] = math.sqrt(mlp_in / d)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from engine.attention.flashinfer import decode_uses_tensor_cores, prefill_backend_for
 from engine.attention.select import flashinfer_shape_error
-from engine.weights.model_config import ModelConfig
 from engine.errors import ConfigError
+from engine.weights.config.model_config import ModelConfig
 
 FLASHINFER = "flashinfer-python==0.7.2.post1"  # the API engine/attention/flashinfer.py is written against
 # What `import flashinfer` needs beyond what the GPU server has (torch, numpy, jinja2, filelock
@@ -45,19 +45,27 @@ DEFAULT_SHAPE_NAME = "Qwen3-8B"
 # bindings), and the AOT kernels. Dropped: csrc's per-kernel-family folders, CUTLASS/CCCL
 # examples, tests and Python.
 _DATA = "flashinfer/data/"
-_KEEP_DATA = ("include/", "cutlass/include/", "cutlass/tools/util/include/", "cccl/cub/cub/",
-              "cccl/libcudacxx/include/", "cccl/thrust/thrust/", "spdlog/include/", "aot/")
+_KEEP_DATA = (
+    "include/",
+    "cutlass/include/",
+    "cutlass/tools/util/include/",
+    "cccl/cub/cub/",
+    "cccl/libcudacxx/include/",
+    "cccl/thrust/thrust/",
+    "spdlog/include/",
+    "aot/",
+)
 
 
 def keep_in_wheel(path: str) -> bool:
     """Whether a file of the flashinfer wheel stays in the trimmed one (all Python stays)."""
     if not path.startswith(_DATA):
         return True
-    rest = path[len(_DATA):]
+    rest = path[len(_DATA) :]
     if "/" not in rest:
         return True
     if rest.startswith("csrc/"):
-        return "/" not in rest[len("csrc/"):]
+        return "/" not in rest[len("csrc/") :]
     return rest.startswith(_KEEP_DATA)
 
 
@@ -139,8 +147,10 @@ class KernelSpec:
     def module(self) -> str:
         d = {"bfloat16": "bf16", "float16": "f16"}[self.dtype]
         hd = self.head_dim
-        common = f"dtype_q_{d}_dtype_kv_{d}_dtype_o_{d}_dtype_idx_i32_head_dim_qk_{hd}_head_dim_vo_{hd}_posenc_0_" \
-                 "use_swa_False_use_logits_cap_False"
+        common = (
+            f"dtype_q_{d}_dtype_kv_{d}_dtype_o_{d}_dtype_idx_i32_head_dim_qk_{hd}_head_dim_vo_{hd}_posenc_0_"
+            "use_swa_False_use_logits_cap_False"
+        )
         if self.kind == "decode":
             return f"batch_decode_with_kv_cache_{common}"
         # fa2: the equal-K/V-stride module the wrapper loads for our [P, 2, page, H, D] cache.
@@ -149,7 +159,7 @@ class KernelSpec:
 
 
 def parse_arch(arch: str) -> tuple[tuple[int, int], str]:
-    """"sm_90a" -> ((9, 0), "9.0a"): the compute capability and FLASHINFER_CUDA_ARCH_LIST."""
+    """ "sm_90a" -> ((9, 0), "9.0a"): the compute capability and FLASHINFER_CUDA_ARCH_LIST."""
     m = re.fullmatch(r"sm_(\d+)(\d)([af]?)", arch)
     if m is None:
         raise ConfigError(f"--arch: '{arch}' is not a CUDA arch like sm_90a or sm_100a")
@@ -175,11 +185,24 @@ def aot_name(module: str) -> str:
 
 
 # ---- downloads ------------------------------------------------------------------------------------
-def pip_download_command(requirements: Sequence[str], dest: Path, *, no_deps: bool,
-                         find_links: Path | None = None) -> list[str]:
+def pip_download_command(
+    requirements: Sequence[str], dest: Path, *, no_deps: bool, find_links: Path | None = None
+) -> list[str]:
     """pip download of cp312 manylinux x86_64 wheels (the GPU server's), binaries only."""
-    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary=:all:",
-           "--python-version", TARGET_PYTHON, "--implementation", "cp", "--dest", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--disable-pip-version-check",
+        "--only-binary=:all:",
+        "--python-version",
+        TARGET_PYTHON,
+        "--implementation",
+        "cp",
+        "--dest",
+        str(dest),
+    ]
     for platform in TARGET_PLATFORMS:
         cmd += ["--platform", platform]
     if no_deps:
@@ -244,16 +267,29 @@ def _curand_headers(work: Path) -> Path:
     """cuRAND's headers from its CUDA 13 wheel: CUTLASS's tensor_fill.h (fa3) includes
     curand_kernel.h, which a minimal toolkit lacks."""
     dest = work / "curand"
-    _run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
-          "--only-binary=:all:", "--dest", str(dest), "nvidia-curand>=10.4"])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--dest",
+            str(dest),
+            "nvidia-curand>=10.4",
+        ]
+    )
     include = work / "curand-include"
     with zipfile.ZipFile(next(dest.glob("*.whl"))) as z:
         z.extractall(include, [n for n in z.namelist() if "/include/" in n])
     return next(include.glob("nvidia/*/include"))
 
 
-def build_kernels(kernels: Sequence[KernelSpec], arch: str, wheel: Path, tvm_ffi_version: str,
-                  work: Path) -> dict[str, bytes]:
+def build_kernels(
+    kernels: Sequence[KernelSpec], arch: str, wheel: Path, tvm_ffi_version: str, work: Path
+) -> dict[str, bytes]:
     """Compile `kernels` for `arch` with nvcc (no GPU needed): archive name -> .so bytes."""
     home = cuda_home()
     if home is None or not (home / "bin" / "nvcc").exists():
@@ -264,8 +300,14 @@ def build_kernels(kernels: Sequence[KernelSpec], arch: str, wheel: Path, tvm_ffi
     _run([*pip, "--no-deps", str(wheel)])
     # The bundle's tvm-ffi version: the .so files are built against its ABI.
     _run([*pip, f"apache-tvm-ffi=={tvm_ffi_version}", *(r for r in RUNTIME_REQUIREMENTS if r != TVM_FFI)])
-    env = {**os.environ, "PYTHONPATH": str(site), "CUDA_HOME": str(home), "FLASHINFER_CUDA_ARCH_LIST": arch_list,
-           "FLASHINFER_WORKSPACE_BASE": str(work), "MAX_JOBS": str(os.cpu_count() or 1)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(site),
+        "CUDA_HOME": str(home),
+        "FLASHINFER_CUDA_ARCH_LIST": arch_list,
+        "FLASHINFER_WORKSPACE_BASE": str(work),
+        "MAX_JOBS": str(os.cpu_count() or 1),
+    }
     if not any((home / d / "libcuda.so").exists() for d in ("lib64/stubs", "lib64")):
         # -lcuda needs something to link against; the kernels call no driver API, so an empty
         # stub with the driver's soname does.
@@ -310,8 +352,14 @@ CHECK
 
 def install_script(flashinfer_wheel: str, pinned: Sequence[str], others: Sequence[str], modules: Sequence[str]) -> str:
     """bash: install the bundled wheels into $PYTHON, then load every prebuilt kernel with JIT off."""
-    fields = {"@PYTHON@": TARGET_PYTHON, "@PRESUMED@": ", ".join(PRESUMED_INSTALLED), "@PINNED@": " ".join(pinned),
-              "@OTHERS@": " ".join(others), "@WHEEL@": flashinfer_wheel, "@MODULES@": " ".join(modules)}
+    fields = {
+        "@PYTHON@": TARGET_PYTHON,
+        "@PRESUMED@": ", ".join(PRESUMED_INSTALLED),
+        "@PINNED@": " ".join(pinned),
+        "@OTHERS@": " ".join(others),
+        "@WHEEL@": flashinfer_wheel,
+        "@MODULES@": " ".join(modules),
+    }
     return re.sub("|".join(fields), lambda m: fields[m.group(0)], _INSTALL)
 
 
@@ -327,12 +375,25 @@ def bundle_bytes(out: Path) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder to write the bundle into")
     parser.add_argument("--arch", default="sm_90a", help="CUDA arch of the GPU server (sm_90a: H100, H200)")
-    parser.add_argument("--model", type=Path, nargs="+", default=[], metavar="PATH",
-                        help=f"checkpoint folders whose attention shapes to prebuild (default: {DEFAULT_SHAPE_NAME}'s)")
-    parser.add_argument("--no-build", action="store_true",
-                        help="skip compiling: the GPU server then JIT-builds on first use, with its own nvcc")
-    parser.add_argument("--find-links", type=Path, metavar="DIR",
-                        help="take the wheels from this folder instead of PyPI (an offline rebuild)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help=f"checkpoint folders whose attention shapes to prebuild (default: {DEFAULT_SHAPE_NAME}'s)",
+    )
+    parser.add_argument(
+        "--no-build",
+        action="store_true",
+        help="skip compiling: the GPU server then JIT-builds on first use, with its own nvcc",
+    )
+    parser.add_argument(
+        "--find-links",
+        type=Path,
+        metavar="DIR",
+        help="take the wheels from this folder instead of PyPI (an offline rebuild)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -376,13 +437,23 @@ def run(args: argparse.Namespace) -> int:
         "flashinfer": {"wheel": src.name, "original_bytes": original_bytes, **asdict(report)},
         "models": [asdict(s) for s in shapes],
         "kernels": [{**asdict(k), "module": k.module, "prebuilt": k.module in prebuilt} for k in kernels],
-        "wheels": [{"file": w.name, "name": wheel_name_version(w)[0], "version": wheel_name_version(w)[1],
-                    "bytes": w.stat().st_size, "sha256": _sha256(w)} for w in sorted(wheels.glob("*.whl"))],
+        "wheels": [
+            {
+                "file": w.name,
+                "name": wheel_name_version(w)[0],
+                "version": wheel_name_version(w)[1],
+                "bytes": w.stat().st_size,
+                "sha256": _sha256(w),
+            }
+            for w in sorted(wheels.glob("*.whl"))
+        ],
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     total = bundle_bytes(out)
-    print(f"bundle {out}: {total / 2**20:.1f} MiB; flashinfer wheel {original_bytes / 2**20:.1f} -> "
-          f"{report.wheel_bytes / 2**20:.1f} MiB; {len(prebuilt)}/{len(kernels)} kernels prebuilt for {args.arch}")
+    print(
+        f"bundle {out}: {total / 2**20:.1f} MiB; flashinfer wheel {original_bytes / 2**20:.1f} -> "
+        f"{report.wheel_bytes / 2**20:.1f} MiB; {len(prebuilt)}/{len(kernels)} kernels prebuilt for {args.arch}"
+    )
     if total > MAX_BUNDLE_BYTES:
         print(f"error: the bundle is over its {MAX_BUNDLE_BYTES >> 20} MiB budget", file=sys.stderr)
         return 1

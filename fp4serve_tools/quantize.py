@@ -19,24 +19,24 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.weights.model_config import ModelConfig
 from engine.errors import ConfigError
-from engine.weights.formats.fp8 import Fp8Dequantizer, Fp8Format, fp8_format
 from engine.weights.checkpoint_files import checkpoint_files, tensor_names
-from engine.weights.qwen3_5_names import canonical_name
-from engine.weights.moe_loader import split_fused_experts
+from engine.weights.config.model_config import ModelConfig
+from engine.weights.formats.fp8 import Fp8Dequantizer, Fp8Format, fp8_format
 from engine.weights.formats.nvfp4 import (
     CHECKPOINT_FORMATS,
     HF_QUANT_CONFIG,
     MODELOPT,
-    checkpoint_quantization_config,
     check_quantizable,
+    checkpoint_quantization_config,
     detect_quantization,
     hf_quant_config,
     is_quantizable,
     quantize_weight,
     weight_to_tensors,
 )
+from engine.weights.moe_loader import split_fused_experts
+from engine.weights.qwen3_5_names import canonical_name
 
 logger = logging.getLogger("fp4serve.quantize")
 
@@ -58,13 +58,16 @@ class QuantizeReport:
     num_quantized: int  # HF linears written as NVFP4
 
     def summary(self) -> str:
-        return (f"weights: {self.bytes_before / _MIB:.2f} MiB -> {self.bytes_after / _MIB:.2f} MiB "
-                f"(quantized linears: {self.linear_bytes_before / _MIB:.2f} MiB -> "
-                f"{self.linear_bytes_after / _MIB:.2f} MiB, {self.num_quantized} linears)")
+        return (
+            f"weights: {self.bytes_before / _MIB:.2f} MiB -> {self.bytes_after / _MIB:.2f} MiB "
+            f"(quantized linears: {self.linear_bytes_before / _MIB:.2f} MiB -> "
+            f"{self.linear_bytes_after / _MIB:.2f} MiB, {self.num_quantized} linears)"
+        )
 
 
-def quantize_checkpoint(src: Path, dst: Path, checkpoint_format: str, device: torch.device,
-                        producer_version: str = "0") -> QuantizeReport:
+def quantize_checkpoint(
+    src: Path, dst: Path, checkpoint_format: str, device: torch.device, producer_version: str = "0"
+) -> QuantizeReport:
     """Write the NVFP4 checkpoint. DST must not exist or be empty; it appears only when complete.
 
     Raises ConfigError (one line) for a source that cannot be quantized."""
@@ -85,8 +88,15 @@ def quantize_checkpoint(src: Path, dst: Path, checkpoint_format: str, device: to
     partial.mkdir(parents=True)
     try:
         report, weight_map = _write_tensors(src, files, partial, checkpoint_format, device, fp8)
-        _write_configs(src, partial, checkpoint_format, producer_version, weight_map, report.bytes_after,
-                       sharded=(src / INDEX_FILE).is_file())
+        _write_configs(
+            src,
+            partial,
+            checkpoint_format,
+            producer_version,
+            weight_map,
+            report.bytes_after,
+            sharded=(src / INDEX_FILE).is_file(),
+        )
         _copy_other_files(src, partial)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -97,8 +107,9 @@ def quantize_checkpoint(src: Path, dst: Path, checkpoint_format: str, device: to
     return report
 
 
-def _write_tensors(src: Path, files: list[Path], out: Path, checkpoint_format: str, device: torch.device,
-                   fp8: Fp8Format | None = None) -> tuple[QuantizeReport, dict[str, str]]:
+def _write_tensors(
+    src: Path, files: list[Path], out: Path, checkpoint_format: str, device: torch.device, fp8: Fp8Format | None = None
+) -> tuple[QuantizeReport, dict[str, str]]:
     """One output file per source file, same name: memory stays bounded by one source shard. `fp8`:
     the source's block-wise FP8 format (its weights dequantized first; a weight whose scale sits
     in a later shard is written with that shard)."""
@@ -112,7 +123,9 @@ def _write_tensors(src: Path, files: list[Path], out: Path, checkpoint_format: s
                 for read_name in st.keys():
                     read = st.get_tensor(read_name)
                     before += read.nbytes
-                    for stored_name, stored in dequantizer.feed(read_name, read) if dequantizer else ((read_name, read),):
+                    for stored_name, stored in (
+                        dequantizer.feed(read_name, read) if dequantizer else ((read_name, read),)
+                    ):
                         # Fused MoE experts are written per expert, the layout ModelOpt and
                         # compressed-tensors use, each expert with its own global scales.
                         for name, tensor in (split_fused_experts(stored_name, stored) or {stored_name: stored}).items():
@@ -133,18 +146,29 @@ def _write_tensors(src: Path, files: list[Path], out: Path, checkpoint_format: s
     return QuantizeReport(before, after, linear_before, linear_after, num_quantized), weight_map
 
 
-def _quantized(name: str, tensor: torch.Tensor, checkpoint_format: str, device: torch.device) -> dict[str, torch.Tensor] | None:
+def _quantized(
+    name: str, tensor: torch.Tensor, checkpoint_format: str, device: torch.device
+) -> dict[str, torch.Tensor] | None:
     """The layout's tensors of a quantizable linear's weight; None for any other tensor."""
     module, _, leaf = name.rpartition(".")
     # ConditionalGeneration checkpoints name the text model model.language_model.*
     if leaf != "weight" or not is_quantizable(canonical_name(module)):
         return None
     nvfp4 = quantize_weight(tensor.to(device), name)
-    return {f"{module}.{suffix}": t.cpu().contiguous() for suffix, t in weight_to_tensors(checkpoint_format, nvfp4).items()}
+    return {
+        f"{module}.{suffix}": t.cpu().contiguous() for suffix, t in weight_to_tensors(checkpoint_format, nvfp4).items()
+    }
 
 
-def _write_configs(src: Path, out: Path, checkpoint_format: str, producer_version: str,
-                   weight_map: dict[str, str], total_size: int, sharded: bool) -> None:
+def _write_configs(
+    src: Path,
+    out: Path,
+    checkpoint_format: str,
+    producer_version: str,
+    weight_map: dict[str, str],
+    total_size: int,
+    sharded: bool,
+) -> None:
     raw = json.loads((src / "config.json").read_text())
     raw["quantization_config"] = checkpoint_quantization_config(checkpoint_format, list(_EXCLUDED))
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
@@ -165,11 +189,18 @@ def _copy_other_files(src: Path, out: Path) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", metavar="SRC", help="a local float (bf16/fp16/fp32) HF checkpoint folder")
     parser.add_argument("dst", metavar="DST", help="the folder to write; must not exist or be empty")
-    parser.add_argument("--format", default=MODELOPT, choices=CHECKPOINT_FORMATS,
-                        help="tensor layout: NVIDIA ModelOpt or compressed-tensors nvfp4-pack-quantized "
-                        "(default: modelopt)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                        help="where to quantize; the result is the same (default: auto, cuda when available)")
+    parser.add_argument(
+        "--format",
+        default=MODELOPT,
+        choices=CHECKPOINT_FORMATS,
+        help="tensor layout: NVIDIA ModelOpt or compressed-tensors nvfp4-pack-quantized (default: modelopt)",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where to quantize; the result is the same (default: auto, cuda when available)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,8 +210,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         device = resolve_device(args.device)
-        report = quantize_checkpoint(Path(args.src).expanduser(), Path(args.dst).expanduser(), args.format,
-                                     device, VERSION)
+        report = quantize_checkpoint(
+            Path(args.src).expanduser(), Path(args.dst).expanduser(), args.format, device, VERSION
+        )
     except ConfigError as e:
         print(f"fp4serve quantize: error: {e}", file=sys.stderr)
         return 2

@@ -64,10 +64,10 @@ def unpack_int4_codes(packed: Tensor) -> Tensor:
     main = kp // SUPER_COLS * SUPER_COLS
     group, column = _superblock_index()
     supers = torch.empty(n, main // SUPER_COLS, 8, GROUP, dtype=torch.int32)
-    supers[:, :, group, column] = nibbles[:, :main // 4].reshape(n, -1, 2, 32, 4)
+    supers[:, :, group, column] = nibbles[:, : main // 4].reshape(n, -1, 2, 32, 4)
     out = [supers.reshape(n, -1)]
     if main < kp:
-        last = nibbles[:, main // 4:].reshape(n, -1, 16, 2, 2)  # [N, pairs, column j, group, half]
+        last = nibbles[:, main // 4 :].reshape(n, -1, 16, 2, 2)  # [N, pairs, column j, group, half]
         out.append(last.permute(0, 1, 3, 4, 2).reshape(n, -1))
     return torch.cat(out, dim=1).to(torch.uint8)
 

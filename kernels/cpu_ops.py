@@ -18,8 +18,14 @@ import torch
 from torch import Tensor
 
 _HERE = Path(__file__).parent
-SOURCES = (_HERE / "cpu_attention.cpp", _HERE / "cpu_elementwise.cpp", _HERE / "cpu_gemv.cpp",
-           _HERE / "cpu_fused_attention.cpp", _HERE / "cpu_decode_layer.cpp", _HERE / "cpu_int4.cpp")
+SOURCES = (
+    _HERE / "cpu_attention.cpp",
+    _HERE / "cpu_elementwise.cpp",
+    _HERE / "cpu_gemv.cpp",
+    _HERE / "cpu_fused_attention.cpp",
+    _HERE / "cpu_decode_layer.cpp",
+    _HERE / "cpu_int4.cpp",
+)
 HEADERS = (_HERE / "cpu_vec.h",)
 LIBRARY_NAME = "libfp4serve_cpu.so"
 NAMESPACE = "fp4serve_cpu"
@@ -29,8 +35,12 @@ def build_key() -> str:
     """What the compiled library depends on: the sources, torch's version and ABI, the compiler's
     target (-march=native: the CPU's model and flags)."""
     parts = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
-    parts += [torch.__version__.encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
-              platform.machine().encode(), _cpu_signature().encode()]
+    parts += [
+        torch.__version__.encode(),
+        str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+        platform.machine().encode(),
+        _cpu_signature().encode(),
+    ]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -52,14 +62,37 @@ def compile_library(folder: Path, compiler: str = "g++") -> Path:
 
     out = folder / LIBRARY_NAME
     lib_dirs = cpp_extension.library_paths()
-    flags = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    flags = [
+        compiler,
+        "-O3",
+        "-march=native",
+        "-fopenmp",
+        "-fPIC",
+        "-std=c++20",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    ]
     objects = [folder / f"{source.stem}.o" for source in SOURCES]
-    compiles = [[*flags, *[f"-I{p}" for p in cpp_extension.include_paths()], "-c", str(source), "-o", str(obj)]
-                for source, obj in zip(SOURCES, objects)]
+    compiles = [
+        [*flags, *[f"-I{p}" for p in cpp_extension.include_paths()], "-c", str(source), "-o", str(obj)]
+        for source, obj in zip(SOURCES, objects)
+    ]
     _run_all(compiles, compiler)
-    _run_all([[*flags, "-shared", *map(str, objects), "-o", str(out), *[f"-L{p}" for p in lib_dirs], "-lc10",
-               "-ltorch_cpu", *[f"-Wl,-rpath,{p}" for p in lib_dirs]]], compiler)
+    _run_all(
+        [
+            [
+                *flags,
+                "-shared",
+                *map(str, objects),
+                "-o",
+                str(out),
+                *[f"-L{p}" for p in lib_dirs],
+                "-lc10",
+                "-ltorch_cpu",
+                *[f"-Wl,-rpath,{p}" for p in lib_dirs],
+            ]
+        ],
+        compiler,
+    )
     for obj in objects:
         obj.unlink(missing_ok=True)
     return out
@@ -68,8 +101,9 @@ def compile_library(folder: Path, compiler: str = "g++") -> Path:
 def _run_all(commands: list[list[str]], compiler: str) -> None:
     """Run the commands at once; RuntimeError with the first failure's output."""
     try:
-        running = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                   for argv in commands]
+        running = [
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv in commands
+        ]
     except OSError as e:
         raise RuntimeError(f"{compiler} could not run ({e})") from None
     results = [(p, *p.communicate()) for p in running]
@@ -129,8 +163,16 @@ def _argmax_rows_fake(x: Tensor) -> Tensor:
     return x.new_empty((x.shape[0],), dtype=torch.int64)
 
 
-_FAKES = {"paged_attention": _like, "reshape_and_cache": _reshape_and_cache_fake, "rms_norm": _like,
-          "add_rms_norm": _add_rms_norm_fake, "silu_and_mul": _silu_and_mul_fake, "rotary": _like,
-          "int8_gemv": _int8_gemv_fake, "rope_cache_attention": _rope_cache_attention_fake,
-          "decode_layer_int4": _decode_layer_int4_fake, "int4_gemv": _int4_gemv_fake,
-          "argmax_rows": _argmax_rows_fake}
+_FAKES = {
+    "paged_attention": _like,
+    "reshape_and_cache": _reshape_and_cache_fake,
+    "rms_norm": _like,
+    "add_rms_norm": _add_rms_norm_fake,
+    "silu_and_mul": _silu_and_mul_fake,
+    "rotary": _like,
+    "int8_gemv": _int8_gemv_fake,
+    "rope_cache_attention": _rope_cache_attention_fake,
+    "decode_layer_int4": _decode_layer_int4_fake,
+    "int4_gemv": _int4_gemv_fake,
+    "argmax_rows": _argmax_rows_fake,
+}

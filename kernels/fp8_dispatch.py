@@ -45,12 +45,15 @@ class Fp8Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         w = self.weight_fp8
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"fp8 e4m3 {w.block_n}x{w.block_k} blocks, W8A8")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"fp8 e4m3 {w.block_n}x{w.block_k} blocks, W8A8"
+        )
 
 
-def fused_experts_fp8(x: Tensor, w13: Fp8ExpertWeights, w2: Fp8ExpertWeights, topk_weights: Tensor,
-                      topk_ids: Tensor) -> Tensor:
+def fused_experts_fp8(
+    x: Tensor, w13: Fp8ExpertWeights, w2: Fp8ExpertWeights, topk_weights: Tensor, topk_ids: Tensor
+) -> Tensor:
     """The FP8 fused MoE on x's device: the Triton kernel on CUDA SM89+, else the reference."""
     if fp8_device_supported(x.device):
         from kernels.fused_moe_fp8_triton import fused_experts_fp8_triton
@@ -78,6 +81,7 @@ class Fp8Experts(nn.Module):
         return fused_experts_fp8(x, self.w13, self.w2, topk_weights, topk_ids)
 
     def extra_repr(self) -> str:
-        return (f"num_experts={self.num_experts}, intermediate_size={self.intermediate_size}, fp8 e4m3 "
-                f"{self.w13.block_n}x{self.w13.block_k} blocks, W8A8")
-
+        return (
+            f"num_experts={self.num_experts}, intermediate_size={self.intermediate_size}, fp8 e4m3 "
+            f"{self.w13.block_n}x{self.w13.block_k} blocks, W8A8"
+        )

@@ -6,7 +6,8 @@ on SM89+), scaled by the activation group's scale times the weight block's. Refe
 
 UNTESTED ON A DEVICE: checked only under TRITON_INTERPRET=1 (no GPU was lent to the work that
 wrote it). NOTE: core builtins and jit functions of ours only, so (re)importing this module with
-TRITON_INTERPRET=1 set is enough to interpret it. Each N tile re-quantizes its rows' activations (cheap next to the dot; a
+TRITON_INTERPRET=1 set is enough to interpret it. Each N tile re-quantizes its rows' activations (cheap
+next to the dot; a
 separate quantization pass would write and re-read them)."""
 
 from __future__ import annotations
@@ -72,11 +73,29 @@ def quantize_group(x, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr):
 
 @triton.jit
 def _w8a8_block_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_om, stride_on,
-    SCALE_BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    stride_om,
+    stride_on,
+    SCALE_BLOCK_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
+    EPS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -89,12 +108,18 @@ def _w8a8_block_kernel(
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, GROUP_K):
         k_ok = (k0 + offs_k) < K
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
         xq, xs = quantize_group(x, FP8_MAX_C, EPS)  # [BLOCK_M, GROUP_K] fp8, [BLOCK_M]
         # [GROUP_K, BLOCK_N] fp8 codes of this tile's rows
-        w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k0 + offs_k)[:, None] * stride_wk,
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        w = tl.load(
+            w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k0 + offs_k)[:, None] * stride_wk,
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
         ws = tl.load(s_ptr + scale_rows * stride_sn + (k0 // GROUP_K) * stride_sk, mask=n_ok, other=0.0)
         part = tl.dot(xq, w)  # [BLOCK_M, BLOCK_N] float32
         acc += part * xs[:, None] * ws[None, :]
@@ -104,8 +129,9 @@ def _w8a8_block_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def w8a8_block_matmul(x: Tensor, w: Fp8BlockWeight, bias: Tensor | None = None, *,
-                      config: Fp8GemmConfig | None = None) -> Tensor:
+def w8a8_block_matmul(
+    x: Tensor, w: Fp8BlockWeight, bias: Tensor | None = None, *, config: Fp8GemmConfig | None = None
+) -> Tensor:
     """x [M, K] -> [M, N] in x.dtype (x contiguous in K)."""
     m, k = x.shape
     n = w.shape[0]
@@ -116,12 +142,30 @@ def w8a8_block_matmul(x: Tensor, w: Fp8BlockWeight, bias: Tensor | None = None, 
         return out
     grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
     _w8a8_block_kernel[grid](
-        x, w.codes, w.scale, bias if bias is not None else w.scale, out,
-        m, n, k,
-        x.stride(0), x.stride(1), w.codes.stride(0), w.codes.stride(1), w.scale.stride(0), w.scale.stride(1),
-        out.stride(0), out.stride(1),
-        SCALE_BLOCK_N=w.block_n, GROUP_K=w.block_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HAS_BIAS=bias is not None, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        x,
+        w.codes,
+        w.scale,
+        bias if bias is not None else w.scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        w.codes.stride(0),
+        w.codes.stride(1),
+        w.scale.stride(0),
+        w.scale.stride(1),
+        out.stride(0),
+        out.stride(1),
+        SCALE_BLOCK_N=w.block_n,
+        GROUP_K=w.block_k,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        HAS_BIAS=bias is not None,
+        FP8_MAX_C=FP8_MAX,
+        EPS=ACT_EPS,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out

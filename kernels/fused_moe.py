@@ -46,7 +46,8 @@ class NVFP4ExpertWeights:
     def __post_init__(self) -> None:
         e, n, _ = self.packed.shape
         assert self.global_scale.shape == (e, len(self.shard_sizes)), (
-            f"global_scale {tuple(self.global_scale.shape)} for {e} experts x {len(self.shard_sizes)} shards")
+            f"global_scale {tuple(self.global_scale.shape)} for {e} experts x {len(self.shard_sizes)} shards"
+        )
         assert sum(self.shard_sizes) == n, f"shard sizes {self.shard_sizes} do not sum to N={n}"
 
     @property
@@ -64,9 +65,12 @@ class NVFP4ExpertWeights:
 
     def expert(self, e: int) -> NVFP4Weight:
         one = len(self.shard_sizes) == 1
-        return NVFP4Weight(self.packed[e], self.block_scale[e],
-                           self.global_scale[e, 0] if one else self.global_scale[e],
-                           None if one else self.shard_sizes)
+        return NVFP4Weight(
+            self.packed[e],
+            self.block_scale[e],
+            self.global_scale[e, 0] if one else self.global_scale[e],
+            None if one else self.shard_sizes,
+        )
 
     def row_global_scale(self) -> Tensor:
         """[E, N] float32: each output row's global scale."""
@@ -79,9 +83,12 @@ class NVFP4ExpertWeights:
         fused = [shards[0] if len(shards) == 1 else fuse_nvfp4(shards) for shards in per_expert]
         sizes = fused[0].shard_sizes or (fused[0].shape[0],)
         assert all((w.shard_sizes or (w.shape[0],)) == sizes for w in fused), "experts disagree on shape"
-        return NVFP4ExpertWeights(torch.stack([w.packed for w in fused]),
-                                  torch.stack([w.block_scale for w in fused]),
-                                  torch.stack([w.global_scale.reshape(-1) for w in fused]), sizes)
+        return NVFP4ExpertWeights(
+            torch.stack([w.packed for w in fused]),
+            torch.stack([w.block_scale for w in fused]),
+            torch.stack([w.global_scale.reshape(-1) for w in fused]),
+            sizes,
+        )
 
 
 def expert_matrix(w: Tensor | NVFP4ExpertWeights, e: int, dtype: torch.dtype) -> Tensor:
@@ -91,8 +98,9 @@ def expert_matrix(w: Tensor | NVFP4ExpertWeights, e: int, dtype: torch.dtype) ->
     return w[e]
 
 
-def fused_experts_ref(x: Tensor, w13: Tensor | NVFP4ExpertWeights, w2: Tensor | NVFP4ExpertWeights,
-                      topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+def fused_experts_ref(
+    x: Tensor, w13: Tensor | NVFP4ExpertWeights, w2: Tensor | NVFP4ExpertWeights, topk_weights: Tensor, topk_ids: Tensor
+) -> Tensor:
     """sum_j topk_weights[t, j] * expert_{ids[t, j]}(x[t]) with SwiGLU experts, for x [T, H] ->
     [T, H] in x.dtype. w13: gate rows then up rows [E, 2I, H]; w2: [E, H, I].
 
@@ -137,7 +145,8 @@ def moe_align_block_size(topk_ids: Tensor, block_m: int, num_experts: int) -> tu
     max_padded = -(-(numel + num_experts * (block_m - 1)) // block_m) * block_m
     # NOTE: not torch.bincount, which reads the max id back to the host on CUDA (no graph capture).
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(
-        0, flat, torch.ones_like(flat))  # [E]
+        0, flat, torch.ones_like(flat)
+    )  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)  # [E] end of each expert's padded run
     order = torch.argsort(flat, stable=True)

@@ -52,12 +52,17 @@ class Fp8ExpertWeights:
         block_n = min(w.block_n for w in fused)
         if any(w.block_n != block_n for w in fused):  # an unaligned fuse in some experts only
             fused = [Fp8BlockWeight(w.codes, w.row_scales(), 1, w.block_k) for w in fused]
-        return Fp8ExpertWeights(torch.stack([w.codes for w in fused]), torch.stack([w.scale for w in fused]),
-                                fused[0].block_n, fused[0].block_k)
+        return Fp8ExpertWeights(
+            torch.stack([w.codes for w in fused]),
+            torch.stack([w.scale for w in fused]),
+            fused[0].block_n,
+            fused[0].block_k,
+        )
 
 
-def fused_experts_fp8_ref(x: Tensor, w13: Fp8ExpertWeights, w2: Fp8ExpertWeights, topk_weights: Tensor,
-                          topk_ids: Tensor) -> Tensor:
+def fused_experts_fp8_ref(
+    x: Tensor, w13: Fp8ExpertWeights, w2: Fp8ExpertWeights, topk_weights: Tensor, topk_ids: Tensor
+) -> Tensor:
     """sum_j topk_weights[t, j] * expert_{ids[t, j]}(x[t]), SwiGLU experts, W8A8: x [T, H] -> [T, H]
     in x.dtype. Tokens sorted by expert once, then one W8A8 matmul per projection per expert that
     got tokens; the gate/up output is rounded to x.dtype before SwiGLU, as the kernel path does."""

@@ -25,11 +25,35 @@ from kernels.fused_moe_triton import MoEConfig, choose_moe_config
 
 @triton.jit
 def _moe_fp8_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, topk_w_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    N, K, num_valid, top_k,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, stride_on,
-    SCALE_BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr, FP8_MAX_C: tl.constexpr, EPS: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    num_valid,
+    top_k,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    stride_om,
+    stride_on,
+    SCALE_BLOCK_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
+    EPS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -48,12 +72,18 @@ def _moe_fp8_kernel(
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, GROUP_K):
         k_ok = (k0 + offs_k) < K
-        x = tl.load(x_ptr + row[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(
+            x_ptr + row[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
         xq, xs = quantize_group(x, FP8_MAX_C, EPS)
         # [GROUP_K, BLOCK_N] of this tile's expert
-        w = tl.load(w_base + offs_n[None, :].to(tl.int64) * stride_wn + (k0 + offs_k)[:, None] * stride_wk,
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        w = tl.load(
+            w_base + offs_n[None, :].to(tl.int64) * stride_wn + (k0 + offs_k)[:, None] * stride_wk,
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
         ws = tl.load(s_base + scale_rows * stride_sn + (k0 // GROUP_K) * stride_sk, mask=n_ok, other=0.0)
         acc += tl.dot(xq, w) * xs[:, None] * ws[None, :]
     if MUL_WEIGHT:
@@ -62,9 +92,17 @@ def _moe_fp8_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def grouped_matmul_fp8(x: Tensor, w: Fp8ExpertWeights, sorted_ids: Tensor, block_expert: Tensor,
-                       num_padded: Tensor, num_slots: int, top_k: int, topk_weights: Tensor | None,
-                       config: MoEConfig) -> Tensor:
+def grouped_matmul_fp8(
+    x: Tensor,
+    w: Fp8ExpertWeights,
+    sorted_ids: Tensor,
+    block_expert: Tensor,
+    num_padded: Tensor,
+    num_slots: int,
+    top_k: int,
+    topk_weights: Tensor | None,
+    config: MoEConfig,
+) -> Tensor:
     """out[s] = W8A8(x[s // top_k], W[expert(s)]) (* topk_weights[s]) for every slot s < num_slots
     -> [num_slots, N] in x.dtype."""
     n, k = w.shape
@@ -73,19 +111,50 @@ def grouped_matmul_fp8(x: Tensor, w: Fp8ExpertWeights, sorted_ids: Tensor, block
     grid = (sorted_ids.numel() // config.block_m, triton.cdiv(n, config.block_n))
     weights = topk_weights if topk_weights is not None else w.scale  # unread when not multiplied
     _moe_fp8_kernel[grid](
-        x, w.codes, w.scale, out, weights, sorted_ids, block_expert, num_padded,
-        n, k, num_slots, top_k,
-        x.stride(0), x.stride(1), w.codes.stride(0), w.codes.stride(1), w.codes.stride(2),
-        w.scale.stride(0), w.scale.stride(1), w.scale.stride(2), out.stride(0), out.stride(1),
-        SCALE_BLOCK_N=w.block_n, GROUP_K=w.block_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        MUL_WEIGHT=topk_weights is not None, FP8_MAX_C=FP8_MAX, EPS=ACT_EPS,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        x,
+        w.codes,
+        w.scale,
+        out,
+        weights,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        n,
+        k,
+        num_slots,
+        top_k,
+        x.stride(0),
+        x.stride(1),
+        w.codes.stride(0),
+        w.codes.stride(1),
+        w.codes.stride(2),
+        w.scale.stride(0),
+        w.scale.stride(1),
+        w.scale.stride(2),
+        out.stride(0),
+        out.stride(1),
+        SCALE_BLOCK_N=w.block_n,
+        GROUP_K=w.block_k,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        MUL_WEIGHT=topk_weights is not None,
+        FP8_MAX_C=FP8_MAX,
+        EPS=ACT_EPS,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 
 
-def fused_experts_fp8_triton(x: Tensor, w13: Fp8ExpertWeights, w2: Fp8ExpertWeights, topk_weights: Tensor,
-                             topk_ids: Tensor, *, config: MoEConfig | None = None) -> Tensor:
+def fused_experts_fp8_triton(
+    x: Tensor,
+    w13: Fp8ExpertWeights,
+    w2: Fp8ExpertWeights,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    *,
+    config: MoEConfig | None = None,
+) -> Tensor:
     """x [T, H] -> [T, H] in x.dtype: sort once, gate/up grouped GEMM, SwiGLU, down grouped GEMM
     with the routing weight in its epilogue, then the k slots of each token summed."""
     num_tokens, top_k = topk_ids.shape

@@ -40,10 +40,12 @@ class ExpertKernelLayout:
 def pack_expert_layout(w: NVFP4ExpertWeights) -> ExpertKernelLayout:
     """Re-lay every expert at once: the experts' rows are just more rows to `pack_kernel_layout`."""
     e, n, half_k = w.packed.shape
-    flat: KernelLayout = pack_kernel_layout(w.packed.reshape(e * n, half_k), w.block_scale.reshape(e * n, -1),
-                                            w.row_global_scale().reshape(e * n))
-    return ExpertKernelLayout(flat.words.reshape(e, n, -1), flat.scale_words.reshape(e, n, -1),
-                              flat.row_global_scale.reshape(e, n), flat.k)
+    flat: KernelLayout = pack_kernel_layout(
+        w.packed.reshape(e * n, half_k), w.block_scale.reshape(e * n, -1), w.row_global_scale().reshape(e * n)
+    )
+    return ExpertKernelLayout(
+        flat.words.reshape(e, n, -1), flat.scale_words.reshape(e, n, -1), flat.row_global_scale.reshape(e, n), flat.k
+    )
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,29 @@ def choose_moe_config(num_slots: int, num_experts: int) -> MoEConfig:
 
 @triton.jit
 def _moe_float_kernel(
-    x_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    N, K, num_valid, top_k,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    num_valid,
+    top_k,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -87,11 +107,17 @@ def _moe_float_kernel(
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + offs_k) < K
-        x = tl.load(x_ptr + row[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + row[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         # [BLOCK_K, BLOCK_N] of this tile's expert
-        w = tl.load(w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk,
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        w = tl.load(
+            w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk,
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
         acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_w_ptr + slot, mask=m_ok, other=0.0)[:, None]
@@ -101,11 +127,34 @@ def _moe_float_kernel(
 
 @triton.jit
 def _moe_nvfp4_kernel(
-    x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, topk_w_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    N, K, k_pad, num_valid, top_k,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    k_pad,
+    num_valid,
+    top_k,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ge,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     # Weight rows are the dot's left side ("swap AB"), as in nvfp4_triton._w4a16_kernel, whose
     # word layout and in-register decode this shares.
@@ -126,8 +175,11 @@ def _moe_nvfp4_kernel(
     acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     for k0 in range(0, k_pad, 128):
         for half in tl.static_range(2):  # scale groups 0-3, then 4-7
-            words = tl.load(w_base + offs_n[:, None] * stride_wn + (k0 // 8 + 8 * half + offs_word)[None, :],
-                            mask=n_ok[:, None], other=0).to(tl.uint32, bitcast=True)
+            words = tl.load(
+                w_base + offs_n[:, None] * stride_wn + (k0 // 8 + 8 * half + offs_word)[None, :],
+                mask=n_ok[:, None],
+                other=0,
+            ).to(tl.uint32, bitcast=True)
             scales = tl.load(s_base + offs_n * stride_sn + k0 // 64 + half, mask=n_ok, other=0)
             for q in tl.static_range(4):
                 w = decode_group(words, scales, q, BLOCK_N, DOT_DTYPE)
@@ -149,9 +201,18 @@ def _tl_dtype(dtype: torch.dtype) -> tl.dtype:
     return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
 
 
-def grouped_matmul(x: Tensor, w: Tensor | ExpertKernelLayout, sorted_ids: Tensor, block_expert: Tensor,
-                   num_padded: Tensor, num_slots: int, top_k: int, topk_weights: Tensor | None,
-                   config: MoEConfig, dot_dtype: torch.dtype) -> Tensor:
+def grouped_matmul(
+    x: Tensor,
+    w: Tensor | ExpertKernelLayout,
+    sorted_ids: Tensor,
+    block_expert: Tensor,
+    num_padded: Tensor,
+    num_slots: int,
+    top_k: int,
+    topk_weights: Tensor | None,
+    config: MoEConfig,
+    dot_dtype: torch.dtype,
+) -> Tensor:
     """out[s] = x[s // top_k] @ W[expert(s)]^T (* topk_weights[s]) for every slot s < num_slots
     -> [num_slots, N] in x.dtype. w: float [E, N, K] or NVFP4 re-laid."""
     n = w.n if isinstance(w, ExpertKernelLayout) else w.shape[1]
@@ -163,30 +224,79 @@ def grouped_matmul(x: Tensor, w: Tensor | ExpertKernelLayout, sorted_ids: Tensor
         assert k == w.k, f"x has K={k}, experts have K={w.k}"
         chunks = triton.cdiv(k, CHUNK_K)
         _moe_nvfp4_kernel[grid](
-            x, w.words, w.scale_words, w.row_global_scale, out, weights, sorted_ids, block_expert, num_padded,
-            n, k, chunks * CHUNK_K, num_slots, top_k,
-            x.stride(0), x.stride(1), w.words.stride(0), w.words.stride(1), w.scale_words.stride(0),
-            w.scale_words.stride(1), w.row_global_scale.stride(0), out.stride(0), out.stride(1),
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, EVEN_K=k % CHUNK_K == 0,
-            MUL_WEIGHT=topk_weights is not None, DOT_DTYPE=_tl_dtype(dot_dtype),
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            x,
+            w.words,
+            w.scale_words,
+            w.row_global_scale,
+            out,
+            weights,
+            sorted_ids,
+            block_expert,
+            num_padded,
+            n,
+            k,
+            chunks * CHUNK_K,
+            num_slots,
+            top_k,
+            x.stride(0),
+            x.stride(1),
+            w.words.stride(0),
+            w.words.stride(1),
+            w.scale_words.stride(0),
+            w.scale_words.stride(1),
+            w.row_global_scale.stride(0),
+            out.stride(0),
+            out.stride(1),
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            EVEN_K=k % CHUNK_K == 0,
+            MUL_WEIGHT=topk_weights is not None,
+            DOT_DTYPE=_tl_dtype(dot_dtype),
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
         return out
     assert k == w.shape[2], f"x has K={k}, experts have K={w.shape[2]}"
     _moe_float_kernel[grid](
-        x, w, out, weights, sorted_ids, block_expert, num_padded,
-        n, k, num_slots, top_k,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        MUL_WEIGHT=topk_weights is not None, DOT_DTYPE=_tl_dtype(dot_dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        x,
+        w,
+        out,
+        weights,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        n,
+        k,
+        num_slots,
+        top_k,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        MUL_WEIGHT=topk_weights is not None,
+        DOT_DTYPE=_tl_dtype(dot_dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 
 
-def fused_experts_triton(x: Tensor, w13: Tensor | ExpertKernelLayout, w2: Tensor | ExpertKernelLayout,
-                         topk_weights: Tensor, topk_ids: Tensor, *, config: MoEConfig | None = None,
-                         dot_dtype: torch.dtype | None = None) -> Tensor:
+def fused_experts_triton(
+    x: Tensor,
+    w13: Tensor | ExpertKernelLayout,
+    w2: Tensor | ExpertKernelLayout,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    *,
+    config: MoEConfig | None = None,
+    dot_dtype: torch.dtype | None = None,
+) -> Tensor:
     """x [T, H] -> [T, H] in x.dtype: sort once, gate/up grouped GEMM, SwiGLU, down grouped GEMM
     with the routing weight in its epilogue, then the k slots of each token summed."""
     num_tokens, top_k = topk_ids.shape
@@ -198,11 +308,13 @@ def fused_experts_triton(x: Tensor, w13: Tensor | ExpertKernelLayout, w2: Tensor
     dot_dtype = dot_dtype or default_dot_dtype(x)
     sorted_ids, block_expert, num_padded = moe_align_block_size(topk_ids, config.block_m, num_experts)
     x = x.contiguous()
-    gate_up = grouped_matmul(x, w13, sorted_ids, block_expert, num_padded, num_slots, top_k, None, config,
-                             dot_dtype)  # [T*k, 2I]
+    gate_up = grouped_matmul(
+        x, w13, sorted_ids, block_expert, num_padded, num_slots, top_k, None, config, dot_dtype
+    )  # [T*k, 2I]
     gate, up = gate_up.chunk(2, dim=-1)
     hidden = F.silu(gate) * up  # [T*k, I]
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
-    down = grouped_matmul(hidden, w2, sorted_ids, block_expert, num_padded, num_slots, 1, weights, config,
-                          dot_dtype)  # [T*k, H], weighted
+    down = grouped_matmul(
+        hidden, w2, sorted_ids, block_expert, num_padded, num_slots, 1, weights, config, dot_dtype
+    )  # [T*k, H], weighted
     return down.view(num_tokens, top_k, -1).sum(dim=1)

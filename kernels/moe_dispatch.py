@@ -28,8 +28,7 @@ def prepare_experts(w: NVFP4ExpertWeights) -> NVFP4ExpertWeights | ExpertKernelL
     return w
 
 
-def fused_experts(x: Tensor, w13: ExpertOperand, w2: ExpertOperand, topk_weights: Tensor,
-                  topk_ids: Tensor) -> Tensor:
+def fused_experts(x: Tensor, w13: ExpertOperand, w2: ExpertOperand, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
     """The fused MoE on x's device: the Triton kernel on CUDA, the grouped torch reference else."""
     if x.device.type == "cuda" and not isinstance(w13, NVFP4ExpertWeights):
         from kernels.fused_moe_triton import fused_experts_triton

@@ -14,8 +14,7 @@ E4M3_MAX = 448.0
 # Encoding scale numerator: S = 448 * 6 / amax maps the tensor's amax onto the top of both grids.
 GLOBAL_SCALE_NUMERATOR = E4M3_MAX * E2M1_MAX  # 2688
 # Code -> value; codes 8-15 are the negatives of 0-7 (code 8 is -0.0).
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # Rows quantized at once: bounds the float64 temporaries to ~64 MiB each.
 _QUANTIZE_CHUNK_ELEMENTS = 1 << 23
 
@@ -41,14 +40,16 @@ class NVFP4Weight:
         assert self.packed.dtype == torch.uint8, f"packed must be uint8, got {self.packed.dtype}"
         assert self.block_scale.dtype == torch.float8_e4m3fn, f"block_scale is {self.block_scale.dtype}"
         assert self.block_scale.shape == (n, 2 * half_k // BLOCK_SIZE), (
-            f"block_scale {tuple(self.block_scale.shape)} does not match packed {tuple(self.packed.shape)}")
+            f"block_scale {tuple(self.block_scale.shape)} does not match packed {tuple(self.packed.shape)}"
+        )
         assert (2 * half_k) % BLOCK_SIZE == 0, f"K={2 * half_k} is not a multiple of {BLOCK_SIZE}"
         assert self.global_scale.dtype == torch.float32, f"global_scale is {self.global_scale.dtype}"
         if self.shard_sizes is None:
             assert self.global_scale.numel() == 1, "an unfused weight has one global scale"
         else:
             assert self.global_scale.shape == (len(self.shard_sizes),), (
-                f"global_scale {tuple(self.global_scale.shape)} vs {len(self.shard_sizes)} shards")
+                f"global_scale {tuple(self.global_scale.shape)} vs {len(self.shard_sizes)} shards"
+            )
             assert sum(self.shard_sizes) == n, f"shard sizes {self.shard_sizes} do not sum to N={n}"
 
     @property
@@ -73,8 +74,9 @@ class NVFP4Weight:
         return scales.repeat_interleave(sizes, output_size=self.shape[0])
 
     def to(self, device: torch.device | str) -> "NVFP4Weight":
-        return NVFP4Weight(self.packed.to(device), self.block_scale.to(device),
-                           self.global_scale.to(device), self.shard_sizes)
+        return NVFP4Weight(
+            self.packed.to(device), self.block_scale.to(device), self.global_scale.to(device), self.shard_sizes
+        )
 
 
 def pack_e2m1(codes: Tensor) -> Tensor:
@@ -117,8 +119,7 @@ def round_to_e2m1_code(value: Tensor) -> Tensor:
     spacing = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
     rounded = (torch.round(magnitude / spacing) * spacing).clamp(max=E2M1_MAX)
     # 2*rounded is in {0,1,2,3,4,6,8,12}; map it to codes 0-7.
-    twice_to_code = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7],
-                                 dtype=torch.uint8, device=value.device)
+    twice_to_code = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8, device=value.device)
     code = twice_to_code[(rounded * 2).long()]
     return code | (torch.signbit(value).to(torch.uint8) << 3)
 
@@ -140,8 +141,7 @@ def quantize_nvfp4(w: Tensor) -> NVFP4Weight:
     if not torch.isfinite(amax):  # one host sync, at load time
         raise NVFP4FormatError("cannot quantize a weight with inf or nan")
     f32_max = torch.finfo(torch.float32).max
-    global_scale = torch.where(amax > 0, (GLOBAL_SCALE_NUMERATOR / amax).clamp(max=f32_max),
-                               1.0).to(torch.float32)
+    global_scale = torch.where(amax > 0, (GLOBAL_SCALE_NUMERATOR / amax).clamp(max=f32_max), 1.0).to(torch.float32)
     scale64 = global_scale.double()
     packed = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
     block_scale = torch.empty(n, k // BLOCK_SIZE, dtype=torch.float8_e4m3fn, device=w.device)
@@ -200,7 +200,8 @@ def _check_packed(packed: Tensor, block_scale: Tensor, name: str) -> None:
     n, half_k = packed.shape
     if (2 * half_k) % BLOCK_SIZE or tuple(block_scale.shape) != (n, 2 * half_k // BLOCK_SIZE):
         raise NVFP4FormatError(
-            f"{name}: weight_scale {tuple(block_scale.shape)} does not fit weight {tuple(packed.shape)}")
+            f"{name}: weight_scale {tuple(block_scale.shape)} does not fit weight {tuple(packed.shape)}"
+        )
 
 
 def _scalar(t: Tensor, name: str) -> Tensor:
@@ -237,8 +238,7 @@ def from_modelopt(tensors: Mapping[str, Tensor]) -> NVFP4Weight:
 def to_compressed_tensors(q: NVFP4Weight) -> dict[str, Tensor]:
     """compressed-tensors `nvfp4-pack-quantized` tensors; weight_global_scale is S itself."""
     _single_shard(q, "compressed-tensors")
-    return {"weight_packed": q.packed, "weight_scale": q.block_scale,
-            "weight_global_scale": q.global_scale.reshape(1)}
+    return {"weight_packed": q.packed, "weight_scale": q.block_scale, "weight_global_scale": q.global_scale.reshape(1)}
 
 
 def from_compressed_tensors(tensors: Mapping[str, Tensor]) -> NVFP4Weight:

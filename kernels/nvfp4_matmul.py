@@ -86,8 +86,7 @@ def _prepare_flashinfer(w: NVFP4Weight) -> FlashInferFP4Weight | None:
     alpha = decode[:1].contiguous() if single else None
     for backend in ("cute-dsl", "cudnn"):
         try:
-            weight, scale, alpha_p = prepare(w.packed, swizzle_scales_128x4(w.block_scale), alpha,
-                                             backend=backend)
+            weight, scale, alpha_p = prepare(w.packed, swizzle_scales_128x4(w.block_scale), alpha, backend=backend)
         except Exception:  # backend missing on this install (cutlass-dsl / cuDNN version)
             continue
         return FlashInferFP4Weight(weight, scale, alpha_p, None if single else decode, backend)
@@ -97,8 +96,7 @@ def _prepare_flashinfer(w: NVFP4Weight) -> FlashInferFP4Weight | None:
 def _flashinfer_linear(x: Tensor, w: FlashInferFP4Weight, bias: Tensor | None) -> Tensor:
     api = _flashinfer_fp4_api()
     assert api is not None, "a FlashInferFP4Weight exists only where flashinfer imports"
-    y = api[0](x.to(torch.bfloat16), w.weight, w.block_scale, w.alpha, backend=w.backend,
-               out_dtype=torch.bfloat16)
+    y = api[0](x.to(torch.bfloat16), w.weight, w.block_scale, w.alpha, backend=w.backend, out_dtype=torch.bfloat16)
     if w.row_decode_scale is not None:
         y = y.float() * w.row_decode_scale
     if bias is not None:
@@ -114,7 +112,7 @@ NVFP4Operand = Union[NVFP4Weight, "KernelLayout", FlashInferFP4Weight]
 
 
 def select_backend(device: torch.device) -> str:
-    """"torch" (CPU, pre-Ampere GPUs), "flashinfer" (SM100+ when it imports) or "triton"."""
+    """ "torch" (CPU, pre-Ampere GPUs), "flashinfer" (SM100+ when it imports) or "triton"."""
     if device.type != "cuda":
         return "torch"
     major, _ = torch.cuda.get_device_capability(device)
@@ -151,8 +149,11 @@ def describe_dispatch(n: int, k: int, num_sms: int, ms: tuple[int, ...] = (1, 16
     """One line: the path (and, for the kernel, its tiles) per M for an [N, K] weight."""
     from kernels.nvfp4_w4a16 import choose_config
 
-    parts = [f"M={m}: " + (choose_config(m, n, k, num_sms).describe() if matmul_path(m) == "w4a16"
-                           else "dequantize + cuBLAS") for m in ms]
+    parts = [
+        f"M={m}: "
+        + (choose_config(m, n, k, num_sms).describe() if matmul_path(m) == "w4a16" else "dequantize + cuBLAS")
+        for m in ms
+    ]
     return f"NVFP4 [{n}x{k}] on {num_sms} SMs: " + "; ".join(parts)
 
 
@@ -220,8 +221,7 @@ class NVFP4Linear(torch.nn.Module):
         """Bytes of resident weight data (packed codes and all scales)."""
         op = self.operand
         if isinstance(op, FlashInferFP4Weight):
-            return sum(t.nbytes for t in (op.weight, op.block_scale, op.alpha, op.row_decode_scale)
-                       if t is not None)
+            return sum(t.nbytes for t in (op.weight, op.block_scale, op.alpha, op.row_decode_scale) if t is not None)
         return op.nbytes
 
     def extra_repr(self) -> str:

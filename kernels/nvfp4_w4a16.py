@@ -67,8 +67,10 @@ class W4A16Config:
         return HALF_CHUNK_K * self.halves
 
     def describe(self) -> str:
-        return (f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} "
-                f"w{self.num_warps} st{self.num_stages}" + (" lanes" if self.lanes else ""))
+        return (
+            f"m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} "
+            f"w{self.num_warps} st{self.num_stages}" + (" lanes" if self.lanes else "")
+        )
 
 
 def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -127,9 +129,27 @@ def _decode_slab(words, scales, q: tl.constexpr, BLOCK_N: tl.constexpr, HALVES: 
 
 
 @triton.jit
-def _step_joined(acc, x_ptr, w_ptr, s_ptr, offs_n, offs_m, n_ok, m_ok, k0, K, k_pad,
-                 stride_xm, stride_xk, stride_wn, stride_sn,
-                 BLOCK_N: tl.constexpr, HALVES: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _step_joined(
+    acc,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    offs_n,
+    offs_m,
+    n_ok,
+    m_ok,
+    k0,
+    K,
+    k_pad,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_sn,
+    BLOCK_N: tl.constexpr,
+    HALVES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
     """One K step (64 * HALVES), each group position's slab joined into one dot of K = 16 * HALVES."""
     offs_h = tl.arange(0, HALVES)
     offs_t = tl.arange(0, HALVES * 16)  # (half, j) of one slab
@@ -139,8 +159,14 @@ def _step_joined(acc, x_ptr, w_ptr, s_ptr, offs_n, offs_m, n_ok, m_ok, k0, K, k_
     else:
         h_ok = n_ok[:, None] & (half0 + offs_h < k_pad // 64)[None, :]
     # [BLOCK_N, HALVES, 8] words: HALVES * 32 contiguous bytes per row.
-    words = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + (half0 + offs_h)[None, :, None] * 8
-                    + tl.arange(0, 8)[None, None, :], mask=h_ok[:, :, None], other=0).to(tl.uint32, bitcast=True)
+    words = tl.load(
+        w_ptr
+        + offs_n[:, None, None] * stride_wn
+        + (half0 + offs_h)[None, :, None] * 8
+        + tl.arange(0, 8)[None, None, :],
+        mask=h_ok[:, :, None],
+        other=0,
+    ).to(tl.uint32, bitcast=True)
     # [BLOCK_N, HALVES] int32: the four e4m3 block scales of each half chunk.
     scales = tl.load(s_ptr + offs_n[:, None] * stride_sn + (half0 + offs_h)[None, :], mask=h_ok, other=0)
     for q in tl.static_range(4):
@@ -158,9 +184,26 @@ def _step_joined(acc, x_ptr, w_ptr, s_ptr, offs_n, offs_m, n_ok, m_ok, k0, K, k_
 
 
 @triton.jit
-def _step_lanes(acc, x_ptr, w_ptr, s_ptr, offs_n, offs_m, n_ok, m_ok, k0, K, k_pad,
-                stride_xm, stride_xk, stride_wn, stride_sn,
-                HALVES: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _step_lanes(
+    acc,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    offs_n,
+    offs_m,
+    n_ok,
+    m_ok,
+    k0,
+    K,
+    k_pad,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_sn,
+    HALVES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
     """One K step like `_step_joined`, but the even-j and odd-j weights of a slab go to two dots of
     K = 8 * HALVES: no join or reshape, so the decode is elementwise from the loads (the compiler
     may then decode in the dot operand's register layout instead of converting through shared
@@ -171,8 +214,9 @@ def _step_lanes(acc, x_ptr, w_ptr, s_ptr, offs_n, offs_m, n_ok, m_ok, k0, K, k_p
         c_ok = n_ok[:, None] & (offs_c >= 0)[None, :]
     else:
         c_ok = n_ok[:, None] & (half < k_pad // 64)[None, :]
-    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 8 + offs_c)[None, :], mask=c_ok,
-                    other=0).to(tl.uint32, bitcast=True)  # [BLOCK_N, HALVES * 8]
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // 8 + offs_c)[None, :], mask=c_ok, other=0).to(
+        tl.uint32, bitcast=True
+    )  # [BLOCK_N, HALVES * 8]
     scales = tl.load(s_ptr + offs_n[:, None] * stride_sn + half[None, :], mask=c_ok, other=0)  # [BLOCK_N, HALVES * 8]
     pair_k = (offs_c // 8) * 64 + (offs_c % 8) * 2  # K offset of each column's even-j weight, less 16 q
     for q in tl.static_range(4):
@@ -195,11 +239,33 @@ def _step_lanes(acc, x_ptr, w_ptr, s_ptr, offs_n, offs_m, n_ok, m_ok, k0, K, k_p
 
 @triton.jit
 def _w4a16_kernel(
-    x_ptr, w_ptr, s_ptr, g_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
-    M, N, K, k_pad, k_per_split,
-    stride_xm, stride_xk, stride_wn, stride_sn, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALVES: tl.constexpr, LANES: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    g_ptr,
+    bias_ptr,
+    out_ptr,
+    ws_ptr,
+    lock_ptr,
+    M,
+    N,
+    K,
+    k_pad,
+    k_per_split,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HALVES: tl.constexpr,
+    LANES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -213,11 +279,48 @@ def _w4a16_kernel(
     for step in range(0, k_per_split, 64 * HALVES):
         k0 = pid_k * k_per_split + step
         if LANES:
-            acc = _step_lanes(acc, x_ptr, w_ptr, s_ptr, offs_n, offs_m, n_ok, m_ok, k0, K, k_pad,
-                              stride_xm, stride_xk, stride_wn, stride_sn, HALVES, EVEN_K, DOT_DTYPE)
+            acc = _step_lanes(
+                acc,
+                x_ptr,
+                w_ptr,
+                s_ptr,
+                offs_n,
+                offs_m,
+                n_ok,
+                m_ok,
+                k0,
+                K,
+                k_pad,
+                stride_xm,
+                stride_xk,
+                stride_wn,
+                stride_sn,
+                HALVES,
+                EVEN_K,
+                DOT_DTYPE,
+            )
         else:
-            acc = _step_joined(acc, x_ptr, w_ptr, s_ptr, offs_n, offs_m, n_ok, m_ok, k0, K, k_pad,
-                               stride_xm, stride_xk, stride_wn, stride_sn, BLOCK_N, HALVES, EVEN_K, DOT_DTYPE)
+            acc = _step_joined(
+                acc,
+                x_ptr,
+                w_ptr,
+                s_ptr,
+                offs_n,
+                offs_m,
+                n_ok,
+                m_ok,
+                k0,
+                K,
+                k_pad,
+                stride_xm,
+                stride_xk,
+                stride_wn,
+                stride_sn,
+                BLOCK_N,
+                HALVES,
+                EVEN_K,
+                DOT_DTYPE,
+            )
 
     tile_ok = n_ok[:, None] & m_ok[None, :]
     out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None] * stride_on
@@ -280,14 +383,34 @@ def w4a16_matmul(
     # [slices, M, N] fp32 partial sums, reduced in the kernel; unused without a split.
     workspace = torch.empty(slices, m, n, dtype=torch.float32, device=x.device) if slices > 1 else out
     _w4a16_kernel[grid](
-        x, weight.words, weight.scale_words, weight.row_global_scale,
-        bias if bias is not None else weight.row_global_scale, out, workspace, locks if slices > 1 else out,
-        m, n, k, k_pad, k_per_split,
-        x.stride(0), x.stride(1), weight.words.stride(0), weight.scale_words.stride(0),
-        out.stride(0), out.stride(1),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HALVES=config.halves, LANES=config.lanes, SPLIT=slices > 1,
-        EVEN_K=k == slices * k_per_split, HAS_BIAS=bias is not None,
+        x,
+        weight.words,
+        weight.scale_words,
+        weight.row_global_scale,
+        bias if bias is not None else weight.row_global_scale,
+        out,
+        workspace,
+        locks if slices > 1 else out,
+        m,
+        n,
+        k,
+        k_pad,
+        k_per_split,
+        x.stride(0),
+        x.stride(1),
+        weight.words.stride(0),
+        weight.scale_words.stride(0),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        HALVES=config.halves,
+        LANES=config.lanes,
+        SPLIT=slices > 1,
+        EVEN_K=k == slices * k_per_split,
+        HAS_BIAS=bias is not None,
         DOT_DTYPE=tl_dtype(dot_dtype or default_dot_dtype(x)),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out

@@ -137,8 +137,11 @@ class BlockManager:
         """
         assert not cached_blocks or not request.block_table, "a prefix hit only at first schedule"
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        need = (self.num_blocks_for(num_computed + num_new_tokens + num_draft_tokens)
-                - len(request.block_table) - len(cached_blocks))
+        need = (
+            self.num_blocks_for(num_computed + num_new_tokens + num_draft_tokens)
+            - len(request.block_table)
+            - len(cached_blocks)
+        )
         # Reviving a free cached page removes it from the pool we allocate the rest from.
         num_revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         if need > len(self.free_queue) - num_revived:

@@ -159,7 +159,9 @@ class CheckpointManager:
         """(position, protected) of the snapshots a chunk computing tokens [start, end) takes: grid
         page counts, the request's shared-prefix junction, and its prompt's end."""
         bs = self.block_size
-        points = {pages * bs: False for pages in range(start // bs + 1, end // bs + 1) if on_grid(pages, self.grid_bits)}
+        points = {
+            pages * bs: False for pages in range(start // bs + 1, end // bs + 1) if on_grid(pages, self.grid_bits)
+        }
         if start < request.checkpoint_junction <= end:
             points[request.checkpoint_junction] = True
         if end == request.num_prompt_tokens:

@@ -8,7 +8,7 @@ Admission takes the waiting key with the smallest V; within a key, the request's
 arrival. A key that arrives or returns (it had nothing in the scheduler) starts at the smallest
 V among the active keys, so an idle key cannot bank credit and then flood.
 
-Bound (tests/test_fair_queue.py checks it with hypothesis): while keys a and b both have requests
+Bound (tests/scheduler/test_fair_queue.py checks it with hypothesis): while keys a and b both have requests
 waiting, V_a - V_b <= (max_num_seqs + 1) * W / min(w_a, w_b), where W bounds the tokens one request
 costs (prompt + max_tokens). Why: a key is admitted only while its V is the (tentative) minimum;
 after that its V grows only by the work of requests it already has running (at most max_num_seqs

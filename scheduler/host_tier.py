@@ -46,8 +46,9 @@ class HostHit:
 
 
 class HostTier:
-    def __init__(self, num_pages: int, num_snapshots: int, block_size: int,
-                 device_cached: Callable[[bytes], bool]) -> None:
+    def __init__(
+        self, num_pages: int, num_snapshots: int, block_size: int, device_cached: Callable[[bytes], bool]
+    ) -> None:
         """`device_cached(hash)`: whether the device's prefix cache holds that page (block_manager)."""
         assert num_pages > 0, "a host tier needs a page"
         self.num_pages = num_pages
@@ -90,10 +91,22 @@ class HostTier:
         return block_hash in self.pages
 
     def stats(self, page_bytes: int, snapshot_bytes: int) -> HostTierStats:
-        return HostTierStats(self.num_pages, len(self.pages), self.num_snapshots, len(self.snapshots), page_bytes,
-                             snapshot_bytes, self.num_hit_tokens, self.num_queried_tokens, self.num_loaded_pages,
-                             self.num_spilled_pages, self.num_loaded_snapshots, self.num_spilled_snapshots,
-                             self.load_seconds, self.spill_seconds)
+        return HostTierStats(
+            self.num_pages,
+            len(self.pages),
+            self.num_snapshots,
+            len(self.snapshots),
+            page_bytes,
+            snapshot_bytes,
+            self.num_hit_tokens,
+            self.num_queried_tokens,
+            self.num_loaded_pages,
+            self.num_spilled_pages,
+            self.num_loaded_snapshots,
+            self.num_spilled_snapshots,
+            self.load_seconds,
+            self.spill_seconds,
+        )
 
     def restore(self, last: HostTierStats) -> None:
         """Carry on a lost engine's cumulative counters, so they never go back."""
@@ -143,8 +156,9 @@ class HostTier:
 
     def take_copies(self) -> HostCopies:
         """This step's copies (spills first), and the pins end: the step that runs them is scheduled."""
-        copies = HostCopies(tuple(self._page_spills), tuple(self._snapshot_spills), tuple(self._page_loads),
-                            tuple(self._snapshot_loads))
+        copies = HostCopies(
+            tuple(self._page_spills), tuple(self._snapshot_spills), tuple(self._page_loads), tuple(self._snapshot_loads)
+        )
         self._page_spills, self._snapshot_spills, self._page_loads, self._snapshot_loads = [], [], [], []
         self.unpin()
         return copies
@@ -272,5 +286,6 @@ class HostTier:
         assert snaps == list(range(self.num_snapshots)), f"host snapshot slots leaked or doubled: {snaps}"
         for snapshot in self.snapshots:
             assert self._by_parent[snapshot.parent][snapshot.tail] is snapshot, "snapshot not indexed"
-            assert all(h in self.pages or self.device_cached(h) for h in snapshot.chain), \
+            assert all(h in self.pages or self.device_cached(h) for h in snapshot.chain), (
                 f"host snapshot {snapshot.host_slot} outlived a page of its chain"
+            )

@@ -91,7 +91,9 @@ class HostCopies:
 @dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: tuple[int, ...]  # the tokens computed this step, at positions start_pos... (PLACEHOLDER_TOKEN_ID: in flight)
+    token_ids: tuple[
+        int, ...
+    ]  # the tokens computed this step, at positions start_pos... (PLACEHOLDER_TOKEN_ID: in flight)
     start_pos: int  # = num_computed_tokens before this step
     block_table: tuple[int, ...]  # pages covering positions [0, start_pos + len(token_ids))
     sample: bool  # the last token's logits are sampled (the request caught up with its tokens)
@@ -110,8 +112,9 @@ class ScheduledRequest:
 
     def __post_init__(self) -> None:
         assert self.token_ids, f"{self.request_id}: scheduled with no tokens"
-        assert all(self.start_pos < s.num_tokens <= self.seq_len for s in self.checkpoint_saves), \
+        assert all(self.start_pos < s.num_tokens <= self.seq_len for s in self.checkpoint_saves), (
             f"{self.request_id}: a checkpoint outside this step's tokens"
+        )
 
     @property
     def num_new_tokens(self) -> int:

@@ -111,11 +111,7 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def for_sample(self, index: int) -> SamplingParams:
         """Parameters of the index-th of `n` samples: one sample each, seed + index (as vLLM)."""

@@ -16,7 +16,14 @@ from scheduler.block_manager import BlockManager
 from scheduler.checkpoint_manager import CheckpointManager
 from scheduler.fair_queue import FairQueue, FairShareState, Policy
 from scheduler.host_tier import HostHit, HostTier
-from scheduler.output import PLACEHOLDER_TOKEN_ID, HostCopies, NewRequestData, ScheduledRequest, SchedulerOutput, SchedulerStats
+from scheduler.output import (
+    PLACEHOLDER_TOKEN_ID,
+    HostCopies,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.slot_manager import SlotManager
 
@@ -52,10 +59,13 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must not be negative, got {self.long_prefill_token_threshold}")
+            raise ValueError(
+                f"long_prefill_token_threshold must not be negative, got {self.long_prefill_token_threshold}"
+            )
         if self.num_state_slots and self.enable_prefix_caching and self.num_state_checkpoints < 1:
-            raise ValueError("prefix caching on a hybrid model needs state checkpoints (the recurrent state at "
-                             "a prefix's end)")
+            raise ValueError(
+                "prefix caching on a hybrid model needs state checkpoints (the recurrent state at a prefix's end)"
+            )
 
 
 # (the request's id, its tokens so far, most drafts wanted) -> draft tokens: engine/spec_decode/ngram.py
@@ -72,12 +82,17 @@ class Scheduler:
         self.slots = SlotManager(config.num_state_slots) if config.num_state_slots else None
         self.checkpoints: CheckpointManager | None = None
         if config.num_state_slots and config.enable_prefix_caching:
-            self.checkpoints = CheckpointManager(config.num_state_checkpoints, self.block_manager,
-                                                 config.state_checkpoint_bits)
+            self.checkpoints = CheckpointManager(
+                config.num_state_checkpoints, self.block_manager, config.state_checkpoint_bits
+            )
         self.host: HostTier | None = None
         if config.num_host_pages and config.enable_prefix_caching:
-            self.host = HostTier(config.num_host_pages, config.num_host_snapshots if self.checkpoints else 0,
-                                 config.block_size, self.block_manager.cached.__contains__)
+            self.host = HostTier(
+                config.num_host_pages,
+                config.num_host_snapshots if self.checkpoints else 0,
+                config.block_size,
+                self.block_manager.cached.__contains__,
+            )
             self.block_manager.host = self.host
             if self.checkpoints is not None:
                 self.checkpoints.host = self.host
@@ -162,8 +177,12 @@ class Scheduler:
         speculate = self.drafter is not None and len(self.running) <= self.config.speculative_max_batch
         # Decodes first, then running prefill chunks: a long prompt never stalls decoding.
         # A request whose placeholders reach its length limit finishes when they are read back.
-        decoding = [r for r in self.running if r.num_tokens_with_placeholders - r.num_computed_tokens == 1
-                    and not (r.num_output_placeholders and r.at_length_limit)]
+        decoding = [
+            r
+            for r in self.running
+            if r.num_tokens_with_placeholders - r.num_computed_tokens == 1
+            and not (r.num_output_placeholders and r.at_length_limit)
+        ]
         prefilling = [r for r in self.running if r.num_tokens_with_placeholders - r.num_computed_tokens > 1]
         for request in decoding + prefilling:
             if budget == 0:
@@ -198,8 +217,11 @@ class Scheduler:
         admitted: set[str] = set()
         bs = self.config.block_size
         # Hybrid: the pages this step computes (a prefix in them has no state to restore yet).
-        in_flight = {b for r in scheduled for b in r.block_table[r.num_computed_tokens // bs:]} \
-            if self.checkpoints is not None else set()
+        in_flight = (
+            {b for r in scheduled for b in r.block_table[r.num_computed_tokens // bs :]}
+            if self.checkpoints is not None
+            else set()
+        )
         if (ordered := self.fair.order(self.waiting)) is not None:
             self.waiting = deque(ordered)
         while self.waiting and budget > 0 and num_preempted == 0 and len(self.running) < self.config.max_num_seqs:
@@ -216,20 +238,26 @@ class Scheduler:
             lookup = not request.block_table and request.params.prompt_logprobs is None
             hit = self.block_manager.find_cached_prefix(request) if lookup else []
             # Past the device's pages: the host tier's, loaded into fresh pages (scheduler/host_tier.py).
-            host = self.host.lookup(request, len(hit), self.checkpoints is not None) \
-                if self.host is not None and lookup else HostHit()
+            host = (
+                self.host.lookup(request, len(hit), self.checkpoints is not None)
+                if self.host is not None and lookup
+                else HostHit()
+            )
             num_cached = (len(hit) + len(host.host_slots)) * self.config.block_size
             restore = None
             if self.checkpoints is not None and lookup:  # hybrid: the hit ends where a state checkpoint is
                 restore, num_cached = self.checkpoints.restore_point(request, hit, len(host.host_slots))
-                if host.snapshot is not None and self.host is not None and (
-                        self.host.snapshot_tokens(host.snapshot) > num_cached):
+                if (
+                    host.snapshot is not None
+                    and self.host is not None
+                    and (self.host.snapshot_tokens(host.snapshot) > num_cached)
+                ):
                     restore, num_cached = None, self.host.snapshot_tokens(host.snapshot)
                     if request.checkpoint_junction <= num_cached:
                         request.checkpoint_junction = 0
                 else:
                     host = HostHit(host.host_slots)
-                if in_flight.intersection(hit[num_cached // bs:]):
+                if in_flight.intersection(hit[num_cached // bs :]):
                     # Its prefix is being computed this step (a user sharing a system prompt with
                     # one who arrived with it): wait a step and restore the state kept there.
                     skipped.append(self.waiting.popleft())
@@ -253,7 +281,7 @@ class Scheduler:
             if request.status is RequestStatus.WAITING and request.num_output_tokens == 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens += num_cached
-            in_flight.update(request.block_table[num_cached // bs:])
+            in_flight.update(request.block_table[num_cached // bs :])
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.add(request.request_id)
@@ -293,8 +321,9 @@ class Scheduler:
         if host.snapshot is not None:
             self.host.load_snapshot(request, host.snapshot)
         self.host.num_queried_tokens += request.num_tokens - num_device_pages * self.config.block_size
-        self.host.num_hit_tokens += max(0, num_cached - num_device_pages * self.config.block_size) \
-            if slots or host.snapshot is not None else 0
+        self.host.num_hit_tokens += (
+            max(0, num_cached - num_device_pages * self.config.block_size) if slots or host.snapshot is not None else 0
+        )
 
     def _host_copies(self, runs: bool) -> HostCopies:
         """The host tier's copies ride with a step that runs; otherwise they wait for one."""
@@ -340,8 +369,11 @@ class Scheduler:
     def _keep_state(self, request: Request) -> None:
         """Hybrid prefix caching: queue a checkpoint of the state a sequence's slot holds (after its
         computed tokens), unless that state is past its tokens (a stop inside accepted drafts)."""
-        if (self.checkpoints is not None and request.state_slot is not None
-                and 0 < request.num_computed_tokens <= request.num_tokens):
+        if (
+            self.checkpoints is not None
+            and request.state_slot is not None
+            and 0 < request.num_computed_tokens <= request.num_tokens
+        ):
             self.checkpoints.reserve_queued(request)
 
     def _release(self, request: Request) -> None:
@@ -422,7 +454,9 @@ class Scheduler:
                     self.block_manager.trim(request, request.num_tokens)
         return touched
 
-    def _update_async(self, output: SchedulerOutput, sampled: dict[str, int] | dict[str, Sequence[int]]) -> list[Request]:
+    def _update_async(
+        self, output: SchedulerOutput, sampled: dict[str, int] | dict[str, Sequence[int]]
+    ) -> list[Request]:
         """An async step's tokens fill the placeholders it left (its computed tokens were counted
         when it was scheduled). A request that finished here may already run in the next step:
         that step's token for it is dropped when it comes back (the request is gone by then), and
@@ -493,8 +527,9 @@ class Scheduler:
             fair_charged=self.fair.charged_snapshot(),
             num_added=self.num_added,
             num_queued_tokens=self._num_queued_tokens(),
-            host=None if self.host is None else self.host.stats(self.config.host_page_bytes,
-                                                                 self.config.host_snapshot_bytes),
+            host=None
+            if self.host is None
+            else self.host.stats(self.config.host_page_bytes, self.config.host_snapshot_bytes),
         )
 
     def _num_queued_tokens(self) -> int:

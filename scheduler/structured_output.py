@@ -78,10 +78,15 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, f"unknown structured output kind {self.kind!r}"
-        assert (self.kind in ("json_schema", "regex", "ebnf", "structural_tag")) == bool(self.text), f"{self.kind} with text {self.text[:40]!r}"
+        assert (self.kind in ("json_schema", "regex", "ebnf", "structural_tag")) == bool(self.text), (
+            f"{self.kind} with text {self.text[:40]!r}"
+        )
         assert (self.kind == "tool_calls") == bool(self.tools) == (self.tool_format is not None), (
-            f"{self.kind}: tools {len(self.tools)}, format {self.tool_format}")
-        assert self.kind not in ("regex", "ebnf", "structural_tag") or self.reasoning is Reasoning.NONE, f"{self.kind} takes no think prefix"
+            f"{self.kind}: tools {len(self.tools)}, format {self.tool_format}"
+        )
+        assert self.kind not in ("regex", "ebnf", "structural_tag") or self.reasoning is Reasoning.NONE, (
+            f"{self.kind} takes no think prefix"
+        )
 
     @staticmethod
     def json_object(reasoning: Reasoning = Reasoning.NONE, think: ThinkTags = THINK) -> StructuredOutput:
@@ -109,12 +114,18 @@ class StructuredOutput:
         return StructuredOutput("structural_tag", text)
 
     @staticmethod
-    def tool_calls(tools: tuple[ToolSpec, ...], tool_format: ToolFormat, parallel: bool,
-                   reasoning: Reasoning = Reasoning.NONE, think: ThinkTags = THINK) -> StructuredOutput:
+    def tool_calls(
+        tools: tuple[ToolSpec, ...],
+        tool_format: ToolFormat,
+        parallel: bool,
+        reasoning: Reasoning = Reasoning.NONE,
+        think: ThinkTags = THINK,
+    ) -> StructuredOutput:
         """Tool calls only, each naming one of `tools` with arguments that fit its schema; one or
         more of them with `parallel`, else exactly one."""
-        return StructuredOutput("tool_calls", tools=tools, tool_format=tool_format, parallel=parallel,
-                                reasoning=reasoning, think=think)
+        return StructuredOutput(
+            "tool_calls", tools=tools, tool_format=tool_format, parallel=parallel, reasoning=reasoning, think=think
+        )
 
 
 def canonical_json(value: Any) -> str:

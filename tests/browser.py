@@ -53,19 +53,25 @@ def ensure_chromium() -> tuple[str, str]:
     if not shutil.which("apt-get"):
         pytest.skip("the browser tests need Debian's chromium and chromium-driver, and this system has no apt-get")
     if os.geteuid() != 0:
-        pytest.skip("the browser tests need chromium and chromium-driver: run `apt-get install chromium "
-                    "chromium-driver` as root, or run the tests as root so that they install them")
+        pytest.skip(
+            "the browser tests need chromium and chromium-driver: run `apt-get install chromium "
+            "chromium-driver` as root, or run the tests as root so that they install them"
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     lock = ("-o", "DPkg::Lock::Timeout=300")
-    for command in (["apt-get", *lock, "update", "-q"],
-                    ["apt-get", *lock, "install", "-y", "-q", "--no-install-recommends", *APT_PACKAGES]):
+    for command in (
+        ["apt-get", *lock, "update", "-q"],
+        ["apt-get", *lock, "install", "-y", "-q", "--no-install-recommends", *APT_PACKAGES],
+    ):
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             pytest.skip(f"`{' '.join(command)}` took over {INSTALL_TIMEOUT_S} s; the browser tests need chromium")
         if done.returncode != 0:
-            pytest.skip(f"could not install chromium for the browser tests: `{' '.join(command)}` exited "
-                        f"{done.returncode}: {(done.stderr or done.stdout)[-600:]}")
+            pytest.skip(
+                f"could not install chromium for the browser tests: `{' '.join(command)}` exited "
+                f"{done.returncode}: {(done.stderr or done.stdout)[-600:]}"
+            )
     found = chromium_paths()
     if not found:
         pytest.skip("apt-get installed chromium and chromium-driver, but they are not on PATH")

@@ -28,8 +28,9 @@ def pytest_configure(config: pytest.Config) -> None:
     browser tests). CUDA-only tests still skip without a GPU."""
     missing = missing_test_dependencies(ROOT / "pyproject.toml")
     if missing:
-        raise pytest.UsageError(f"declared test dependencies are not installed: {', '.join(missing)}; "
-                                "run `pip install -e '.[test]'`")
+        raise pytest.UsageError(
+            f"declared test dependencies are not installed: {', '.join(missing)}; run `pip install -e '.[test]'`"
+        )
     if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
         # The controller of `pytest -n N` (make test): the CPU ops compile here, once, before the
         # workers start; otherwise the first worker to need them compiles while the others wait on
@@ -90,6 +91,15 @@ def qwen3_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama", tie=False,
-                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    return make_checkpoint(
+        tmp_path_factory.mktemp("llama"),
+        "llama",
+        tie=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )

@@ -13,8 +13,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
 EOS_ID = 511
 
 
@@ -31,10 +39,16 @@ def write_word_tokenizer(dst: Path, vocab_size: int) -> None:
         "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}<assistant> {% endif %}"
     )
-    (dst / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "chat_template": template,
-        "model_max_length": 512,
-    }))
+    (dst / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<eos>",
+                "chat_template": template,
+                "model_max_length": 512,
+            }
+        )
+    )
 
 
 def make_checkpoint(
@@ -51,8 +65,15 @@ def make_checkpoint(
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     dst.mkdir(parents=True, exist_ok=True)
-    kwargs = {**TINY, **overrides, "tie_word_embeddings": tie, "eos_token_id": EOS_ID, "bos_token_id": 0,
-              "initializer_range": init_std, "rms_norm_eps": 1e-6}
+    kwargs = {
+        **TINY,
+        **overrides,
+        "tie_word_embeddings": tie,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": 0,
+        "initializer_range": init_std,
+        "rms_norm_eps": 1e-6,
+    }
     if rope_scaling is not None:
         kwargs["rope_scaling"] = {**rope_scaling, "rope_theta": 10000.0}
     cfg = Qwen3Config(**kwargs) if arch == "qwen3" else LlamaConfig(**kwargs)
@@ -72,10 +93,21 @@ def make_request(request_id: str, prompt: list[int] | int, max_tokens: int = 16,
     return Request(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens, **params))
 
 
-TINY_HYBRID = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                   linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
-                   linear_value_head_dim=16, linear_conv_kernel_dim=4)
+TINY_HYBRID = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    linear_num_key_heads=2,
+    linear_num_value_heads=6,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
 
 
 def make_hybrid_checkpoint(
@@ -96,34 +128,67 @@ def make_hybrid_checkpoint(
     return _save_hybrid(dst, False, layout, tie, seed, init_std, dtype, chat_template, overrides)
 
 
-HYBRID_MOE_TINY = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
-                       num_experts_per_tok=2)
+HYBRID_MOE_TINY = dict(
+    moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2
+)
 
 
-def make_hybrid_moe_checkpoint(dst: Path, layout: str = "causal", tie: bool = False, seed: int = 0,
-                               init_std: float = 0.05, dtype: torch.dtype = torch.float32, **overrides: Any) -> Path:
+def make_hybrid_moe_checkpoint(
+    dst: Path,
+    layout: str = "causal",
+    tie: bool = False,
+    seed: int = 0,
+    init_std: float = 0.05,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Path:
     """A tiny random Qwen3.5-MoE (the hybrid layers with a sparse MoE block and a sigmoid-gated
     shared expert in every layer): "causal" is Qwen3_5MoeForCausalLM, "vl" is
     Qwen3_5MoeForConditionalGeneration with a 1-layer vision tower."""
     return _save_hybrid(dst, True, layout, tie, seed, init_std, dtype, None, {**HYBRID_MOE_TINY, **overrides})
 
 
-def _save_hybrid(dst: Path, moe: bool, layout: str, tie: bool, seed: int, init_std: float, dtype: torch.dtype,
-                 chat_template: str | None, overrides: dict[str, Any]) -> Path:
+def _save_hybrid(
+    dst: Path,
+    moe: bool,
+    layout: str,
+    tie: bool,
+    seed: int,
+    init_std: float,
+    dtype: torch.dtype,
+    chat_template: str | None,
+    overrides: dict[str, Any],
+) -> Path:
     import transformers
 
     prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
     dst.mkdir(parents=True, exist_ok=True)
     tiny = {k: v for k, v in TINY_HYBRID.items() if not (moe and k == "intermediate_size")}  # MoE: no dense MLP
-    text = {**tiny, **overrides, "tie_word_embeddings": tie, "eos_token_id": EOS_ID, "bos_token_id": 0,
-            "initializer_range": init_std, "rms_norm_eps": 1e-6}
+    text = {
+        **tiny,
+        **overrides,
+        "tie_word_embeddings": tie,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": 0,
+        "initializer_range": init_std,
+        "rms_norm_eps": 1e-6,
+    }
     torch.manual_seed(seed)
     if layout == "causal":
         cfg: Any = getattr(transformers, f"{prefix}TextConfig")(**text)
         model: Any = getattr(transformers, f"{prefix}ForCausalLM")(cfg)
     else:
-        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
-                      patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+        vision = dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=text["hidden_size"],
+            patch_size=4,
+            temporal_patch_size=2,
+            spatial_merge_size=2,
+            num_position_embeddings=16,
+        )
         cfg = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=vision, tie_word_embeddings=tie)
         model = getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg)
     model = model.to(dtype)
@@ -148,12 +213,19 @@ def _save_hybrid(dst: Path, moe: bool, layout: str, tie: bool, seed: int, init_s
     return dst
 
 
-MOE_TINY = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                decoder_sparse_step=1, mlp_only_layers=[])
+MOE_TINY = dict(
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
 
 
-def make_moe_checkpoint(dst: Path, seed: int = 0, fused_experts: bool = False, tie: bool = False, init_std: float = 0.1,
-                        **overrides: Any) -> Path:
+def make_moe_checkpoint(
+    dst: Path, seed: int = 0, fused_experts: bool = False, tie: bool = False, init_std: float = 0.1, **overrides: Any
+) -> Path:
     """A tiny random Qwen3MoeForCausalLM (transformers' own classes). `fused_experts`: rewrite the
     per-expert tensors save_pretrained writes as fused `mlp.experts.gate_up_proj` [E, 2I, H] and
     `mlp.experts.down_proj` [E, H, I], the layout some tools write."""
@@ -161,8 +233,17 @@ def make_moe_checkpoint(dst: Path, seed: int = 0, fused_experts: bool = False, t
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     dst.mkdir(parents=True, exist_ok=True)
-    kwargs = {**TINY, **MOE_TINY, "num_hidden_layers": 3, **overrides, "tie_word_embeddings": tie,
-              "eos_token_id": EOS_ID, "bos_token_id": 0, "initializer_range": init_std, "rms_norm_eps": 1e-6}
+    kwargs = {
+        **TINY,
+        **MOE_TINY,
+        "num_hidden_layers": 3,
+        **overrides,
+        "tie_word_embeddings": tie,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": 0,
+        "initializer_range": init_std,
+        "rms_norm_eps": 1e-6,
+    }
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**kwargs)).float()
     with torch.no_grad():
@@ -179,8 +260,10 @@ def make_moe_checkpoint(dst: Path, seed: int = 0, fused_experts: bool = False, t
             prefix = f"model.layers.{layer}.mlp.experts"
             if f"{prefix}.0.gate_proj.weight" not in tensors:
                 continue
-            per = {p: [tensors.pop(f"{prefix}.{e}.{p}_proj.weight") for e in range(kwargs["num_experts"])]
-                   for p in ("gate", "up", "down")}
+            per = {
+                p: [tensors.pop(f"{prefix}.{e}.{p}_proj.weight") for e in range(kwargs["num_experts"])]
+                for p in ("gate", "up", "down")
+            }
             tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(per["gate"], per["up"])])
             tensors[f"{prefix}.down_proj"] = torch.stack(per["down"])
         save_file(tensors, str(weights_file), metadata={"format": "pt"})
@@ -191,9 +274,13 @@ def make_moe_checkpoint(dst: Path, seed: int = 0, fused_experts: bool = False, t
 def scheduled(*reqs: tuple[str, int, int, list[int]]) -> SchedulerOutput:
     """(request id, start_pos, num_new_tokens, block table) -> a SchedulerOutput; token ids are
     derived from the position so repeated runs feed the same tokens."""
-    return SchedulerOutput(tuple(
-        ScheduledRequest(rid, tuple((7 * p + 3) % 500 for p in range(start, start + n)), start, tuple(table), True)
-        for rid, start, n, table in reqs), ())
+    return SchedulerOutput(
+        tuple(
+            ScheduledRequest(rid, tuple((7 * p + 3) % 500 for p in range(start, start + n)), start, tuple(table), True)
+            for rid, start, n, table in reqs
+        ),
+        (),
+    )
 
 
 def forward_batch(*reqs: tuple[str, int, int, list[int]], block_size: int = 4) -> Any:

@@ -22,12 +22,21 @@ from safetensors.torch import load_file, save_file
 BLOCK = (128, 128)
 FP8_MAX = 448.0
 # The linears Qwen's FP8 releases store in FP8 (after model. / model.language_model. / mtp.).
-_QUANTIZED = re.compile(r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj"
-                        r"|mlp\.shared_expert\.(gate|up|down)_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))"
-                        r"\.weight$")
+_QUANTIZED = re.compile(
+    r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj"
+    r"|mlp\.shared_expert\.(gate|up|down)_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))"
+    r"\.weight$"
+)
 _FUSED = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)$")
-NOT_CONVERTED = ["lm_head", "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
-                 "model.visual", "mtp.fc"]
+NOT_CONVERTED = [
+    "lm_head",
+    "mlp.gate",
+    "mlp.shared_expert_gate",
+    "linear_attn.in_proj_a",
+    "linear_attn.in_proj_b",
+    "model.visual",
+    "mtp.fc",
+]
 
 
 def block_quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,11 +48,11 @@ def block_quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tupl
     codes = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
     for i in range(0, n, bn):
         for j in range(0, k, bk):
-            blk = w[..., i:i + bn, j:j + bk]
+            blk = w[..., i : i + bn, j : j + bk]
             amax = blk.abs().amax(dim=(-2, -1))
             s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
             scale[..., i // bn, j // bk] = s
-            codes[..., i:i + bn, j:j + bk] = (blk / s[..., None, None]).to(torch.float8_e4m3fn)
+            codes[..., i : i + bn, j : j + bk] = (blk / s[..., None, None]).to(torch.float8_e4m3fn)
     return codes, scale
 
 
@@ -54,7 +63,9 @@ def block_dequantize(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int,
     bn, bk = block
     for i in range(0, n, bn):
         for j in range(0, k, bk):
-            out[..., i:i + bn, j:j + bk] = codes[..., i:i + bn, j:j + bk].float() * scale[..., i // bn, j // bk, None, None]
+            out[..., i : i + bn, j : j + bk] = (
+                codes[..., i : i + bn, j : j + bk].float() * scale[..., i // bn, j // bk, None, None]
+            )
     return out
 
 
@@ -84,13 +95,20 @@ def to_fp8_checkpoint(src: Path, dst: Path, fused_experts: bool = False) -> Path
         if _QUANTIZED.search(base) or (_FUSED.search(base) and value.dim() == 3):
             codes, scale = block_quantize(value)
             out[name] = codes
-            out[name.removesuffix(".weight") + ".weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"] = scale
+            out[
+                name.removesuffix(".weight") + ".weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
+            ] = scale
         else:
             out[name] = value
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((src / "config.json").read_text())
-    raw["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                  "weight_block_size": list(BLOCK), "modules_to_not_convert": NOT_CONVERTED}
+    raw["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(BLOCK),
+        "modules_to_not_convert": NOT_CONVERTED,
+    }
     (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return dst
 
@@ -107,7 +125,9 @@ def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             groups.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = value
     for prefix, parts in groups.items():
         num = 1 + max(e for e, _ in parts)
-        rest[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in range(num)])
+        rest[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in range(num)]
+        )
         rest[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down")] for e in range(num)])
     return rest
 
@@ -124,7 +144,9 @@ def dequantized_copy(fp8: Path, dst: Path) -> Path:
     for name, value in tensors.items():
         if name.endswith("_scale_inv"):
             continue
-        scale_name = name.removesuffix(".weight") + ".weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
+        scale_name = (
+            name.removesuffix(".weight") + ".weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
+        )
         if value.dtype != torch.float8_e4m3fn:
             out[name] = value
             continue

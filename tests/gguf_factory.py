@@ -19,10 +19,17 @@ CHATML = (
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 _GGUF_NAMES = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
@@ -48,8 +55,9 @@ def permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(ckpt: Path, dst: Path, arch: str | None = None, quant: str | None = None,
-               raw_types: dict[str, str] | None = None) -> Path:
+def write_gguf(
+    ckpt: Path, dst: Path, arch: str | None = None, quant: str | None = None, raw_types: dict[str, str] | None = None
+) -> Path:
     """`ckpt` (an HF folder from tests/factories.py) as a GGUF file at `dst`. `quant` ("Q8_0",
     "Q4_1", ...) quantizes the 2-D linears; `raw_types` writes named tensors' bytes as another type."""
     import gguf
@@ -123,11 +131,19 @@ def _gguf_name(hf_name: str) -> str:
 # value transforms; TextModel maps names with the gguf package's TensorNameMap. Nothing here is
 # shared with engine/weights/formats/gguf_arch.py, which undoes all of it.
 
-LLAMACPP_ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen3_5ForCausalLM": "qwen35",
-                 "Qwen3_5ForConditionalGeneration": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",
-                 "Qwen3_5MoeForConditionalGeneration": "qwen35moe"}
-_MTP_OWN = {"mtp.fc": "NEXTN_EH_PROJ", "mtp.pre_fc_norm_embedding": "NEXTN_ENORM",
-            "mtp.pre_fc_norm_hidden": "NEXTN_HNORM", "mtp.norm": "NEXTN_SHARED_HEAD_NORM"}
+LLAMACPP_ARCH = {
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "Qwen3_5ForCausalLM": "qwen35",
+    "Qwen3_5ForConditionalGeneration": "qwen35",
+    "Qwen3_5MoeForCausalLM": "qwen35moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen35moe",
+}
+_MTP_OWN = {
+    "mtp.fc": "NEXTN_EH_PROJ",
+    "mtp.pre_fc_norm_embedding": "NEXTN_ENORM",
+    "mtp.pre_fc_norm_hidden": "NEXTN_HNORM",
+    "mtp.norm": "NEXTN_SHARED_HEAD_NORM",
+}
 
 
 def write_llamacpp_gguf(ckpt: Path, dst: Path, quant: str | None = None) -> Path:
@@ -141,8 +157,11 @@ def write_llamacpp_gguf(ckpt: Path, dst: Path, quant: str | None = None) -> Path
     raw = json.loads((ckpt / "config.json").read_text())
     hp = {**raw, **raw.get("text_config", {})}  # llama.cpp reads a ConditionalGeneration's text config
     arch = LLAMACPP_ARCH[raw["architectures"][0]]
-    tensors = {n.replace("model.language_model.", "model."): t for n, t in load_torch(str(ckpt / "model.safetensors")).items()
-               if not n.startswith("model.visual.")}
+    tensors = {
+        n.replace("model.language_model.", "model."): t
+        for n, t in load_torch(str(ckpt / "model.safetensors")).items()
+        if not n.startswith("model.visual.")
+    }
     n_layer = hp["num_hidden_layers"]
     n_mtp = hp.get("mtp_num_hidden_layers") or int(any(n.startswith("mtp.") for n in tensors))
     block_count = n_layer + (n_mtp if arch != "qwen3moe" else 0)
@@ -160,8 +179,12 @@ def write_llamacpp_gguf(ckpt: Path, dst: Path, quant: str | None = None) -> Path
             data = out.numpy()
             qtype = gguf.GGMLQuantizationType[quant] if quant is not None else None
             # llama-quantize leaves rows that are not whole quant blocks (here 48-wide) in float
-            if (qtype is not None and data.ndim >= 2 and data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
-                    and not gguf_name.endswith(("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))):
+            if (
+                qtype is not None
+                and data.ndim >= 2
+                and data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+                and not gguf_name.endswith(("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
+            ):
                 writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
             else:
                 writer.add_tensor(gguf_name, data)
@@ -220,13 +243,15 @@ def gguf_file_type() -> int:
 def _tiled(t: Any, dim: int, num_k: int, per_k: int, head_dim: int) -> Any:
     """_LinearAttentionVReorderBase._reorder_v_heads: grouped by key head -> tiled."""
     shape = list(t.shape)
-    t = t.reshape(*shape[:dim], num_k, per_k, head_dim, *shape[dim + 1:])
+    t = t.reshape(*shape[:dim], num_k, per_k, head_dim, *shape[dim + 1 :])
     perm = list(range(t.dim()))
     perm[dim], perm[dim + 1] = perm[dim + 1], perm[dim]
     return t.permute(*perm).contiguous().reshape(*shape)
 
 
-def _llamacpp_tensors(arch: str, hp: dict[str, Any], name: str, t: Any, experts: dict[int, dict[str, Any]]) -> list[tuple[str, Any]]:
+def _llamacpp_tensors(
+    arch: str, hp: dict[str, Any], name: str, t: Any, experts: dict[int, dict[str, Any]]
+) -> list[tuple[str, Any]]:
     import torch
 
     if arch in ("qwen35", "qwen35moe"):
@@ -241,7 +266,7 @@ def _llamacpp_tensors(arch: str, hp: dict[str, Any], name: str, t: Any, experts:
         hk, hv, per_k = hp["linear_key_head_dim"], hp["linear_value_head_dim"], num_v // num_k
         if num_k != num_v and "linear_attn." in name:  # _LinearAttentionVReorderBase
             if ".in_proj_qkv." in name:
-                t = torch.cat([t[:2 * hk * num_k], _tiled(t[2 * hk * num_k:], 0, num_k, per_k, hv)])
+                t = torch.cat([t[: 2 * hk * num_k], _tiled(t[2 * hk * num_k :], 0, num_k, per_k, hv)])
             elif ".in_proj_z." in name:
                 t = _tiled(t, 0, num_k, per_k, hv)
             elif ".in_proj_b." in name or ".in_proj_a." in name:
@@ -250,7 +275,7 @@ def _llamacpp_tensors(arch: str, hp: dict[str, Any], name: str, t: Any, experts:
                 t = _tiled(t.unsqueeze(-1), 0, num_k, per_k, 1).squeeze(-1)
             elif ".conv1d" in name:
                 data = t.squeeze()
-                t = torch.cat([data[:2 * hk * num_k], _tiled(data[2 * hk * num_k:], 0, num_k, per_k, hv)])
+                t = torch.cat([data[: 2 * hk * num_k], _tiled(data[2 * hk * num_k :], 0, num_k, per_k, hv)])
             elif ".out_proj." in name:
                 t = _tiled(t, 1, num_k, per_k, hv)
         if name.endswith(".A_log"):  # Qwen3NextModel.modify_tensors
@@ -271,7 +296,8 @@ def _llamacpp_tensors(arch: str, hp: dict[str, Any], name: str, t: Any, experts:
         return []
     out = []
     for w_name in ("down_proj", "gate_proj", "up_proj"):
-        stacked = torch.stack([experts[bid].pop(f"model.layers.{bid}.mlp.experts.{e}.{w_name}.weight")
-                               for e in range(n_experts)])
+        stacked = torch.stack(
+            [experts[bid].pop(f"model.layers.{bid}.mlp.experts.{e}.{w_name}.weight") for e in range(n_experts)]
+        )
         out.append((f"model.layers.{bid}.mlp.experts.{w_name}.weight", stacked))
     return out

@@ -19,12 +19,23 @@ from engine.batch import ForwardBatch
 
 # Ops that read a device value back to the host, or whose output shape depends on data: inside a
 # capture they fail (or sync), so none may run in a captured forward.
-HOST_SYNC_OPS = frozenset({
-    "aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default", "aten.nonzero_static.default",
-    "aten.masked_select.default", "aten.bincount.default", "aten.unique_consecutive.default",
-    "aten._unique2.default", "aten.unique_dim.default", "aten.repeat_interleave.Tensor",
-    "aten.histc.default", "aten.equal.default", "aten.is_nonzero.default",
-})
+HOST_SYNC_OPS = frozenset(
+    {
+        "aten._local_scalar_dense.default",
+        "aten.item.default",
+        "aten.nonzero.default",
+        "aten.nonzero_static.default",
+        "aten.masked_select.default",
+        "aten.bincount.default",
+        "aten.unique_consecutive.default",
+        "aten._unique2.default",
+        "aten.unique_dim.default",
+        "aten.repeat_interleave.Tensor",
+        "aten.histc.default",
+        "aten.equal.default",
+        "aten.is_nonzero.default",
+    }
+)
 
 
 class GraphableTorchBackend(TorchAttentionBackend):
@@ -102,8 +113,9 @@ class _Watch(TorchDispatchMode):
         self.syncs: list[str] = []
         self.stale: list[str] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         name = str(func)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]

@@ -27,8 +27,14 @@ class H2:
         self.sock.sendall(self.conn.data_to_send())
 
     def start(self, method: str, path: str, key: str, content_length: int | None = None, end: bool = False) -> int:
-        headers = [(":method", method), (":path", path), (":scheme", "http"), (":authority", "x"),
-                   ("authorization", f"Bearer {key}"), ("content-type", "application/json")]
+        headers = [
+            (":method", method),
+            (":path", path),
+            (":scheme", "http"),
+            (":authority", "x"),
+            ("authorization", f"Bearer {key}"),
+            ("content-type", "application/json"),
+        ]
         if content_length is not None:
             headers.append(("content-length", str(content_length)))
         stream_id = self.conn.get_next_available_stream_id()

@@ -35,8 +35,11 @@ def add_mtp_tensors(ckpt: Path, seed: int = 1, std: float = 0.05) -> Path:
         scale = 0.2 if norm else std  # zero-centred RMSNorms: 1 + w with w ~ N(0, 0.2)
         return (scale * torch.randn(shape, generator=g)).to(dtype)
 
-    mtp = {f"mtp.layers.0.{name.removeprefix(layer_prefix)}": rand(tuple(t.shape), name.endswith("norm.weight"))
-           for name, t in tensors.items() if name.startswith(layer_prefix)}
+    mtp = {
+        f"mtp.layers.0.{name.removeprefix(layer_prefix)}": rand(tuple(t.shape), name.endswith("norm.weight"))
+        for name, t in tensors.items()
+        if name.startswith(layer_prefix)
+    }
     mtp["mtp.fc.weight"] = rand((hidden, 2 * hidden), False)
     for name in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
         mtp[f"mtp.{name}.weight"] = rand((hidden,), True)
@@ -57,7 +60,9 @@ class DenseMtpReference:
         import transformers
 
         self.model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-        text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        text = (
+            self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        )
         text._attn_implementation = "eager"
         self.text_config = text
         tensors = {k: v.float() for k, v in load_file(str(ckpt / "model.safetensors")).items() if k.startswith("mtp.")}
@@ -130,7 +135,12 @@ def make_predictable(ckpt: Path, dim: int = 0) -> Path:
     head[:, dim] = 0.0
     head[0] = 0.0
     head[0, dim] = 1.0
-    tensors.update({f"{prefix}norm.weight": norm, "lm_head.weight": head,
-                    "mtp.norm.weight": torch.full_like(tensors["mtp.norm.weight"], -1.0)})
+    tensors.update(
+        {
+            f"{prefix}norm.weight": norm,
+            "lm_head.weight": head,
+            "mtp.norm.weight": torch.full_like(tensors["mtp.norm.weight"], -1.0),
+        }
+    )
     save_file(tensors, str(f), metadata={"format": "pt"})
     return ckpt

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
     from api.app import ServerConfig
     from api.server import Server
-    from engine.front.async_engine import AsyncEngine
     from engine.config import EngineConfig
+    from engine.front.async_engine import AsyncEngine
 
 REPO = Path(__file__).resolve().parents[1]
 DONE = "[DONE]"
@@ -43,7 +43,7 @@ def sse_event(line: str) -> Any | None:
     """The JSON of one `data:` line, DONE for the sentinel, None for anything else."""
     if not line.startswith("data: "):
         return None
-    data = line[len("data: "):]
+    data = line[len("data: ") :]
     return DONE if data == DONE else orjson.loads(data)
 
 
@@ -77,8 +77,9 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: Callable[[], s
         time.sleep(POLL_S)
 
 
-def wait_for_metric(base_url: str, name: str, holds: Callable[[float], bool], timeout: float = 30.0,
-                    default: float | None = 0.0) -> float:
+def wait_for_metric(
+    base_url: str, name: str, holds: Callable[[float], bool], timeout: float = 30.0, default: float | None = 0.0
+) -> float:
     """The sample `name` of the server's /metrics once `holds(value)`."""
     value: list[float] = []
 
@@ -246,7 +247,8 @@ class InProcessServer:
 
 
 def start_in_process(
-    config: ServerConfig, loader: Callable[[EngineConfig], AsyncEngine] | None = None,
+    config: ServerConfig,
+    loader: Callable[[EngineConfig], AsyncEngine] | None = None,
     timeout: float = START_TIMEOUT_S,
 ) -> InProcessServer:
     """`config`'s host and port are replaced by 127.0.0.1 and a free port."""

@@ -208,20 +208,27 @@ def test_api_reaches_the_model_only_through_engine_and_imports_no_torch() -> Non
         if imp.top in ("kernels", "bench"):
             return "api/ talks to engine/, not to kernels or the benchmark client"
         if imp.top in ("engine", "scheduler") and imp.module not in API_SEAM:
-            return ("api/ imports the engine only through its seam, engine.front (the boundary types) and "
-                    "engine.front.errors (every error it maps to a response)")
+            return (
+                "api/ imports the engine only through its seam, engine.front (the boundary types) and "
+                "engine.front.errors (every error it maps to a response)"
+            )
         return None
 
     assert violations("api", rule) == []
 
 
 def test_the_seam_rule_refuses_a_reach_past_engine_front() -> None:
-    source = ("from engine.front import EngineConfig\nfrom engine.front.errors import ParamError\n"
-              "from engine.config import EngineConfig\nfrom scheduler.request import SamplingParams\n"
-              "def f():\n    from engine.front.async_engine import AsyncEngine\n")
+    source = (
+        "from engine.front import EngineConfig\nfrom engine.front.errors import ParamError\n"
+        "from engine.config import EngineConfig\nfrom scheduler.request import SamplingParams\n"
+        "def f():\n    from engine.front.async_engine import AsyncEngine\n"
+    )
     found = imports_of(ROOT / "api" / "x.py", source)
     assert [i.module for i in found if i.top in ("engine", "scheduler") and i.module not in API_SEAM] == [
-        "engine.config", "scheduler.request", "engine.front.async_engine"]
+        "engine.config",
+        "scheduler.request",
+        "engine.front.async_engine",
+    ]
 
 
 def test_every_name_the_seam_exports_resolves_and_importing_api_loads_no_torch() -> None:
@@ -268,8 +275,11 @@ def test_bench_is_an_http_client_except_its_offline_and_kernel_benchmarks() -> N
     # NOTE: bench/__main__.py's offline subcommand imports engine lazily inside its function, so
     # `bench serve` never loads the server; module-level server imports belong to the module that
     # benchmarks that layer in-process.
-    owners = {"engine": ("offline.py", "profile.py"), "scheduler": ("offline.py", "profile.py"),
-              "kernels": ("kernels.py",)}
+    owners = {
+        "engine": ("offline.py", "profile.py"),
+        "scheduler": ("offline.py", "profile.py"),
+        "kernels": ("kernels.py",),
+    }
 
     def rule(path: Path, imp: Import) -> str | None:
         if imp.top == "api":
@@ -283,13 +293,34 @@ def test_bench_is_an_http_client_except_its_offline_and_kernel_benchmarks() -> N
 
 # The engine's front: what runs in the HTTP process around the core (text, validation, admission,
 # metrics, the per-request streams). Every other engine module is the core's, or below it.
-FRONT = {"engine.front.async_engine", "engine.front.admission", "engine.front.input_processor", "engine.front.output_processor",
-         "engine.front.outputs", "engine.front.tokenizer", "engine.front.detokenizer", "engine.front.metrics", "engine.front.offline",
-         "engine.client.core_client", "engine.client.supervisor", "engine.front.vllm_metrics", "engine.client.placement", "engine.client.core_router",
-         "engine.client.global_fair_share"}
+FRONT = {
+    "engine.front.async_engine",
+    "engine.front.admission",
+    "engine.front.input_processor",
+    "engine.front.output_processor",
+    "engine.front.outputs",
+    "engine.front.tokenizer",
+    "engine.front.detokenizer",
+    "engine.front.metrics",
+    "engine.front.offline",
+    "engine.client.core_client",
+    "engine.client.supervisor",
+    "engine.front.vllm_metrics",
+    "engine.client.placement",
+    "engine.client.core_router",
+    "engine.client.global_fair_share",
+}
 # The modules of the core's step (its own process): token ids only, no tokenizer.
-CORE_STEP = ("core.py", "core_proc.py", "core_types.py", "model_runner.py", "sampler.py", "batch.py", "cuda_graph.py",
-             "prompt_logprobs.py")
+CORE_STEP = (
+    "core.py",
+    "core_proc.py",
+    "core_types.py",
+    "model_runner.py",
+    "sampler.py",
+    "batch.py",
+    "cuda_graph.py",
+    "prompt_logprobs.py",
+)
 CORE_STEP_PACKAGES = ("spec_decode", "attention", "models")
 
 

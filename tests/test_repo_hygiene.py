@@ -13,8 +13,24 @@ MARKER = re.compile(r"^(<{7} |={7}$|>{7} )", re.M)
 
 def tracked_text_files() -> list[Path]:
     names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True).stdout
-    suffixes = {".py", ".md", ".toml", ".txt", ".cfg", ".yaml", ".yml", ".json", ".js", ".html", ".css",
-                ".cpp", ".h", ".jinja", ".sh", ""}
+    suffixes = {
+        ".py",
+        ".md",
+        ".toml",
+        ".txt",
+        ".cfg",
+        ".yaml",
+        ".yml",
+        ".json",
+        ".js",
+        ".html",
+        ".css",
+        ".cpp",
+        ".h",
+        ".jinja",
+        ".sh",
+        "",
+    }
     return [REPO / n for n in names.decode().split("\0") if n and Path(n).suffix in suffixes]
 
 

@@ -14,6 +14,8 @@ def test_every_declared_test_dependency_is_installed_here() -> None:
 
 def test_a_missing_one_is_named(tmp_path: Path) -> None:
     pyproject = tmp_path / "pyproject.toml"
-    pyproject.write_text('[project]\nname = "x"\n[project.optional-dependencies]\n'
-                         'test = ["pytest>=8", "fp4serve-no-such-package>=1.0", "selenium[extra] ; python_version>\'3\'"]\n')
+    pyproject.write_text(
+        '[project]\nname = "x"\n[project.optional-dependencies]\n'
+        'test = ["pytest>=8", "fp4serve-no-such-package>=1.0", "selenium[extra] ; python_version>\'3\'"]\n'
+    )
     assert missing_test_dependencies(pyproject) == ["fp4serve-no-such-package"]

@@ -57,12 +57,13 @@ def vllm_block_hashes(token_ids: list[int], block_size: int, seed: str) -> list[
     """What vLLM sends for these full pages with `--prefix-caching-hash-algo sha256_cbor` and
     PYTHONHASHSEED=seed, written from its definition (hash_block_tokens, init_none_hash,
     maybe_convert_block_hash), independently of engine/cache_events/kv_event_hashes.py."""
+
     def sha256_cbor(value: object) -> bytes:
         return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
 
     parent, out = sha256_cbor(seed), []
     for i in range(len(token_ids) // block_size):
-        parent = sha256_cbor((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), None))
+        parent = sha256_cbor((parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), None))
         out.append(int.from_bytes(parent[-8:], "big"))
     return out
 

@@ -131,8 +131,9 @@ class KeyRing:
 
     def __init__(self, api_key: str | None = None, keys_file: str | None = None) -> None:
         if api_key and keys_file:
-            raise ConfigError(f"--api-keys-file and a single key (--api-key, --api-key-file or ${API_KEY_ENV}): "
-                              "give one of them")
+            raise ConfigError(
+                f"--api-keys-file and a single key (--api-key, --api-key-file or ${API_KEY_ENV}): give one of them"
+            )
         self.keys_file = keys_file
         if keys_file:
             records: tuple[KeyRecord, ...] = parse_keys_file(keys_file)
@@ -220,7 +221,9 @@ def unauthorized_message(sent: bool) -> str:
 
 def unauthorized(sent: bool) -> Any:
     """The 401 in OpenAI's shape (KeyMiddleware re-shapes it for the route: api/error_shape.py)."""
-    return error_response(401, unauthorized_message(sent), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return error_response(
+        401, unauthorized_message(sent), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+    )
 
 
 def request_owner(scope: Scope, priority: int | None) -> Owner:
@@ -244,10 +247,17 @@ class KeyMiddleware:
             await self.app(scope, receive, send)
             return
         if credentials_conflict(scope["headers"]):
-            logger.warning("refused %s %s: several different credentials (Authorization / x-api-key)",
-                           scope["method"], scope["path"])
-            refusal = error_response(400, "the request carries more than one API key (Authorization and x-api-key "
-                                     "headers that differ); send exactly one", code="ambiguous_credentials")
+            logger.warning(
+                "refused %s %s: several different credentials (Authorization / x-api-key)",
+                scope["method"],
+                scope["path"],
+            )
+            refusal = error_response(
+                400,
+                "the request carries more than one API key (Authorization and x-api-key "
+                "headers that differ); send exactly one",
+                code="ambiguous_credentials",
+            )
             await shaped(scope, refusal)(scope, receive, send)
             return
         token, sent = token_from_headers(scope["headers"])
@@ -269,8 +279,10 @@ class KeyMiddleware:
 
         async def send_with_headers(message: Any) -> None:
             if message["type"] == "http.response.start" and headers:
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  *((k.encode(), v.encode()) for k, v in headers.items())]}
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), *((k.encode(), v.encode()) for k, v in headers.items())],
+                }
             await send(message)
 
         try:

@@ -22,9 +22,13 @@ class RequestLimits:
     max_tools: int = 128
 
     def __post_init__(self) -> None:
-        for flag, value, low in (("--max-n", self.max_n, 1), ("--max-output-tokens", self.max_output_tokens, 1),
-                                 ("--max-stop", self.max_stop, 0), ("--max-stop-length", self.max_stop_length, 1),
-                                 ("--max-tools", self.max_tools, 0)):
+        for flag, value, low in (
+            ("--max-n", self.max_n, 1),
+            ("--max-output-tokens", self.max_output_tokens, 1),
+            ("--max-stop", self.max_stop, 0),
+            ("--max-stop-length", self.max_stop_length, 1),
+            ("--max-tools", self.max_tools, 0),
+        ):
             if value is not None and value < low:
                 raise ConfigError(f"{flag}: {'must be positive' if low else 'must not be negative'}, got {value}")
         if not 0 <= self.max_logprobs <= HARD_MAX_LOGPROBS:

@@ -38,8 +38,12 @@ def format_reset(seconds: float) -> str:
 class RateLimiter:
     """Touched on the event loop only."""
 
-    def __init__(self, tokens_used: Callable[[str], int], metrics: ServerMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        tokens_used: Callable[[str], int],
+        metrics: ServerMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._tokens_used = tokens_used  # key name -> prompt + completion tokens since start
         self._metrics = metrics
         self._clock = clock
@@ -88,8 +92,7 @@ class RateLimiter:
             return self._refuse(record, "requests", f"{record.max_concurrent} concurrent requests", 1.0)
         requests = self._requests[name]
         if record.rpm is not None and len(requests) >= record.rpm:
-            return self._refuse(record, "requests", f"{record.rpm} requests per minute",
-                                requests[0] + WINDOW_S - now)
+            return self._refuse(record, "requests", f"{record.rpm} requests per minute", requests[0] + WINDOW_S - now)
         if record.tpm is not None:
             used, reopen, _ = self._token_window(name, record.tpm, now)
             if used >= record.tpm:

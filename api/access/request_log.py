@@ -32,8 +32,9 @@ MAX_LOGGED_MESSAGE = 500  # characters of an error message in the log line
 class RequestLogMiddleware:
     """Pure ASGI; reads nothing of a successful response's body."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, access_log: bool = False,
-                 skipped_paths: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, app: ASGIApp, metrics: ServerMetrics, access_log: bool = False, skipped_paths: tuple[str, ...] = ()
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.access_log = access_log
@@ -54,7 +55,7 @@ class RequestLogMiddleware:
                 status = message["status"]
             elif message["type"] == "http.response.body" and status is not None:
                 if status >= 400:
-                    body.extend(message.get("body", b"")[:MAX_ERROR_BODY - len(body)])
+                    body.extend(message.get("body", b"")[: MAX_ERROR_BODY - len(body)])
                 if not message.get("more_body", False):
                     # NOTE: logged before the last byte leaves, so that a client holding the answer
                     # finds its line already written (a test, an operator tailing the log).
@@ -68,8 +69,9 @@ class RequestLogMiddleware:
             # Answered outside, by Starlette's outermost handler (api/errors.py handle_unexpected),
             # which logs the traceback.
             status = status or 500
-            scope.setdefault("state", {})[ERROR_STATE] = ErrorBody("internal server error", "server_error",
-                                                                   code="internal_error")
+            scope.setdefault("state", {})[ERROR_STATE] = ErrorBody(
+                "internal server error", "server_error", code="internal_error"
+            )
             raise
         finally:
             if not logged:
@@ -87,10 +89,20 @@ class RequestLogMiddleware:
         if status < 400 or status == CLIENT_CLOSED:
             return
         error = state.get(ERROR_STATE) or _from_body(status, body)
-        message = error.message if len(error.message) <= MAX_LOGGED_MESSAGE else error.message[:MAX_LOGGED_MESSAGE] + "..."
+        message = (
+            error.message if len(error.message) <= MAX_LOGGED_MESSAGE else error.message[:MAX_LOGGED_MESSAGE] + "..."
+        )
         (logger.warning if status >= 500 else logger.info)(
-            "refused %s %s: %d key=%s code=%s param=%s client=%s: %s", method, path, status, key,
-            error.code or error.type, error.param or "-", address, message)
+            "refused %s %s: %d key=%s code=%s param=%s client=%s: %s",
+            method,
+            path,
+            status,
+            key,
+            error.code or error.type,
+            error.param or "-",
+            address,
+            message,
+        )
         if status != 429:  # NOTE: api/access/rate_limit.py counts its own refusals, as reason rate_limited
             self.metrics.rejected.labels(reason=rejection_reason(error)).inc()
 
@@ -109,7 +121,8 @@ def _from_body(status: int, body: bytes) -> ErrorBody:
     try:
         parsed: Any = orjson.loads(body)
         error = parsed["error"]
-        return ErrorBody(str(error.get("message", "")), str(error.get("type") or "error"), error.get("param"),
-                         error.get("code"))
+        return ErrorBody(
+            str(error.get("message", "")), str(error.get("type") or "error"), error.get("param"), error.get("code")
+        )
     except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         return ErrorBody(f"HTTP {status}", "error")

@@ -128,16 +128,20 @@ def _system_message(content: Any, index: int) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"messages.{index}.content: role \"system\" is not supported with this content; "
-                          "text-only role \"system\" messages take a string or an array of text blocks",
-                          f"messages[{index}].content")
+        raise bad_request(
+            f'messages.{index}.content: role "system" is not supported with this content; '
+            'text-only role "system" messages take a string or an array of text blocks',
+            f"messages[{index}].content",
+        )
     texts = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind != "text" or not isinstance(block.get("text"), str):
-            raise bad_request(f"messages.{index}.content.{j}: role \"system\" is not supported with {kind!r} blocks; "
-                              "text-only role \"system\" messages take text blocks",
-                              f"messages[{index}].content[{j}].type")
+            raise bad_request(
+                f'messages.{index}.content.{j}: role "system" is not supported with {kind!r} blocks; '
+                'text-only role "system" messages take text blocks',
+                f"messages[{index}].content[{j}].type",
+            )
         texts.append(block["text"])
     return "".join(texts)
 
@@ -152,8 +156,13 @@ def _user_blocks(blocks: list[Any], param: str) -> list[dict[str, Any]]:
             texts.append(block["text"])
         elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
             content = block.get("content")
-            results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                            "content": "" if content is None else _texts(content, f"{param}[{j}].content")})
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block["tool_use_id"],
+                    "content": "" if content is None else _texts(content, f"{param}[{j}].content"),
+                }
+            )
         else:
             raise bad_request(f"{param}[{j}]: block type {kind!r} is not supported here", f"{param}[{j}].type")
     return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
@@ -183,7 +192,11 @@ def _tools(raw: Any) -> list[dict[str, Any]] | None:
         raise bad_request("tools must be an array of tool objects", "tools")
     tools = []
     for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
+        if (
+            not isinstance(tool, dict)
+            or not isinstance(tool.get("name"), str)
+            or tool.get("type") not in (None, "custom")
+        ):
             raise bad_request(f"tools[{i}] must be a custom tool with a name and an input_schema", f"tools[{i}]")
         function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
         if isinstance(tool.get("description"), str):

@@ -60,8 +60,9 @@ class ContentBlocks:
             self._delta({"type": "text_delta", "text": delta.content})
         for call in delta.tool_calls:
             if call.is_header:
-                self._start({"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
-                             "input": {}})
+                self._start(
+                    {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": {}}
+                )
                 self._open_call = call.index
             if call.arguments and call.index == self._open_call:
                 self._arguments.append(call.arguments)
@@ -82,12 +83,17 @@ class ContentBlocks:
         self.blocks.append(block)
         self._open = block
         shown = {**block, "input": {}} if block["type"] == "tool_use" else dict(block)
-        self.events.append(("content_block_start",
-                            {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": shown}))
+        self.events.append(
+            (
+                "content_block_start",
+                {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": shown},
+            )
+        )
 
     def _delta(self, delta: dict[str, Any]) -> None:
-        self.events.append(("content_block_delta",
-                            {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}))
+        self.events.append(
+            ("content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta})
+        )
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
@@ -119,16 +125,24 @@ def usage(num_prompt_tokens: int, num_cached_tokens: int, num_output_tokens: int
     so nothing is "created" in Anthropic's sense. The prompt is the sum of the three (clients such
     as Claude Code add them up for their context meter)."""
     cached = min(num_cached_tokens, num_prompt_tokens)
-    return {"input_tokens": num_prompt_tokens - cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": num_output_tokens}
+    return {
+        "input_tokens": num_prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": num_output_tokens,
+    }
 
 
 class MessagesEncoder:
     """One message's events and body (an api/pipeline.py Encoder)."""
 
     def __init__(self, started: Started) -> None:
-        self.head = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
-                     "model": started.header.model}
+        self.head = {
+            "id": "msg_" + secrets.token_hex(12),
+            "type": "message",
+            "role": "assistant",
+            "model": started.header.model,
+        }
         self.num_prompt_tokens = len(started.prompts[0])
         first = started.stream.first_output
         self.num_cached_tokens = 0 if first is None else first.num_cached_tokens
@@ -136,9 +150,17 @@ class MessagesEncoder:
         self.totals = Totals()
 
     def start(self) -> list[bytes]:
-        start = {**self.head, "content": [], "stop_reason": None, "stop_sequence": None,
-                 "usage": usage(self.num_prompt_tokens, self.num_cached_tokens, 0)}
-        return [_encode("message_start", {"type": "message_start", "message": start}), _encode("ping", {"type": "ping"})]
+        start = {
+            **self.head,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage(self.num_prompt_tokens, self.num_cached_tokens, 0),
+        }
+        return [
+            _encode("message_start", {"type": "message_start", "message": start}),
+            _encode("ping", {"type": "ping"}),
+        ]
 
     def add(self, delta: ChoiceDelta) -> list[bytes]:
         self.totals.add(delta)
@@ -148,10 +170,13 @@ class MessagesEncoder:
 
     def end(self) -> list[bytes]:
         self.blocks.close()
-        return [*self._drain(),
-                _encode("message_delta", {"type": "message_delta", "delta": stop_fields(self.totals),
-                                          "usage": self._usage()}),
-                _encode("message_stop", {"type": "message_stop"})]
+        return [
+            *self._drain(),
+            _encode(
+                "message_delta", {"type": "message_delta", "delta": stop_fields(self.totals), "usage": self._usage()}
+            ),
+            _encode("message_stop", {"type": "message_stop"}),
+        ]
 
     def error(self, error: APIError) -> list[bytes]:
         return [_encode("error", anthropic_error_body(error.status, error.message))]
@@ -165,8 +190,9 @@ class MessagesEncoder:
 
     def _usage(self) -> dict[str, Any]:
         t = self.totals
-        return usage(t.prompt_tokens or self.num_prompt_tokens, max(t.cached_tokens, self.num_cached_tokens),
-                     t.output_tokens)
+        return usage(
+            t.prompt_tokens or self.num_prompt_tokens, max(t.cached_tokens, self.num_cached_tokens), t.output_tokens
+        )
 
     def _drain(self) -> list[bytes]:
         events = [_encode(kind, data) for kind, data in self.blocks.events]

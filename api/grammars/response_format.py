@@ -48,7 +48,9 @@ class ResponseFormat:
 
     def __post_init__(self) -> None:
         assert (self.type == JSON_SCHEMA) == (self.schema is not None), f"{self.type} with schema {self.schema!r}"
-        assert (self.type in ("regex", "grammar", "choice", "structural_tag")) == bool(self.text), f"{self.type} with text {self.text!r}"
+        assert (self.type in ("regex", "grammar", "choice", "structural_tag")) == bool(self.text), (
+            f"{self.type} with text {self.text!r}"
+        )
 
 
 class SchemaError(Exception):
@@ -99,8 +101,9 @@ def refuse_with_tool_choice(fmt: ResponseFormat | None, tool_choice: str | dict[
         raise bad_request(f"response_format {fmt.type} cannot be combined with tool_choice {forced}; pick one", PARAM)
 
 
-def response_format_spec(fmt: ResponseFormat, reasoning: Reasoning = Reasoning.NONE,
-                         think: ThinkTags = THINK) -> StructuredOutput:
+def response_format_spec(
+    fmt: ResponseFormat, reasoning: Reasoning = Reasoning.NONE, think: ThinkTags = THINK
+) -> StructuredOutput:
     """What an output in `fmt` must be: one JSON object (json_object) or one value that fits the
     schema, with no text before or after it; a think block first as `reasoning` says. A regex or
     a grammar binds the whole output: no think block before it."""

@@ -27,16 +27,22 @@ def parse_vllm_fields(structured_outputs: Any, guided: dict[str, Any]) -> Respon
         if asked:
             raise bad_request(f"structured_outputs cannot be combined with {', '.join(sorted(GUIDED))}; use one", PARAM)
         if not isinstance(structured_outputs, dict):
-            raise bad_request("structured_outputs must be an object such as {\"choice\": [\"yes\", \"no\"]}", PARAM)
+            raise bad_request('structured_outputs must be an object such as {"choice": ["yes", "no"]}', PARAM)
         asked = {k: v for k, v in structured_outputs.items() if k in KINDS and v not in (None, False)}
         if not asked:
-            raise bad_request("You must use one kind of structured outputs constraint but none are specified: "
-                              f"set one of {', '.join(KINDS)}", PARAM)
+            raise bad_request(
+                "You must use one kind of structured outputs constraint but none are specified: "
+                f"set one of {', '.join(KINDS)}",
+                PARAM,
+            )
     if not asked:
         return None
     if len(asked) > 1:
-        raise bad_request("You can only use one kind of structured outputs constraint but multiple are specified: "
-                          f"{', '.join(sorted(asked))}", param)
+        raise bad_request(
+            "You can only use one kind of structured outputs constraint but multiple are specified: "
+            f"{', '.join(sorted(asked))}",
+            param,
+        )
     [(kind, value)] = asked.items()
     if kind == "json":
         return _json(value, param)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.request.models import ChatCompletionRequest
-from api.parsers import ParsedDelta, assemble
-from api.openai.stream import OpenAIStream
-from api.pipeline import ChoiceDelta, Started
 from api.openai.shared import chat_logprobs
+from api.openai.stream import OpenAIStream
+from api.parsers import ParsedDelta, assemble
+from api.pipeline import ChoiceDelta, Started
+from api.request.models import ChatCompletionRequest
 from api.transport.sse import encode_event
 
 CHUNK = "chat.completion.chunk"
@@ -73,7 +73,11 @@ class ChatEncoder(OpenAIStream):
             if self.chat.return_token_ids:
                 entry["token_ids"] = self._token_ids[index]
             choices.append(entry)
-        body: dict[str, Any] = {**self.header.fields("chat.completion"), "choices": choices, "usage": self.usage.usage()}
+        body: dict[str, Any] = {
+            **self.header.fields("chat.completion"),
+            "choices": choices,
+            "usage": self.usage.usage(),
+        }
         if self.chat.return_token_ids:
             body["prompt_token_ids"] = self.prompt_token_ids
         return body

@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from api.request.models import CompletionRequestModel
+from api.openai.shared import CompletionLogprobs, merge_completion_logprobs
 from api.openai.stream import OpenAIStream
 from api.pipeline import ChoiceDelta, Started
-from api.openai.shared import CompletionLogprobs, merge_completion_logprobs
+from api.request.models import CompletionRequestModel
 from api.transport.sse import encode_event
 from engine.front import RequestOutput, TokenLogprob
 
@@ -57,7 +57,9 @@ class CompletionEncoder(OpenAIStream):
         self.usage.add(prompt_index, index, out)
         first = not self._started[index]
         final = out.finish_reason is not None
-        if req.streaming and not (out.text_delta or final or out.logprobs or req.return_token_ids or first and req.echo):
+        if req.streaming and not (
+            out.text_delta or final or out.logprobs or req.return_token_ids or first and req.echo
+        ):
             return []  # nothing to say yet
         self._started[index] = True
         if not req.streaming:
@@ -114,8 +116,15 @@ class CompletionEncoder(OpenAIStream):
         """With max_tokens 0 the one token the engine ran is not shown nor counted."""
         if not self.request.prompt_only:
             return out
-        return replace(out, new_token_ids=(), text_delta="", logprobs=None, num_output_tokens=0,
-                       finish_reason=out.finish_reason and "length", stop_reason=None)
+        return replace(
+            out,
+            new_token_ids=(),
+            text_delta="",
+            logprobs=None,
+            num_output_tokens=0,
+            finish_reason=out.finish_reason and "length",
+            stop_reason=None,
+        )
 
     def _echo_text(self, prompt_index: int, first: bool) -> str:
         return self.echoed[prompt_index].text if first and self.echoed is not None else ""
@@ -127,8 +136,11 @@ class CompletionEncoder(OpenAIStream):
         counter = self._counters[index]
         parts = []
         if first and self.echoed is not None and out.prompt_logprobs is not None:
-            parts.append(counter.prompt_chunk(self.echoed[prompt_index].first_token, out.prompt_logprobs[1:],
-                                              self.request.logprobs))
+            parts.append(
+                counter.prompt_chunk(
+                    self.echoed[prompt_index].first_token, out.prompt_logprobs[1:], self.request.logprobs
+                )
+            )
         if out.logprobs is not None:
             parts.append(counter.chunk(out.logprobs))
         return merge_completion_logprobs(parts) if parts else None

@@ -67,7 +67,12 @@ class CompletionLogprobs:
 
     def prompt_chunk(self, first_token: str, logprobs: tuple[TokenLogprob | None, ...], num_top: int) -> dict[str, Any]:
         """With echo: the prompt's tokens, the first with no logprob (nothing scores it)."""
-        head = {"tokens": [first_token], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [self._offset]}
+        head = {
+            "tokens": [first_token],
+            "token_logprobs": [None],
+            "top_logprobs": [None],
+            "text_offset": [self._offset],
+        }
         self._offset += len(first_token)
         scored = tuple(replace(lp, top=lp.top[:num_top]) for lp in logprobs if lp is not None)
         return merge_completion_logprobs([head, self.chunk(scored)])

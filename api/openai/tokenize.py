@@ -85,8 +85,12 @@ def _tokenize(inputs: InputProcessor, req: TokenizeRequestModel) -> list[int]:
     if req.messages is None:
         assert req.prompt is not None, "a tokenize request holds a prompt or messages"
         return tokenizer.encode(req.prompt, add_special_tokens=req.with_special_tokens)
-    text = inputs.chat_text(req.messages, req.tools, req.add_generation_prompt is not False,
-                            template_kwargs(req.chat_template_kwargs, req.enable_thinking))
+    text = inputs.chat_text(
+        req.messages,
+        req.tools,
+        req.add_generation_prompt is not False,
+        template_kwargs(req.chat_template_kwargs, req.enable_thinking),
+    )
     return tokenizer.encode(text, add_special_tokens=req.with_special_tokens)
 
 

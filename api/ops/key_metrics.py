@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api.errors import APIError
 from api.access.keys import token_from_headers, unauthorized_message
+from api.errors import APIError
 from api.http import server_state
 
 
@@ -23,8 +23,12 @@ async def key_metrics(request: Request) -> Response:
     if record is None:
         raise APIError(401, unauthorized_message(sent), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     if not record.admin:
-        raise APIError(403, f"key {record.name!r} is not an admin key: per-key metrics need one",
-                       code="permission_denied", type_="permission_error")
+        raise APIError(
+            403,
+            f"key {record.name!r} is not an admin key: per-key metrics need one",
+            code="permission_denied",
+            type_="permission_error",
+        )
     engine = state.engine or state.ready_engine()  # as /metrics: served while draining, 503 before loading
     return Response(generate_latest(engine.metrics.key_registry), media_type=CONTENT_TYPE_LATEST)
 

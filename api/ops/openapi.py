@@ -30,12 +30,20 @@ def openapi_schema(version: str) -> dict[str, Any]:
         ref_template="#/components/schemas/{model}",
     )
     paths = {
-        path: {"post": {
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
-            "responses": {"200": {"description": "OK"}, "400": {"description": "OpenAI error body naming `param`"}},
-        }}
+        path: {
+            "post": {
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+                },
+                "responses": {"200": {"description": "OK"}, "400": {"description": "OpenAI error body naming `param`"}},
+            }
+        }
         for path, model in REQUEST_BODIES.items()
     }
-    return {"openapi": "3.1.0", "info": {"title": "fp4serve", "version": version}, "paths": paths,
-            "components": {"schemas": schemas.get("$defs", {})}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "fp4serve", "version": version},
+        "paths": paths,
+        "components": {"schemas": schemas.get("$defs", {})},
+    }

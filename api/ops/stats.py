@@ -187,8 +187,10 @@ def summarize(window: StatsWindow, registries: Iterable[CollectorRegistry], now:
             "preemptions": int(c["preemptions"]),
         },
         "kv_cache": {"usage": gauges["kv_usage"], "pages_total": int(gauges["kv_pages_total"])},
-        "engines": [{"engine": int(engine), **{k: (v if k == "kv_usage" else int(v)) for k, v in sorted(values.items())}}
-                    for engine, values in sorted(current.engines.items(), key=lambda item: int(item[0]))],
+        "engines": [
+            {"engine": int(engine), **{k: (v if k == "kv_usage" else int(v)) for k, v in sorted(values.items())}}
+            for engine, values in sorted(current.engines.items(), key=lambda item: int(item[0]))
+        ],
         "prefix_cache": {
             "queried_tokens": int(queried),
             "hit_tokens": int(hits),
@@ -214,8 +216,11 @@ def _host_kv(gauges: dict[str, float], counters: dict[str, float]) -> dict[str, 
     if not gauges["host_kv_capacity_bytes"]:
         return None
     held = {key.removeprefix("host_kv_"): int(value) for key, value in gauges.items() if key.startswith("host_kv_")}
-    done = {key.removeprefix("host_kv_"): (round(value, 6) if key.endswith("seconds") else int(value))
-            for key, value in counters.items() if key.startswith("host_kv_")}
+    done = {
+        key.removeprefix("host_kv_"): (round(value, 6) if key.endswith("seconds") else int(value))
+        for key, value in counters.items()
+        if key.startswith("host_kv_")
+    }
     return {**held, **done}
 
 

@@ -70,8 +70,9 @@ def load_static_files() -> dict[str, StaticFile]:
 def ui_routes(base_url: str) -> list[Route]:
     files = load_static_files()
     page = files["index.html"]
-    logger.info("web page (chat playground, live dashboard) at %s/ from %d files; --no-ui turns it off",
-                base_url, len(files))
+    logger.info(
+        "web page (chat playground, live dashboard) at %s/ from %d files; --no-ui turns it off", base_url, len(files)
+    )
 
     async def index(request: Request) -> Response:
         return page.response()

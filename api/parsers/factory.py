@@ -73,13 +73,9 @@ def make_tool_parser(
     return Qwen3ToolParser(tools, call_id_factory, streaming)
 
 
-def make_reasoning_parser(
-    name: str, starts_in_reasoning: bool, *, chat_template: str | None = None
-) -> ReasoningParser:
+def make_reasoning_parser(name: str, starts_in_reasoning: bool, *, chat_template: str | None = None) -> ReasoningParser:
     """A fresh streaming reasoning parser (one per sample). `auto` needs `chat_template`."""
     resolved = resolve_reasoning_parser(name, chat_template)
     if resolved is None:
-        raise UnknownParserError(
-            "reasoning", f"{name} (no <think> in the chat template)", REASONING_PARSERS
-        )
+        raise UnknownParserError("reasoning", f"{name} (no <think> in the chat template)", REASONING_PARSERS)
     return Qwen3ReasoningParser(starts_in_reasoning)

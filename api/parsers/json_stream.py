@@ -179,7 +179,7 @@ class JsonObjectStream:
 
     def _fail(self, out: list[str], text: str, pos: int, offset: int, why: str) -> str:
         self.failed = True
-        self.error = f"{why} at {text[pos:pos + 12]!r}"
+        self.error = f"{why} at {text[pos : pos + 12]!r}"
         self.end = max(0, pos - offset)  # a bad escape may have begun in the previous feed
         return "".join(out)
 

@@ -60,7 +60,8 @@ class OutputParser:
         )
         self._tools: ToolParser | None = (
             make_tool_parser(tool_parser, tools, call_id_factory, streaming=streaming or forced)
-            if tool_parser else None
+            if tool_parser
+            else None
         )
         self._forced = forced and self._tools is not None
         self._parallel_tool_calls = parallel_tool_calls
@@ -137,8 +138,15 @@ class ParserSettings:
         tool_parser = self.tool_parser if tools and tool_choice != "none" else None
         if tool_parser is None and self.reasoning_parser is None:
             return None
-        return OutputParser(tool_parser, self.reasoning_parser, tools, starts_in_reasoning, parallel_tool_calls,
-                            streaming=streaming, forced=forced)
+        return OutputParser(
+            tool_parser,
+            self.reasoning_parser,
+            tools,
+            starts_in_reasoning,
+            parallel_tool_calls,
+            streaming=streaming,
+            forced=forced,
+        )
 
 
 def resolve_finish_reason(engine_finish_reason: str, tool_calls_made: bool) -> str:

@@ -9,7 +9,6 @@ import re
 
 from api.parsers.schema_types import NULL_WORDS, ParamType, convert_value
 
-
 # What json.dumps(ensure_ascii=False) escapes; most streamed pieces contain none of it.
 _NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f]')
 

@@ -30,9 +30,7 @@ from api.parsers.base import ParsedDelta
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", nargs="?", type=Path, help="model output file (default: stdin)")
-    parser.add_argument(
-        "--tool-parser", default=None, help="qwen3 | qwen3_coder | auto (needs --chat-template)"
-    )
+    parser.add_argument("--tool-parser", default=None, help="qwen3 | qwen3_coder | auto (needs --chat-template)")
     parser.add_argument("--reasoning-parser", default=None, help="qwen3 | auto")
     parser.add_argument(
         "--tools",
@@ -59,9 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("stop", "length", "abort"),
         help="why generation ended, as the engine reports it (default: stop)",
     )
-    parser.add_argument(
-        "--no-parallel-tool-calls", action="store_true", help="as parallel_tool_calls=false"
-    )
+    parser.add_argument("--no-parallel-tool-calls", action="store_true", help="as parallel_tool_calls=false")
     parser.add_argument("--chat-template", type=Path, default=None, help="for `auto` parsers")
 
 

@@ -195,9 +195,7 @@ class Qwen3CoderToolParser(ToolStream):
         self._commit_call()
         dropped = "".join(self._dropped).strip()
         if dropped:
-            self.problems.append(
-                f"tool call {self.num_calls - 1}: dropped {dropped[:40]!r} between parameters"
-            )
+            self.problems.append(f"tool call {self.num_calls - 1}: dropped {dropped[:40]!r} between parameters")
         self._dropped.clear()
         self._continuing = True
         if tag == FUNCTION_CLOSE:

@@ -186,9 +186,7 @@ class Qwen3ToolParser(ToolStream):
     def _end_after(self) -> None:
         dropped = "".join(self._after_text).strip()
         if dropped not in ("}", ""):
-            self.problems.append(
-                f"tool call {self.num_calls - 1}: dropped {dropped[:40]!r} after the arguments"
-            )
+            self.problems.append(f"tool call {self.num_calls - 1}: dropped {dropped[:40]!r} after the arguments")
         self._after_text.clear()
         self._end_block()
 

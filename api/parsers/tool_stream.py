@@ -240,9 +240,7 @@ class ToolStream:
     def _take(self) -> ParsedDelta:
         if not self._out_content and not self._out_calls:
             return ParsedDelta()
-        delta = ParsedDelta(
-            content="".join(self._out_content), tool_calls=coalesce_tool_deltas(self._out_calls)
-        )
+        delta = ParsedDelta(content="".join(self._out_content), tool_calls=coalesce_tool_deltas(self._out_calls))
         self._out_content.clear()
         self._out_calls.clear()
         return delta

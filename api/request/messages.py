@@ -60,7 +60,9 @@ def _content(raw: Any, param: str) -> str | None:
             raise bad_request(f"{part_param} must be an object", part_param)
         kind = part.get("type")
         if kind not in ("text", "input_text"):
-            raise bad_request(f"{part_param}.type {kind!r} is not supported: this server takes text only", f"{part_param}.type")
+            raise bad_request(
+                f"{part_param}.type {kind!r} is not supported: this server takes text only", f"{part_param}.type"
+            )
         text = part.get("text")
         if not isinstance(text, str):
             raise bad_request(f"{part_param}.text must be a string", f"{part_param}.text")
@@ -79,8 +81,14 @@ def _tool_calls(raw: Any, param: str) -> list[dict[str, Any]] | None:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise bad_request(f"{call_param}.function.name must be a string", f"{call_param}.function.name")
-        calls.append(tool_call(call["id"] if isinstance(call.get("id"), str) else None, function["name"],
-                               function.get("arguments"), f"{call_param}.function.arguments"))
+        calls.append(
+            tool_call(
+                call["id"] if isinstance(call.get("id"), str) else None,
+                function["name"],
+                function.get("arguments"),
+                f"{call_param}.function.arguments",
+            )
+        )
     return calls
 
 
@@ -119,7 +127,7 @@ def parse_tools(raw: Any) -> list[dict[str, Any]] | None:
         param = f"tools[{i}]"
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
-            raise bad_request(f"{param} must be {{\"type\": \"function\", \"function\": {{...}}}}", param)
+            raise bad_request(f'{param} must be {{"type": "function", "function": {{...}}}}', param)
         tools.append(function_tool(function, f"{param}.function.name", f"{param}.function.parameters"))
     return tools or None
 
@@ -146,7 +154,7 @@ def parse_tool_choice(raw: Any, tools: list[dict[str, Any]] | None) -> str | dic
     function = raw.get("function") if isinstance(raw, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise bad_request(
-            "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
             "tool_choice",
         )
     names = {t["function"]["name"] for t in tools or []}

@@ -36,12 +36,18 @@ from engine.front import SamplingParams
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # What an absent sampling field means when the checkpoint sets no default for it (OpenAI's and
-# vLLM's values); engine/weights/generation_config.py's defaults override these.
-SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                                       "repetition_penalty": 1.0}
+# vLLM's values); engine/weights/config/generation_config.py's defaults override these.
+SAMPLING_DEFAULTS: dict[str, float] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 # Arguments the server itself passes to the template (or that would swap the template out).
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "add_generation_prompt", "tokenize",
-                                      "chat_template"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "tools", "add_generation_prompt", "tokenize", "chat_template"}
+)
 
 
 def _stop(value: Any) -> Any:
@@ -129,13 +135,19 @@ class SamplingRequest(RequestModel):
     def output_format(self) -> ResponseFormat | None:
         """response_format, or what vLLM's structured_outputs / guided_* ask for (not both)."""
         response_format = parse_response_format(self.response_format)
-        vllm = parse_vllm_fields(self.structured_outputs, {"guided_json": self.guided_json,
-                                                            "guided_regex": self.guided_regex,
-                                                            "guided_choice": self.guided_choice,
-                                                            "guided_grammar": self.guided_grammar})
+        vllm = parse_vllm_fields(
+            self.structured_outputs,
+            {
+                "guided_json": self.guided_json,
+                "guided_regex": self.guided_regex,
+                "guided_choice": self.guided_choice,
+                "guided_grammar": self.guided_grammar,
+            },
+        )
         if response_format is not None and vllm is not None:
-            raise bad_request("response_format cannot be combined with structured_outputs or guided_*; use one",
-                              "response_format")
+            raise bad_request(
+                "response_format cannot be combined with structured_outputs or guided_*; use one", "response_format"
+            )
         return response_format or vllm
 
     # ---- the server's limits, as validators ----------------------------------------------------
@@ -167,11 +179,12 @@ class SamplingRequest(RequestModel):
         """A last chunk with `choices: []` and the usage (streaming only)."""
         return self.streaming and bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        defaults: Iterable[tuple[str, float]] = ()) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: Iterable[tuple[str, float]] = ()
+    ) -> SamplingParams:
         """`max_tokens` None: absent (the input processor resolves it against the prompt, and caps
         it by --max-output-tokens). `defaults`: the checkpoint's generation_config.json values
-        (engine/weights/generation_config.py) for the sampling fields the request leaves out. ParamError (a
+        (engine/weights/config/generation_config.py) for the sampling fields the request leaves out. ParamError (a
         400 naming the field) for what SamplingParams refuses."""
         fallback = {**SAMPLING_DEFAULTS, **dict(defaults)}
         min_tokens = self.min_tokens or 0
@@ -231,8 +244,14 @@ class ChatCompletionRequest(SamplingRequest, ToolsRequest):
         messages = parse_messages(self.messages)
         template_kwargs(self.chat_template_kwargs, self.enable_thinking)
         check_depth(self.chat_template_kwargs, "chat_template_kwargs")
-        return self.model_copy(update={"messages": messages, "tools": tools, "tool_choice": tool_choice,
-                                       "response_format": response_format})
+        return self.model_copy(
+            update={
+                "messages": messages,
+                "tools": tools,
+                "tool_choice": tool_choice,
+                "response_format": response_format,
+            }
+        )
 
     @classmethod
     def mapped(cls, **fields: Any) -> ChatCompletionRequest:
@@ -323,7 +342,9 @@ def parse_prompts(raw: Any) -> list[str | list[int]]:
     if isinstance(raw, str):
         return [_nonempty_text(raw, "prompt")]
     if not isinstance(raw, list) or not raw:
-        raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of those", "prompt")
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids, or a list of those", "prompt"
+        )
     if all(_is_int(x) for x in raw):
         return [list(raw)]
     prompts: list[str | list[int]] = []

@@ -46,8 +46,10 @@ def stop_limit(value: Any, name: str, info: ValidationInfo) -> Any:
         raise too_many(name, len(stop), limits.max_stop, "--max-stop")
     longest = max((len(s) for s in stop), default=0)
     if longest > limits.max_stop_length:
-        raise ValueError(f"{name} has a string of {longest} characters; this server allows at most "
-                         f"{limits.max_stop_length} (--max-stop-length)")
+        raise ValueError(
+            f"{name} has a string of {longest} characters; this server allows at most "
+            f"{limits.max_stop_length} (--max-stop-length)"
+        )
     return value
 
 
@@ -85,8 +87,17 @@ class RequestModel(BaseModel):
 
     # NOTE: a validator on the fields, not a BeforeValidator in `Int`: that would hide the ranges
     # from /openapi.json.
-    @field_validator("n", "max_tokens", "min_tokens", "top_k", "seed", "top_logprobs", "max_completion_tokens",
-                     mode="before", check_fields=False)
+    @field_validator(
+        "n",
+        "max_tokens",
+        "min_tokens",
+        "top_k",
+        "seed",
+        "top_logprobs",
+        "max_completion_tokens",
+        mode="before",
+        check_fields=False,
+    )
     @classmethod
     def _integral_floats(cls, value: Any) -> Any:
         return integral(value)
@@ -126,8 +137,12 @@ def request_error(error: ValidationError) -> APIError:
         message = text if text.startswith(param.split(".")[0]) else f"{param} {text}"
     elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
         bound = next(iter(ctx.values()))
-        relation = {"greater_than_equal": "at least", "less_than_equal": "at most",
-                    "greater_than": "greater than", "less_than": "less than"}[kind]
+        relation = {
+            "greater_than_equal": "at least",
+            "less_than_equal": "at most",
+            "greater_than": "greater than",
+            "less_than": "less than",
+        }[kind]
         message = f"{param} must be {relation} {bound}, got {value}"
     elif kind.startswith("int"):
         message = f"{param} must be an integer, got {got}"

@@ -61,8 +61,14 @@ class OutputItems:
         for call in delta.tool_calls:
             if call.is_header:
                 name, namespace = self.tools.wire_name(call.name)
-                item = {"type": "function_call", "id": new_id("fc"), "call_id": call.id, "name": name,
-                        "arguments": "", "status": "in_progress"}
+                item = {
+                    "type": "function_call",
+                    "id": new_id("fc"),
+                    "call_id": call.id,
+                    "name": name,
+                    "arguments": "",
+                    "status": "in_progress",
+                }
                 self._open_item(item if namespace is None else {**item, "namespace": namespace})
                 self._open_call = call.index
                 self._call_index[self.items[-1]["id"]] = call.index
@@ -81,16 +87,24 @@ class OutputItems:
     def _reasoning(self, text: str) -> None:
         item = self._open
         if item is None or item["type"] != "reasoning":
-            item = self._open_item({"type": "reasoning", "id": new_id("rs"), "summary": [],
-                                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"})
+            item = self._open_item(
+                {
+                    "type": "reasoning",
+                    "id": new_id("rs"),
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}],
+                    "status": "in_progress",
+                }
+            )
         item["content"][0]["text"] += text
         self._event("response.reasoning_text.delta", item_id=item["id"], content_index=0, delta=text)
 
     def _text(self, text: str) -> None:
         item = self._open
         if item is None or item["type"] != "message":
-            item = self._open_item({"type": "message", "id": new_id("msg"), "role": "assistant",
-                                    "status": "in_progress", "content": []})
+            item = self._open_item(
+                {"type": "message", "id": new_id("msg"), "role": "assistant", "status": "in_progress", "content": []}
+            )
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             item["content"].append(part)
             self._event("response.content_part.added", item_id=item["id"], content_index=0, part=dict(part))
@@ -118,11 +132,17 @@ class OutputItems:
             self._event("response.reasoning_text.done", item_id=item["id"], content_index=0, text=text)
         elif kind == "message":
             part = item["content"][0]
-            self._event("response.output_text.done", item_id=item["id"], content_index=0, text=part["text"], logprobs=[])
+            self._event(
+                "response.output_text.done", item_id=item["id"], content_index=0, text=part["text"], logprobs=[]
+            )
             self._event("response.content_part.done", item_id=item["id"], content_index=0, part=dict(part))
         else:
-            self._event("response.function_call_arguments.done", item_id=item["id"], name=item["name"],
-                        arguments=item["arguments"])
+            self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                name=item["name"],
+                arguments=item["arguments"],
+            )
         self._event("response.output_item.done", item=_copy(item))
 
     def _event(self, kind: str, **fields: Any) -> None:
@@ -137,8 +157,14 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
 
 
 def response_body(
-    response_id: str, model: str, created_at: int, request: Any, items: list[dict[str, Any]] | None,
-    totals: Totals | None, previous_response_id: str | None, store: bool,
+    response_id: str,
+    model: str,
+    created_at: int,
+    request: Any,
+    items: list[dict[str, Any]] | None,
+    totals: Totals | None,
+    previous_response_id: str | None,
+    store: bool,
 ) -> dict[str, Any]:
     """The `response` object; `totals` None while it is still in progress."""
     status = "in_progress"
@@ -206,8 +232,15 @@ def assistant_messages(items: list[dict[str, Any]], tools: ResponsesTools) -> li
 class ResponsesEncoder:
     """One response's events and body; the finished response goes to the store."""
 
-    def __init__(self, started: Started, request: ResponsesRequestModel, chat: ChatCompletionRequest,
-                 tools: ResponsesTools, store: ResponseStore, owner: bytes) -> None:
+    def __init__(
+        self,
+        started: Started,
+        request: ResponsesRequestModel,
+        chat: ChatCompletionRequest,
+        tools: ResponsesTools,
+        store: ResponseStore,
+        owner: bytes,
+    ) -> None:
         self.request = request
         self.chat = chat
         self.tools = tools
@@ -223,8 +256,10 @@ class ResponsesEncoder:
 
     def start(self) -> list[bytes]:
         pending = self._body(None)
-        return [self._encode({"type": "response.created", "response": pending}),
-                self._encode({"type": "response.in_progress", "response": pending})]
+        return [
+            self._encode({"type": "response.created", "response": pending}),
+            self._encode({"type": "response.in_progress", "response": pending}),
+        ]
 
     def add(self, delta: ChoiceDelta) -> list[bytes]:
         self.totals.add(delta)
@@ -239,8 +274,11 @@ class ResponsesEncoder:
         return [*self._drain(), self._encode({"type": kind, "response": final})]
 
     def error(self, error: APIError) -> list[bytes]:
-        return [self._encode({"type": "error", "code": error.code or "server_error", "message": error.message,
-                              "param": None})]
+        return [
+            self._encode(
+                {"type": "error", "code": error.code or "server_error", "message": error.message, "param": None}
+            )
+        ]
 
     def done(self) -> list[bytes]:
         return []
@@ -258,8 +296,16 @@ class ResponsesEncoder:
 
     def _body(self, totals: Totals | None) -> dict[str, Any]:
         m = self.request
-        return response_body(self.response_id, self.model, self.created_at, m, self.items.items if totals else [],
-                             totals, m.previous_response_id, self.should_store)
+        return response_body(
+            self.response_id,
+            self.model,
+            self.created_at,
+            m,
+            self.items.items if totals else [],
+            totals,
+            m.previous_response_id,
+            self.should_store,
+        )
 
     def _drain(self) -> list[bytes]:
         events = [self._encode(event) for event in self.items.events]

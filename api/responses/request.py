@@ -41,7 +41,9 @@ class ResponsesRequestModel(ToolsRequest):
         """The functions the model sees (namespaces flattened), and the hosted tools it does not."""
         return ResponsesTools.parse(self.tools)
 
-    def to_chat_request(self, history: list[dict[str, Any]], tools: ResponsesTools | None = None) -> ChatCompletionRequest:
+    def to_chat_request(
+        self, history: list[dict[str, Any]], tools: ResponsesTools | None = None
+    ) -> ChatCompletionRequest:
         """The chat request this one means; `history`: the messages of the `previous_response_id`
         chain (stored in chat's normalised shape), or []; `tools`: `parsed_tools()`, if done."""
         tools = self.parsed_tools() if tools is None else tools
@@ -102,26 +104,33 @@ def input_messages(raw: Any, tools: ResponsesTools | None = None) -> list[dict[s
             if role not in ROLES:
                 raise bad_request(f"{param}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{param}.role")
             # `developer` is the newer name for the system role; templates know only `system`.
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text(item.get("content"), f"{param}.content")})
+            messages.append(
+                {
+                    "role": "system" if role == "developer" else role,
+                    "content": _text(item.get("content"), f"{param}.content"),
+                }
+            )
         elif kind == "function_call":
             namespace = item.get("namespace")
             if namespace is not None and not isinstance(namespace, str):
                 raise bad_request(f"{param}.namespace must be a string", f"{param}.namespace")
             name = tools.visible_name(_string(item, "name", param), namespace)
-            call = tool_call(_string(item, "call_id", param), name, _string(item, "arguments", param),
-                             f"{param}.arguments")
+            call = tool_call(
+                _string(item, "call_id", param), name, _string(item, "arguments", param), f"{param}.arguments"
+            )
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({
-                "role": "tool",
-                "tool_call_id": _string(item, "call_id", param),
-                "content": _text(item.get("output"), f"{param}.output"),
-            })
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _string(item, "call_id", param),
+                    "content": _text(item.get("output"), f"{param}.output"),
+                }
+            )
         elif kind == "reasoning":
             continue  # the template drops past turns' reasoning anyway
         else:
@@ -143,9 +152,15 @@ def _text(content: Any, param: str) -> str:
         raise bad_request(f"{param} must be a string or an array of text parts", param)
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
-            raise bad_request(f"{param}[{j}] must be a text part (input_text or output_text): this server takes text only",
-                              f"{param}[{j}]")
+        if (
+            not isinstance(part, dict)
+            or part.get("type") not in TEXT_PART_TYPES
+            or not isinstance(part.get("text"), str)
+        ):
+            raise bad_request(
+                f"{param}[{j}] must be a text part (input_text or output_text): this server takes text only",
+                f"{param}[{j}]",
+            )
         texts.append(part["text"])
     return "".join(texts)
 

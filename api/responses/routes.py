@@ -11,15 +11,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from api.access.keys import token_from_headers
 from api.context_errors import RESPONSES
 from api.errors import APIError, bad_request
-from api.access.keys import token_from_headers
 from api.http import json_response, read_json, server_state
 from api.pipeline import respond, start_chat
+from api.request.validation import validate
 from api.responses.output import ResponsesEncoder
 from api.responses.request import ResponsesRequestModel
 from api.responses.store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore, owner_of
-from api.request.validation import validate
 
 logger = logging.getLogger("fp4serve.api")
 
@@ -54,11 +54,16 @@ async def create_response(request: Request) -> Response:
         history = previous.messages
     tools = m.parsed_tools()
     if tools.tools is not None and len(tools.tools) > state.config.limits.max_tools:
-        raise bad_request(f"tools has {len(tools.tools)} functions, namespaces included; this server allows at most "
-                          f"{state.config.limits.max_tools} (--max-tools)", "tools")
+        raise bad_request(
+            f"tools has {len(tools.tools)} functions, namespaces included; this server allows at most "
+            f"{state.config.limits.max_tools} (--max-tools)",
+            "tools",
+        )
     if tools.dropped:
-        logger.warning("POST /v1/responses: tools of type %s are not run by this server and the model does not see "
-                       "them", ", ".join(tools.dropped))
+        logger.warning(
+            "POST /v1/responses: tools of type %s are not run by this server and the model does not see them",
+            ", ".join(tools.dropped),
+        )
     chat = m.to_chat_request(history, tools)
     started = await start_chat(request, chat, "resp", RESPONSES)
     return await respond(request, started, ResponsesEncoder(started, m, chat, tools, store, owner))

@@ -65,8 +65,10 @@ class ResponsesTools:
         """The name the model sees for a function the client names (a replayed call, tool_choice)."""
         if namespace is None:
             return name
-        return next((v for v, key in self.namespaced.items() if key == (namespace, name)),
-                    f"{namespace}{NAMESPACE_SEPARATOR}{name}")
+        return next(
+            (v for v, key in self.namespaced.items() if key == (namespace, name)),
+            f"{namespace}{NAMESPACE_SEPARATOR}{name}",
+        )
 
     def wire_name(self, visible: str) -> tuple[str, str | None]:
         """(name, namespace) of a call the model made, as the client reads it back."""

@@ -42,10 +42,16 @@ class FramingMiddleware:
         headers = scope["headers"]
         if scope.get("http_version") in HTTP1:
             if any(k == b"transfer-encoding" for k, _ in headers) and any(k == b"content-length" for k, _ in headers):
-                await self._refuse(scope, receive, send, 400, "ambiguous_framing",
-                                   "the request has both Content-Length and Transfer-Encoding, which RFC 9112 "
-                                   "forbids; send one of them (the connection is closed)",
-                                   {"Connection": "close"})
+                await self._refuse(
+                    scope,
+                    receive,
+                    send,
+                    400,
+                    "ambiguous_framing",
+                    "the request has both Content-Length and Transfer-Encoding, which RFC 9112 "
+                    "forbids; send one of them (the connection is closed)",
+                    {"Connection": "close"},
+                )
                 return
             await self.app(scope, receive, send)
             return
@@ -71,6 +77,7 @@ class FramingMiddleware:
 
         return capped_receive
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, code: str, message: str,
-                      headers: dict[str, str]) -> None:
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, status: int, code: str, message: str, headers: dict[str, str]
+    ) -> None:
         await shaped(scope, error_response(status, message, code=code, headers=headers))(scope, receive, send)

@@ -38,14 +38,19 @@ def mend_hypercorn_h2(late_body_s: float) -> None:
     `late_body_s` (the wrappers always wrap hypercorn's own methods)."""
     from hypercorn.protocol.h2 import H2Protocol
 
-    originals = {name: getattr(getattr(H2Protocol, name, None), _ORIGINAL, getattr(H2Protocol, name, None))
-                 for name in ("handle", "_handle_events")}
+    originals = {
+        name: getattr(getattr(H2Protocol, name, None), _ORIGINAL, getattr(H2Protocol, name, None))
+        for name in ("handle", "_handle_events")
+    }
     if None in originals.values():
-        logger.warning("hypercorn's HTTP/2 protocol has changed: its lost-connection and late-body faults are "
-                       "not mended")
+        logger.warning(
+            "hypercorn's HTTP/2 protocol has changed: its lost-connection and late-body faults are not mended"
+        )
         return
-    for name, wrapper in (("handle", _closing_buffers(originals["handle"])),
-                          ("_handle_events", _taking_late_body(originals["_handle_events"], late_body_s))):
+    for name, wrapper in (
+        ("handle", _closing_buffers(originals["handle"])),
+        ("_handle_events", _taking_late_body(originals["_handle_events"], late_body_s)),
+    ):
         setattr(wrapper, _ORIGINAL, originals[name])
         setattr(H2Protocol, name, wrapper)
 

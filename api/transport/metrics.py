@@ -14,7 +14,9 @@ class ServerMetrics:
         ProcessCollector(registry=r)
         self.in_flight = Gauge("fp4serve_http_requests_in_flight", "HTTP requests on /v1/* being served.", registry=r)
         self.rejected = Counter(
-            "fp4serve_http_requests_rejected", "Requests refused before they started, by reason.", ["reason"],
+            "fp4serve_http_requests_rejected",
+            "Requests refused before they started, by reason.",
+            ["reason"],
             registry=r,
         )
         self.ended_early = Counter(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.attention.state_pool import StatePool
-from engine.weights.hybrid_config import HybridConfig
+from engine.weights.config.hybrid_config import HybridConfig
 
 
 def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -20,8 +20,15 @@ def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 class CheckpointPool:
-    def __init__(self, hybrid: HybridConfig, num_checkpoints: int, kv_page_shape: tuple[int, ...],
-                 num_kv_layers: int, kv_dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        hybrid: HybridConfig,
+        num_checkpoints: int,
+        kv_page_shape: tuple[int, ...],
+        num_kv_layers: int,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         assert num_checkpoints >= 1, "a checkpoint pool needs a checkpoint"
         num_layers = len(hybrid.linear_layers)
         self.num_checkpoints = num_checkpoints
@@ -29,11 +36,19 @@ class CheckpointPool:
         # NOTE: empty, not zeros: a checkpoint is always written before it is read, and on CPU the
         # pages of an untouched pool are never committed.
         # [num_deltanet_layers, N, conv_dim, kernel - 1] float32
-        self.conv = torch.empty(num_layers, num_checkpoints, hybrid.conv_dim, hybrid.conv_kernel - 1,
-                                dtype=torch.float32, device=device)
+        self.conv = torch.empty(
+            num_layers, num_checkpoints, hybrid.conv_dim, hybrid.conv_kernel - 1, dtype=torch.float32, device=device
+        )
         # [num_deltanet_layers, N, v_heads, head_k_dim, head_v_dim] float32
-        self.recurrent = torch.empty(num_layers, num_checkpoints, hybrid.num_v_heads, hybrid.head_k_dim,
-                                     hybrid.head_v_dim, dtype=torch.float32, device=device)
+        self.recurrent = torch.empty(
+            num_layers,
+            num_checkpoints,
+            hybrid.num_v_heads,
+            hybrid.head_k_dim,
+            hybrid.head_v_dim,
+            dtype=torch.float32,
+            device=device,
+        )
         # [num_kv_layers, N, 2, block_size, Hkv, D] in the KV cache's dtype: a prefix's partial page
         self.kv = torch.empty(num_kv_layers, num_checkpoints, *kv_page_shape, dtype=kv_dtype, device=device)
 
@@ -61,8 +76,9 @@ class CheckpointPool:
         slots.conv.index_copy_(1, dst, self.conv.index_select(1, ids))
         slots.recurrent.index_copy_(1, dst, self.recurrent.index_select(1, ids))
 
-    def save_pages(self, kv_caches: Sequence[torch.Tensor], checkpoint_ids: Sequence[int],
-                   pages: Sequence[int]) -> None:
+    def save_pages(
+        self, kv_caches: Sequence[torch.Tensor], checkpoint_ids: Sequence[int], pages: Sequence[int]
+    ) -> None:
         """Copy KV pages (every attention layer: kv_caches [num_pages, 2, block_size, Hkv, D] each)
         into the checkpoints."""
         if not checkpoint_ids:
@@ -72,8 +88,9 @@ class CheckpointPool:
         for layer, cache in enumerate(kv_caches):
             self.kv[layer].index_copy_(0, ids, cache.index_select(0, src))
 
-    def restore_pages(self, kv_caches: Sequence[torch.Tensor], checkpoint_ids: Sequence[int],
-                      pages: Sequence[int]) -> None:
+    def restore_pages(
+        self, kv_caches: Sequence[torch.Tensor], checkpoint_ids: Sequence[int], pages: Sequence[int]
+    ) -> None:
         """Copy the checkpoints' KV pages into pages of the KV caches (fresh pages of a request
         whose restored prefix ends inside a page)."""
         if not checkpoint_ids:
@@ -83,8 +100,13 @@ class CheckpointPool:
         for layer, cache in enumerate(kv_caches):
             cache.index_copy_(0, dst, self.kv[layer].index_select(0, ids))
 
-    def write(self, layer: int, checkpoint_ids: torch.Tensor, conv: torch.Tensor | None = None,
-              recurrent: torch.Tensor | None = None) -> None:
+    def write(
+        self,
+        layer: int,
+        checkpoint_ids: torch.Tensor,
+        conv: torch.Tensor | None = None,
+        recurrent: torch.Tensor | None = None,
+    ) -> None:
         """States taken inside a forward (engine/attention/linear_attention.py) for DeltaNet layer `layer`:
         conv [S, conv_dim, kernel - 1], recurrent [S, Hv, Dk, Dv]."""
         if conv is not None:

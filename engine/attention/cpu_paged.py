@@ -1,7 +1,8 @@
 """The CPU attention backend: decode rows and short chunks attend over the paged KV cache in place
 through the C++ ops of kernels/cpu_attention.py (no per-layer gather of K and V); longer prefill
-chunks keep the torch reference's SDPA over their gathered keys (a compute-bound case where
-torch's flash kernel is the faster one). engine/host/cpu_kernels.py compiles the ops once per machine."""
+chunks keep the torch reference's path over their gathered keys (a compute-bound case where
+torch's flash kernel is the faster one; torch_ref.chunk_attention: no mask, earlier keys and the
+chunk's own merged by log-sum-exp). engine/host/cpu_kernels.py compiles the ops once per machine."""
 
 from __future__ import annotations
 
@@ -16,9 +17,14 @@ from kernels.cpu_ops import ops_loaded
 # chunks) attend through the C++ op; longer chunks through SDPA.
 OP_MAX_QUERY_ROWS = 16
 # (query dtype, cache dtype) pairs the C++ op is built for.
-SUPPORTED_DTYPES = {(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
-                    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
-                    (torch.float16, torch.float16), (torch.float32, torch.float16)}
+SUPPORTED_DTYPES = {
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float16),
+    (torch.float32, torch.float16),
+}
 
 
 class CpuAttentionBackend:
@@ -55,7 +61,7 @@ class CpuAttentionBackend:
         for i in short:
             rows.extend(range(qo[i], qo[i + 1]))
             sub_qo.append(len(rows))
-            sub_kv_idx.extend(kv_idx[kv_ptr[i]:kv_ptr[i + 1]])
+            sub_kv_idx.extend(kv_idx[kv_ptr[i] : kv_ptr[i + 1]])
             sub_kv_ptr.append(len(sub_kv_idx))
         dev = batch.qo_indptr.device
 
@@ -65,14 +71,17 @@ class CpuAttentionBackend:
         self._rows = torch.tensor(rows, dtype=torch.int64, device=dev)
         self._meta = (i32(sub_qo), i32(sub_kv_ptr), i32(sub_kv_idx), i32([last[i] for i in short]))
 
-    def attend_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor,
-                   num_heads: int) -> torch.Tensor | None:
+    def attend_qkv(
+        self, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kv_cache: torch.Tensor, num_heads: int
+    ) -> torch.Tensor | None:
         """A step without prefill chunks: qkv [T, (Hq + 2 Hkv) * D], the fused projection's rows, to
         the attention's output [T, Hq * D] in one op (RoPE by cos/signed_sin [T, D], the cache
         write, the attention: kernels/cpu_fused_attention.cpp). None when the step has prefill
         chunks (the caller then rotates and calls `forward`)."""
         meta = self.decode_meta()
-        return None if meta is None else rope_cache_attention(qkv, cos, signed_sin, kv_cache, *meta, num_heads, self.scale)
+        return (
+            None if meta is None else rope_cache_attention(qkv, cos, signed_sin, kv_cache, *meta, num_heads, self.scale)
+        )
 
     def decode_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(slot_mapping, qo_indptr, kv_indptr, kv_indices, kv_last_page_len) of a step without prefill

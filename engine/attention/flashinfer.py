@@ -138,8 +138,15 @@ class FlashInferAttentionBackend:
         else:
             # Decode rows ride along as qo_len=1 requests; FlashInfer's causal mask is aligned to
             # the end of each request's KV, which is the chunked-prefill mask.
-            self._prefill.plan(meta.qo_indptr, meta.kv_indptr, batch.kv_indices, meta.kv_last_page_len, *heads,
-                               causal=True, **self._plan_kwargs())
+            self._prefill.plan(
+                meta.qo_indptr,
+                meta.kv_indptr,
+                batch.kv_indices,
+                meta.kv_last_page_len,
+                *heads,
+                causal=True,
+                **self._plan_kwargs(),
+            )
             self._wrapper = self._prefill
         self._k_rows = cache_rows(batch.slot_mapping, self.block_size)
         self._v_rows = self._k_rows + self.block_size
@@ -186,9 +193,15 @@ class FlashInferAttentionBackend:
         self._verify_v_rows = torch.zeros(largest * query_len, dtype=torch.int64, device=dev)
         self._verify_wrappers = {
             size: self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=qo_indptr[: size + 1],
-                paged_kv_indptr_buf=kv_indptr[: size + 1], paged_kv_indices_buf=indices,
-                paged_kv_last_page_len_buf=last_page_len[:size], backend=self.prefill_backend)
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=qo_indptr[: size + 1],
+                paged_kv_indptr_buf=kv_indptr[: size + 1],
+                paged_kv_indices_buf=indices,
+                paged_kv_last_page_len_buf=last_page_len[:size],
+                backend=self.prefill_backend,
+            )
             for size in batch_sizes
         }
 
@@ -206,11 +219,19 @@ class FlashInferAttentionBackend:
             wrapper.plan(meta.kv_indptr, batch.kv_indices, meta.kv_last_page_len, *heads, **self._plan_kwargs())
         else:
             wrapper = self._verify_wrappers.get(size)
-            assert wrapper is not None and query_len == self._verify_query_len, \
+            assert wrapper is not None and query_len == self._verify_query_len, (
                 f"no verify graph wrapper for {size} x {query_len} rows: prepare_verify_graphs() first"
+            )
             k_rows, v_rows = self._verify_k_rows, self._verify_v_rows
-            wrapper.plan(meta.qo_indptr, meta.kv_indptr, batch.kv_indices, meta.kv_last_page_len, *heads,
-                         causal=True, **self._plan_kwargs())
+            wrapper.plan(
+                meta.qo_indptr,
+                meta.kv_indptr,
+                batch.kv_indices,
+                meta.kv_last_page_len,
+                *heads,
+                causal=True,
+                **self._plan_kwargs(),
+            )
         assert k_rows is not None and v_rows is not None
         num_tokens = size * query_len
         rows = cache_rows(batch.slot_mapping, self.block_size)

@@ -112,14 +112,16 @@ def chunk_gated_delta_rule(
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
     # Chunk-major copies, so that each step of the scan reads contiguous [B, H, C, D] blocks.
     new_values, k_cumdecay, q, k, intra, chunk_decay = (
-        x.movedim(2, 0).contiguous() for x in (new_values, k_cumdecay, q, k, intra, chunk_decay))
+        x.movedim(2, 0).contiguous() for x in (new_values, k_cumdecay, q, k, intra, chunk_decay)
+    )
     k_t = k.transpose(-1, -2)
     state = initial_state.float()
     outs = []
     starts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # chunk -> (state at its start, its v_new)
     for i in range(num_chunks):
-        v_new = torch.baddbmm(new_values[i].flatten(0, 1), k_cumdecay[i].flatten(0, 1), state.flatten(0, 1),
-                              alpha=-1.0).view_as(new_values[i])
+        v_new = torch.baddbmm(
+            new_values[i].flatten(0, 1), k_cumdecay[i].flatten(0, 1), state.flatten(0, 1), alpha=-1.0
+        ).view_as(new_values[i])
         outs.append(q[i] @ state + intra[i] @ v_new)
         if i in snapshot_chunks:
             starts[i] = (state, v_new)
@@ -137,7 +139,9 @@ def chunk_gated_delta_rule(
 def _states_inside_chunks(
     snapshots: Sequence[tuple[int, int, int]],  # (snapshot index, row, tokens done)
     chunk_size: int,
-    starts: dict[int, tuple[torch.Tensor, torch.Tensor]],  # chunk -> ([B, H, Dk, Dv] state at its start, [B, H, C, Dv] v_new)
+    starts: dict[
+        int, tuple[torch.Tensor, torch.Tensor]
+    ],  # chunk -> ([B, H, Dk, Dv] state at its start, [B, H, C, Dv] v_new)
     cum: torch.Tensor,  # [B, H, N, C] in-chunk cumulative log decay
     k: torch.Tensor,  # [B, H, N, C, Dk] l2-normed keys
     out: torch.Tensor,  # [S, H, Dk, Dv] float32
@@ -158,7 +162,9 @@ def _states_inside_chunks(
     upto = torch.arange(chunk_size, device=device)[None, None, :] <= last[:, None, None]  # [S, 1, C]
     weights = torch.where(upto, c_last - c, torch.full_like(c, float("-inf"))).exp()  # exp(G_t - G_j), 0 past t
     keys = k[rows, :, chunk] * weights[..., None]  # [S, H, C, Dk]
-    out.index_copy_(0, index, state0[slot, rows] * c_last.exp()[..., None] + keys.transpose(-1, -2) @ values[slot, rows])
+    out.index_copy_(
+        0, index, state0[slot, rows] * c_last.exp()[..., None] + keys.transpose(-1, -2) @ values[slot, rows]
+    )
 
 
 def sequential_gated_delta_rule(

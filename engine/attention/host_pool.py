@@ -29,8 +29,9 @@ def _index(values: Sequence[int]) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64)
 
 
-def split_budget(budget: int, page_bytes: int, snapshot_bytes: int, device_kv_bytes: int,
-                 device_checkpoint_bytes: int) -> tuple[int, int]:
+def split_budget(
+    budget: int, page_bytes: int, snapshot_bytes: int, device_kv_bytes: int, device_checkpoint_bytes: int
+) -> tuple[int, int]:
     """(pages, snapshots) the host budget holds: snapshots take the share of it that checkpoints take
     of the device's cache memory (a snapshot is of use only with its pages, so the two grow together)."""
     share = device_checkpoint_bytes / (device_checkpoint_bytes + device_kv_bytes) if snapshot_bytes else 0.0
@@ -40,8 +41,14 @@ def split_budget(budget: int, page_bytes: int, snapshot_bytes: int, device_kv_by
 
 
 class HostPool:
-    def __init__(self, budget_bytes: int, kv_caches: Sequence[torch.Tensor], num_device_pages: int,
-                 checkpoints: CheckpointPool | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        kv_caches: Sequence[torch.Tensor],
+        num_device_pages: int,
+        checkpoints: CheckpointPool | None,
+        device: torch.device,
+    ) -> None:
         """`kv_caches`: every attention layer's [num_pages, 2, block_size, Hkv, D] cache (the MTP head's
         too); `num_device_pages`: the scheduler's pages (each cache may hold scratch pages beyond)."""
         self.device = device
@@ -50,16 +57,23 @@ class HostPool:
         self.snapshot_bytes = checkpoints.bytes_per_checkpoint if checkpoints is not None else 0
         device_kv = self.page_bytes * num_device_pages
         self.num_pages, self.num_snapshots = split_budget(
-            budget_bytes, self.page_bytes, self.snapshot_bytes, device_kv,
-            checkpoints.nbytes if checkpoints is not None else 0)
+            budget_bytes,
+            self.page_bytes,
+            self.snapshot_bytes,
+            device_kv,
+            checkpoints.nbytes if checkpoints is not None else 0,
+        )
         if self.num_pages < 1:
-            raise ConfigError(f"--kv-offloading-size: {budget_bytes / _GIB:g} GiB holds no KV page of "
-                              f"{self.page_bytes} bytes")
+            raise ConfigError(
+                f"--kv-offloading-size: {budget_bytes / _GIB:g} GiB holds no KV page of {self.page_bytes} bytes"
+            )
         pin = device.type == "cuda"
         # one [num_host_pages, 2, block_size, Hkv, D] tensor per attention layer, the cache's dtype, host
         # NOTE: empty, not zeros: a slot is written before it is read, and untouched pages stay uncommitted.
-        self.pages = [torch.empty((self.num_pages, *cache.shape[1:]), dtype=cache.dtype, pin_memory=pin)
-                      for cache in self.kv_caches]
+        self.pages = [
+            torch.empty((self.num_pages, *cache.shape[1:]), dtype=cache.dtype, pin_memory=pin)
+            for cache in self.kv_caches
+        ]
         self.conv = self.recurrent = self.kv = None
         if checkpoints is not None and self.num_snapshots:
             n = self.num_snapshots
@@ -67,20 +81,29 @@ class HostPool:
             # kernel - 1] and [n, num_deltanet_layers, Hv, Dk, Dv] float32, [n, num_kv_layers, 2,
             # block_size, Hkv, D] (the partial page) in the cache's dtype; host
             self.conv = torch.empty((n, *checkpoints.conv[:, 0].shape), dtype=checkpoints.conv.dtype, pin_memory=pin)
-            self.recurrent = torch.empty((n, *checkpoints.recurrent[:, 0].shape), dtype=checkpoints.recurrent.dtype,
-                                         pin_memory=pin)
+            self.recurrent = torch.empty(
+                (n, *checkpoints.recurrent[:, 0].shape), dtype=checkpoints.recurrent.dtype, pin_memory=pin
+            )
             self.kv = torch.empty((n, *checkpoints.kv[:, 0].shape), dtype=checkpoints.kv.dtype, pin_memory=pin)
         self.checkpoints = checkpoints
         self.stream = torch.cuda.Stream(device) if pin else None
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.load_seconds = 0.0  # cumulative; taken by the engine core after each step
         self.spill_seconds = 0.0
-        snapshots = (f" and {self.num_snapshots} state snapshots x {self.snapshot_bytes / _MIB:.2f} MiB"
-                     if self.checkpoints is not None else "")
-        logger.info("host KV tier (--kv-offloading-size): %.2f MiB: %d pages x %.3f MiB (%d tokens)%s, %s",
-                    self.nbytes / _MIB, self.num_pages, self.page_bytes / _MIB,
-                    self.num_pages * self.kv_caches[0].shape[2], snapshots,
-                    "pinned, copied on a side stream" if pin else "plain copies")
+        snapshots = (
+            f" and {self.num_snapshots} state snapshots x {self.snapshot_bytes / _MIB:.2f} MiB"
+            if self.checkpoints is not None
+            else ""
+        )
+        logger.info(
+            "host KV tier (--kv-offloading-size): %.2f MiB: %d pages x %.3f MiB (%d tokens)%s, %s",
+            self.nbytes / _MIB,
+            self.num_pages,
+            self.page_bytes / _MIB,
+            self.num_pages * self.kv_caches[0].shape[2],
+            snapshots,
+            "pinned, copied on a side stream" if pin else "plain copies",
+        )
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +132,10 @@ class HostPool:
             return
         with self._timed("load"):
             if copies.page_loads and self.device.type == "cpu":
-                dst, src = _index([c.device_page for c in copies.page_loads]), _index([c.host_slot for c in copies.page_loads])
+                dst, src = (
+                    _index([c.device_page for c in copies.page_loads]),
+                    _index([c.host_slot for c in copies.page_loads]),
+                )
                 for cache, host in zip(self.kv_caches, self.pages):
                     cache.index_copy_(0, dst, host.index_select(0, src))
             else:
@@ -117,7 +143,9 @@ class HostPool:
                     for cache, host in zip(self.kv_caches, self.pages):
                         cache[page.device_page].copy_(host[page.host_slot], non_blocking=True)
             for s in copies.snapshot_loads:
-                assert slots is not None and self.conv is not None and self.recurrent is not None and self.kv is not None
+                assert (
+                    slots is not None and self.conv is not None and self.recurrent is not None and self.kv is not None
+                )
                 slots.conv[:, s.state_slot].copy_(self.conv[s.host_slot], non_blocking=True)
                 slots.recurrent[:, s.state_slot].copy_(self.recurrent[s.host_slot], non_blocking=True)
                 if s.kv_page is not None:
@@ -184,9 +212,15 @@ class _Timed:
         self.pool._pending.append((self.kind, self._start, end))
 
 
-def make_host_pool(size_gib: float, prefix_caching: bool, kv_caches: Sequence[torch.Tensor], num_device_pages: int,
-                   checkpoints: CheckpointPool | None, slots: StatePool | None,
-                   device: torch.device) -> HostPool | None:
+def make_host_pool(
+    size_gib: float,
+    prefix_caching: bool,
+    kv_caches: Sequence[torch.Tensor],
+    num_device_pages: int,
+    checkpoints: CheckpointPool | None,
+    slots: StatePool | None,
+    device: torch.device,
+) -> HostPool | None:
     """The host tier of `--kv-offloading-size GiB` (None: 0, or no prefix cache to extend)."""
     if not size_gib:
         return None
@@ -200,5 +234,9 @@ def host_tier_fields(pool: HostPool | None) -> dict[str, int]:
     """The scheduler's view of the host tier (SchedulerConfig fields): slots and their bytes."""
     if pool is None:
         return {}
-    return {"num_host_pages": pool.num_pages, "num_host_snapshots": pool.num_snapshots,
-            "host_page_bytes": pool.page_bytes, "host_snapshot_bytes": pool.snapshot_bytes}
+    return {
+        "num_host_pages": pool.num_pages,
+        "num_host_snapshots": pool.num_snapshots,
+        "host_page_bytes": pool.page_bytes,
+        "host_snapshot_bytes": pool.snapshot_bytes,
+    }

@@ -36,8 +36,9 @@ class HybridBackend:
 
     # ---- CUDA graphs: both halves, when the attention half can be captured ------------------------
     def graph_capable(self) -> bool:
-        return all(callable(getattr(self.attention, m, None)) for m in ("prepare_graphs", "plan_graph")) and \
-            isinstance(self.linear, TorchLinearAttentionBackend)
+        return all(callable(getattr(self.attention, m, None)) for m in ("prepare_graphs", "plan_graph")) and isinstance(
+            self.linear, TorchLinearAttentionBackend
+        )
 
     def verify_graph_capable(self) -> bool:
         return self.graph_capable() and callable(getattr(self.attention, "prepare_verify_graphs", None))

@@ -17,8 +17,8 @@ from engine.attention.hybrid_backend import HybridBackend
 from engine.attention.linear_attention import LinearAttentionBackend, TorchLinearAttentionBackend
 from engine.attention.state_pool import StatePool
 from engine.config import EngineConfig
-from engine.weights.model_config import ModelConfig
 from engine.errors import ConfigError
+from engine.weights.config.model_config import ModelConfig
 from scheduler.checkpoint_manager import MAX_GRID_BITS, grid_bits_for
 
 logger = logging.getLogger("fp4serve.runner")
@@ -42,19 +42,35 @@ def make_state_pool(cfg: ModelConfig, config: EngineConfig, device: torch.device
         free, _ = torch.cuda.mem_get_info(device)
         cap = max(1, int(free * _DEFAULT_GPU_STATE_FRACTION) // per_slot)
         if cap < num_slots:
-            logger.info("state slots: %d (not --max-num-seqs %d): the default pool takes at most %.0f%% of free "
-                        "device memory; set --num-state-slots to choose", cap, num_slots,
-                        100 * _DEFAULT_GPU_STATE_FRACTION)
+            logger.info(
+                "state slots: %d (not --max-num-seqs %d): the default pool takes at most %.0f%% of free "
+                "device memory; set --num-state-slots to choose",
+                cap,
+                num_slots,
+                100 * _DEFAULT_GPU_STATE_FRACTION,
+            )
             num_slots = cap
     pool = StatePool(cfg.hybrid, num_slots, device)
-    logger.info("state slots: %d x %.2f MiB = %.2f MiB (conv + recurrent state of %d Gated DeltaNet layers, float32)",
-                num_slots, per_slot / _MIB, pool.nbytes / _MIB, len(cfg.hybrid.linear_layers))
+    logger.info(
+        "state slots: %d x %.2f MiB = %.2f MiB (conv + recurrent state of %d Gated DeltaNet layers, float32)",
+        num_slots,
+        per_slot / _MIB,
+        pool.nbytes / _MIB,
+        len(cfg.hybrid.linear_layers),
+    )
     return pool
 
 
-def make_checkpoint_pool(cfg: ModelConfig, config: EngineConfig, device: torch.device,
-                         kv_page_shape: tuple[int, ...], num_kv_layers: int, kv_dtype: torch.dtype,
-                         num_kv_pages: int | None, max_model_len: int) -> tuple[CheckpointPool | None, int]:
+def make_checkpoint_pool(
+    cfg: ModelConfig,
+    config: EngineConfig,
+    device: torch.device,
+    kv_page_shape: tuple[int, ...],
+    num_kv_layers: int,
+    kv_dtype: torch.dtype,
+    num_kv_pages: int | None,
+    max_model_len: int,
+) -> tuple[CheckpointPool | None, int]:
     """The checkpoint pool of hybrid prefix caching (None: off) and its snapshot grid's bits
     (scheduler/checkpoint_manager.py `on_grid`). `num_kv_pages`: known on CPU, caps the default."""
     if cfg.hybrid is None or not config.enable_prefix_caching or config.num_state_checkpoints == 0:
@@ -75,12 +91,22 @@ def make_checkpoint_pool(cfg: ModelConfig, config: EngineConfig, device: torch.d
     # Auto: the densest grid whose snapshots of one max_model_len context take at most half the pool
     # (they are evicted before any prompt end or sequence end, scheduler/checkpoint_manager.py).
     bits = grid_bits_for(max_pages, num // 2) if spacing is None else spacing_bits(spacing)
-    grid = (f"page counts with at most {bits} significant bits (spacing <= {2.0 ** (1 - bits):.3g} of the "
-            f"position)" if bits else "none")
-    logger.info("hybrid prefix caching on: %d state checkpoints x %.2f MiB = %.2f MiB (the DeltaNet state of %d "
-                "layers, float32, plus one KV page of %d attention layers); snapshots at prompt ends, sequence ends, "
-                "shared-prefix junctions and inside prefills at %s", num, pool.bytes_per_checkpoint / _MIB,
-                pool.nbytes / _MIB, len(cfg.hybrid.linear_layers), num_kv_layers, grid)
+    grid = (
+        f"page counts with at most {bits} significant bits (spacing <= {2.0 ** (1 - bits):.3g} of the position)"
+        if bits
+        else "none"
+    )
+    logger.info(
+        "hybrid prefix caching on: %d state checkpoints x %.2f MiB = %.2f MiB (the DeltaNet state of %d "
+        "layers, float32, plus one KV page of %d attention layers); snapshots at prompt ends, sequence ends, "
+        "shared-prefix junctions and inside prefills at %s",
+        num,
+        pool.bytes_per_checkpoint / _MIB,
+        pool.nbytes / _MIB,
+        len(cfg.hybrid.linear_layers),
+        num_kv_layers,
+        grid,
+    )
     return pool, bits
 
 
@@ -103,7 +129,7 @@ def fla_import_error(device: torch.device) -> str | None:
 
 
 def choose_linear_backend(name: str, device: torch.device) -> str:
-    """"fla" or "torch" for `--linear-attention-backend`."""
+    """ "fla" or "torch" for `--linear-attention-backend`."""
     if name == "torch":
         return "torch"
     why = fla_import_error(device)
@@ -116,8 +142,13 @@ def choose_linear_backend(name: str, device: torch.device) -> str:
     return "torch"
 
 
-def make_hybrid_backend(attention: AttentionBackend, pool: StatePool, config: EngineConfig,
-                        device: torch.device, checkpoints: CheckpointPool | None = None) -> HybridBackend:
+def make_hybrid_backend(
+    attention: AttentionBackend,
+    pool: StatePool,
+    config: EngineConfig,
+    device: torch.device,
+    checkpoints: CheckpointPool | None = None,
+) -> HybridBackend:
     choice = choose_linear_backend(config.linear_attention_backend, device)
     linear: LinearAttentionBackend
     if choice == "fla":

@@ -35,11 +35,16 @@ from typing import Protocol
 
 import torch
 
-from engine.batch import ForwardBatch
 from engine.attention.checkpoint_pool import CheckpointPool
-from engine.attention.gated_delta import (causal_conv1d, chunk_gated_delta_rule, conv_states_at,
-                                       recurrent_gated_delta_rule, sequential_gated_delta_rule)
+from engine.attention.gated_delta import (
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    conv_states_at,
+    recurrent_gated_delta_rule,
+    sequential_gated_delta_rule,
+)
 from engine.attention.state_pool import StatePool
+from engine.batch import ForwardBatch
 
 SHORT_ROW_MAX = 16  # rows of up to this many tokens run the recurrence (see the module docstring)
 
@@ -54,8 +59,9 @@ class LinearAttentionBackend(Protocol):
         """SiLU(causal depthwise conv) of x [T, C] with weight [C, K], carrying each sequence's
         conv state in its slot of DeltaNet layer `layer`. Returns [T, C]."""
 
-    def delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor) -> torch.Tensor:
+    def delta_rule(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> torch.Tensor:
         """q/k [T, Hk, Dk] (not yet L2-normed), v [T, Hv, Dv], g/beta [T, Hv]; reads and writes
         the recurrent state slots. Returns [T, Hv, Dv] in v's dtype."""
 
@@ -74,17 +80,29 @@ class Segments:
     save_ids: torch.Tensor | None = None
 
     @staticmethod
-    def build(starts: list[int], lengths: list[int], slots: list[int], device: torch.device,
-              saves: list[tuple[int, int, int]] | None = None) -> Segments:
+    def build(
+        starts: list[int],
+        lengths: list[int],
+        slots: list[int],
+        device: torch.device,
+        saves: list[tuple[int, int, int]] | None = None,
+    ) -> Segments:
         """saves: (row, tokens done, checkpoint id) of the states to keep part way."""
         width = max(lengths)
-        rows = torch.tensor([[s + min(j, n - 1) for j in range(width)] for s, n in zip(starts, lengths)],
-                            dtype=torch.int64)
+        rows = torch.tensor(
+            [[s + min(j, n - 1) for j in range(width)] for s, n in zip(starts, lengths)], dtype=torch.int64
+        )
         mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
         save_ids = torch.tensor([c for _, _, c in saves], dtype=torch.int64).to(device) if saves else None
-        return Segments(rows.to(device), mask.to(device), torch.tensor(lengths, device=device),
-                        torch.tensor(slots, dtype=torch.int64, device=device), rows[mask].to(device),
-                        tuple((r, t) for r, t, _ in saves or ()), save_ids)
+        return Segments(
+            rows.to(device),
+            mask.to(device),
+            torch.tensor(lengths, device=device),
+            torch.tensor(slots, dtype=torch.int64, device=device),
+            rows[mask].to(device),
+            tuple((r, t) for r, t, _ in saves or ()),
+            save_ids,
+        )
 
 
 @dataclass(frozen=True)
@@ -95,8 +113,9 @@ class LinearAttentionPlan:
     short: Segments | None = None  # requests with 2..short_max new tokens: the recurrence
 
     @staticmethod
-    def build(batch: ForwardBatch, device: torch.device,
-              short_max: int = SHORT_ROW_MAX) -> tuple[LinearAttentionPlan, list[int]]:
+    def build(
+        batch: ForwardBatch, device: torch.device, short_max: int = SHORT_ROW_MAX
+    ) -> tuple[LinearAttentionPlan, list[int]]:
         """The plan and the slots of sequences starting at position 0 (to be zeroed)."""
         assert len(batch.state_slots) == batch.num_requests, "a hybrid batch needs a state slot per request"
         starts: list[int] = []
@@ -112,7 +131,8 @@ class LinearAttentionPlan:
             by_request.setdefault(index, []).append((done, checkpoint_id))
         fresh: list[int] = []
         for index, (start, n, seq_len, slot) in enumerate(
-                zip(starts, batch.query_lens, batch.seq_lens, batch.state_slots)):
+            zip(starts, batch.query_lens, batch.seq_lens, batch.state_slots)
+        ):
             assert slot >= 0, "a hybrid request without a state slot"
             kind = "decode" if n == 1 else "short" if n <= short_max else "prefill"
             g = groups[kind]
@@ -136,8 +156,13 @@ class TorchLinearAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, pool: StatePool, device: torch.device, short_max: int = SHORT_ROW_MAX,
-                 checkpoints: CheckpointPool | None = None) -> None:
+    def __init__(
+        self,
+        pool: StatePool,
+        device: torch.device,
+        short_max: int = SHORT_ROW_MAX,
+        checkpoints: CheckpointPool | None = None,
+    ) -> None:
         self.pool = pool
         self.checkpoints = checkpoints  # hybrid prefix caching: where states kept part way go
         self.device = device
@@ -158,8 +183,9 @@ class TorchLinearAttentionBackend:
         """The slot buffer the captured steps read, sized for the largest batch."""
         # NOTE: kept when already big enough: graphs captured before read its address.
         if self._graph_slots is None or len(self._graph_slots) < max(batch_sizes):
-            self._graph_slots = torch.full((max(batch_sizes),), self.pool.scratch_slot, dtype=torch.int64,
-                                           device=self.device)
+            self._graph_slots = torch.full(
+                (max(batch_sizes),), self.pool.scratch_slot, dtype=torch.int64, device=self.device
+            )
 
     def plan_graph(self, batch: ForwardBatch) -> None:
         """Plan a step of B requests with L rows each, padded rows on the scratch slot (outside the
@@ -191,17 +217,26 @@ class TorchLinearAttentionBackend:
         states.index_copy_(0, slots, new_state.float())
         return y.transpose(1, 2).reshape(size * length, -1)
 
-    def _graph_delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                          beta: torch.Tensor) -> torch.Tensor:
+    def _graph_delta_rule(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> torch.Tensor:
         size, length, slots = self._graph_rows()
         states = self.pool.recurrent[layer]  # [S + 1, Hv, Dk, Dv] float32
-        o, new_state = self._uniform_rule(*(t.reshape(size, length, *t.shape[1:]) for t in (q, k, v, g, beta)),
-                                          states[slots])
+        o, new_state = self._uniform_rule(
+            *(t.reshape(size, length, *t.shape[1:]) for t in (q, k, v, g, beta)), states[slots]
+        )
         states.index_copy_(0, slots, new_state.float())
         return o.reshape(size * length, *v.shape[1:])
 
-    def _uniform_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _uniform_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rule over [B, L] rows with no padding inside them: the recurrence, as the eager
         plan runs decodes and short rows. Returns [B, L, Hv, Dv] and the final states."""
         return sequential_gated_delta_rule(q, k, v, g, beta, state)
@@ -226,8 +261,9 @@ class TorchLinearAttentionBackend:
             out[seg.flat_rows] = y.transpose(1, 2)[seg.mask]
         return out
 
-    def delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor) -> torch.Tensor:
+    def delta_rule(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> torch.Tensor:
         if self._graph_shape is not None:
             return self._graph_delta_rule(layer, q, k, v, g, beta)
         states = self.pool.recurrent[layer]  # [S, Hv, Dk, Dv] float32
@@ -243,10 +279,21 @@ class TorchLinearAttentionBackend:
             if seg is None:
                 continue
             keep = seg.mask[..., None]  # pads: g = 0 and beta = 0 leave the state as it was
-            kept = None if seg.save_ids is None else torch.empty(
-                len(seg.saves), *states.shape[1:], dtype=torch.float32, device=states.device)
-            o, new_state = rule(q[seg.rows], k[seg.rows], v[seg.rows], g[seg.rows] * keep, beta[seg.rows] * keep,
-                                states[seg.slots], snapshots=seg.saves, snapshot_states=kept)
+            kept = (
+                None
+                if seg.save_ids is None
+                else torch.empty(len(seg.saves), *states.shape[1:], dtype=torch.float32, device=states.device)
+            )
+            o, new_state = rule(
+                q[seg.rows],
+                k[seg.rows],
+                v[seg.rows],
+                g[seg.rows] * keep,
+                beta[seg.rows] * keep,
+                states[seg.slots],
+                snapshots=seg.saves,
+                snapshot_states=kept,
+            )
             states.index_copy_(0, seg.slots, new_state)
             if kept is not None and seg.save_ids is not None and self.checkpoints is not None:
                 self.checkpoints.write(layer, seg.save_ids, recurrent=kept)

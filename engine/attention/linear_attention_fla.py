@@ -19,7 +19,7 @@ cuts in one request is m + 1 calls per DeltaNet layer.
     round 1: cu_seqlens [0, 30] over a100..a129 (initial state: round 0's final of a)
 
 NOTE: written against fla-core 0.6.0 and CPU-checked only through a torch stand-in with its varlen
-signature (tests/test_checkpoint_kernels.py); it has never run on a GPU in this project
+signature (tests/engine/test_checkpoint_kernels.py); it has never run on a GPU in this project
 (tests/gpu/test_fla_backend.py is the check to run there)."""
 
 from __future__ import annotations
@@ -76,16 +76,28 @@ class Round:
             def t(values: list[int]) -> torch.Tensor:
                 return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
-            rounds.append(Round(t(tokens), t(cu), t([r for r, _, _, _ in round_pieces]),
-                                t([i for i, _ in saves]) if saves else None, t([c for _, c in saves]) if saves else None))
+            rounds.append(
+                Round(
+                    t(tokens),
+                    t(cu),
+                    t([r for r, _, _, _ in round_pieces]),
+                    t([i for i, _ in saves]) if saves else None,
+                    t([c for _, c in saves]) if saves else None,
+                )
+            )
         return rounds
 
 
 class FlaLinearAttentionBackend(TorchLinearAttentionBackend):
     name = "fla"
 
-    def __init__(self, pool: StatePool, device: torch.device, checkpoints: CheckpointPool | None = None,
-                 kernels: tuple[Kernel, Kernel] | None = None) -> None:
+    def __init__(
+        self,
+        pool: StatePool,
+        device: torch.device,
+        checkpoints: CheckpointPool | None = None,
+        kernels: tuple[Kernel, Kernel] | None = None,
+    ) -> None:
         """kernels: (chunk, fused recurrent); None: fla-core's."""
         super().__init__(pool, device, checkpoints=checkpoints)
         if kernels is None:
@@ -105,8 +117,9 @@ class FlaLinearAttentionBackend(TorchLinearAttentionBackend):
         self._pure_decode = all(n == 1 for n in batch.query_lens)
         self._rounds = Round.split(batch, self.device) if batch.interior_saves else []
 
-    def delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor) -> torch.Tensor:
+    def delta_rule(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> torch.Tensor:
         if self._graph_shape is not None:
             return self._graph_delta_rule(layer, q, k, v, g, beta)
         assert self._slots is not None and self._cu_seqlens is not None, "plan() must run before the forward"
@@ -115,29 +128,70 @@ class FlaLinearAttentionBackend(TorchLinearAttentionBackend):
             return self._delta_rule_rounds(layer, q, k, v, g, beta, states)
         rule = self._recurrent if self._pure_decode else self._chunk
         # varlen: one "batch" of all tokens, [1, T, H, D]; GVA (Hv > Hk) is native to the kernels
-        out, final = rule(q[None], k[None], v.contiguous()[None], g=g[None], beta=beta[None],
-                          initial_state=states[self._slots], output_final_state=True,
-                          use_qk_l2norm_in_kernel=True, cu_seqlens=self._cu_seqlens)
+        out, final = rule(
+            q[None],
+            k[None],
+            v.contiguous()[None],
+            g=g[None],
+            beta=beta[None],
+            initial_state=states[self._slots],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=self._cu_seqlens,
+        )
         states.index_copy_(0, self._slots, final.float())
         return out[0]
 
-    def _uniform_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _uniform_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, L] rows, each its own sequence: fla's batch layout, initial states [B, Hv, Dk, Dv]."""
-        return self._recurrent(q, k, v.contiguous(), g=g, beta=beta, initial_state=state, output_final_state=True,
-                               use_qk_l2norm_in_kernel=True)
+        return self._recurrent(
+            q,
+            k,
+            v.contiguous(),
+            g=g,
+            beta=beta,
+            initial_state=state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
 
-    def _delta_rule_rounds(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                           beta: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    def _delta_rule_rounds(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+    ) -> torch.Tensor:
         assert self._slots is not None and self.checkpoints is not None, "rounds keep states in the checkpoint pool"
         current = states[self._slots]  # [B, Hv, Dk, Dv] float32: each request's state so far
         out = torch.empty_like(v)
         for rnd in self._rounds:
             rows = rnd.tokens
-            kwargs: dict[str, Any] = dict(initial_state=current[rnd.requests], output_final_state=True,
-                                          use_qk_l2norm_in_kernel=True, cu_seqlens=rnd.cu_seqlens)
-            o, final = self._chunk(q[rows][None], k[rows][None], v[rows].contiguous()[None], g=g[rows][None],
-                                   beta=beta[rows][None], **kwargs)
+            kwargs: dict[str, Any] = dict(
+                initial_state=current[rnd.requests],
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+                cu_seqlens=rnd.cu_seqlens,
+            )
+            o, final = self._chunk(
+                q[rows][None],
+                k[rows][None],
+                v[rows].contiguous()[None],
+                g=g[rows][None],
+                beta=beta[rows][None],
+                **kwargs,
+            )
             out[rows] = o[0]
             current = current.index_copy(0, rnd.requests, final.float())
             if rnd.save_pieces is not None and rnd.save_ids is not None:

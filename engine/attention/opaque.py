@@ -21,16 +21,18 @@ _BACKENDS: dict[int, AttentionBackend] = {}
 
 
 @torch.library.custom_op("fp4serve::paged_attention", mutates_args=("kv_cache",))
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    backend_id: int) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, backend_id: int
+) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D], through the registered backend's forward."""
     # NOTE: an op's output may not alias its inputs: backends return fresh tensors (tested).
     return _BACKENDS[backend_id].forward(q, k, v, kv_cache)
 
 
 @paged_attention.register_fake
-def _paged_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                          backend_id: int) -> torch.Tensor:
+def _paged_attention_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, backend_id: int
+) -> torch.Tensor:
     return torch.empty_like(q)
 
 

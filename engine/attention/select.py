@@ -9,8 +9,8 @@ import logging
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.weights.model_config import ModelConfig
 from engine.errors import ConfigError
+from engine.weights.config.model_config import ModelConfig
 
 logger = logging.getLogger("fp4serve.attention")
 
@@ -53,7 +53,7 @@ def choose_backend(
     head_dim: int | None = None,
     kv_dtype: torch.dtype | None = None,
 ) -> str:
-    """"flashinfer", "cpu" or "torch" for the flag value `name`.
+    """ "flashinfer", "cpu" or "torch" for the flag value `name`.
 
     auto: FlashInfer on CUDA when it imports and covers the model; on a CPU the paged-attention
     ops (compiled once per machine) when they build and cover the dtypes; else torch, with the
@@ -97,7 +97,8 @@ def _cpu_ops_error(dtype: torch.dtype | None, kv_dtype: torch.dtype | None) -> s
 
     if dtype is not None and (dtype, kv_dtype or dtype) not in SUPPORTED_DTYPES:
         names = (str(t).removeprefix("torch.") for t in (dtype, kv_dtype or dtype))
-        return "do not cover %s activations with a %s KV cache" % tuple(names)
+        activations, kv = names
+        return f"do not cover {activations} activations with a {kv} KV cache"
     error = load_cpu_ops()
     return None if error is None else f"could not be built ({error})"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.weights.hybrid_config import HybridConfig
+from engine.weights.config.hybrid_config import HybridConfig
 
 
 class StatePool:
@@ -18,11 +18,19 @@ class StatePool:
         self.num_slots = num_slots
         self.scratch_slot = num_slots  # one row past the scheduler's slots
         # [num_deltanet_layers, num_slots + 1, conv_dim, kernel - 1] float32: the last inputs of the conv
-        self.conv = torch.zeros(num_layers, num_slots + 1, hybrid.conv_dim, hybrid.conv_kernel - 1,
-                                dtype=torch.float32, device=device)
+        self.conv = torch.zeros(
+            num_layers, num_slots + 1, hybrid.conv_dim, hybrid.conv_kernel - 1, dtype=torch.float32, device=device
+        )
         # [num_deltanet_layers, num_slots + 1, v_heads, head_k_dim, head_v_dim] float32
-        self.recurrent = torch.zeros(num_layers, num_slots + 1, hybrid.num_v_heads, hybrid.head_k_dim, hybrid.head_v_dim,
-                                     dtype=torch.float32, device=device)
+        self.recurrent = torch.zeros(
+            num_layers,
+            num_slots + 1,
+            hybrid.num_v_heads,
+            hybrid.head_k_dim,
+            hybrid.head_v_dim,
+            dtype=torch.float32,
+            device=device,
+        )
 
     @property
     def nbytes(self) -> int:

@@ -1,8 +1,10 @@
 """The torch reference attention backend over the paged KV cache (CPU, and any device).
 
 It reads exactly the FlashInfer metadata of `ForwardBatch`. Decode rows (one query token) are
-gathered into one padded batch and run as a single SDPA call; prefill chunks run one SDPA call
-each with a causal mask offset by the tokens already cached.
+gathered into one padded batch and run as a single SDPA call. A prefill chunk of C new tokens
+after P cached ones attends, on CPU, without a mask: its queries against the P earlier keys
+(nothing to mask) and against its own C keys (causal), the two merged by their log-sum-exps
+(`chunk_attention`); on other devices, one SDPA call with a causal mask offset by P.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import torch.nn.functional as F
 from engine.batch import ForwardBatch
 from engine.host.cpu_threads import serial_cpu_ops
 
-
 # NOTE: the cache [P, 2, bs, H, D] is addressed through its flat view [P * 2 * bs, H, D]:
 # K of (page, offset) is row page*2*bs + offset, V is that + bs. index_copy_/index_select on
 # the flat view are ~10x faster than advanced indexing with a slice in the middle.
@@ -26,7 +27,9 @@ _SMALL_DECODE_BATCH = 4  # decode batches up to this size skip SDPA (see _small_
 # Small decode batches run the KV write and attention on the calling thread alone (see
 # engine/host/cpu_threads.py); a module setting, so that a benchmark can A/B it in one process.
 SERIAL_SMALL_DECODE = True
-
+# Prefill chunks on CPU attend through `chunk_attention`, no mask; False: the masked SDPA call of
+# other devices (a module setting, so that bench/prefill_curve.py can A/B the two in one process).
+MASK_FREE_PREFILL = True
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,28 @@ class _PrefillItem:
     q_start: int
     q_end: int
     k_rows: torch.Tensor  # [seq_len] int64: flat cache rows of the request's keys
-    mask: torch.Tensor  # [q_len, seq_len] bool: causal, offset by the cached tokens
+    mask: torch.Tensor | None  # [q_len, seq_len] bool: causal, offset by the cached tokens; None on CPU
+
+
+def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prefill chunk on CPU: q [1, Hq, C, D] after P = L - C cached keys, keys/values [1, Hkv, L, D]
+    (any strides; GQA as SDPA's enable_gqa) -> [1, Hq, C, D] float32, each query row causal over
+    the keys up to its own position, without building the [C, L] mask.
+
+    NOTE: with an explicit mask, torch's CPU flash kernel reads the mask for every score and
+    cannot skip the blocks above the diagonal, so it did the whole [C, L] product plus the mask;
+    here the P earlier keys need no mask at all and the chunk's own keys are plain causal (whose
+    blocks above the diagonal the kernel skips). Its CPU variant returns each row's log-sum-exp,
+    which merges the two parts exactly: softmax over all keys = the parts' outputs weighted by
+    exp(lse_part - lse_all)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    cached = keys.shape[2] - q.shape[2]
+    own, lse_own = flash(q, keys[:, :, cached:], values[:, :, cached:], 0.0, True, scale=scale)
+    if cached == 0:
+        return own.float()
+    past, lse_past = flash(q, keys[:, :, :cached], values[:, :, :cached], 0.0, False, scale=scale)
+    weight = torch.sigmoid(lse_past - lse_own)[..., None]  # = exp(lse_past - lse_all), [1, Hq, C, 1]
+    return torch.lerp(own.float(), past.float(), weight)
 
 
 class TorchAttentionBackend:
@@ -119,9 +143,11 @@ class TorchAttentionBackend:
                 self._prefills.append(self._prefill_item(qo[i], q_len, seq_len, k_rows))
 
     def _prefill_item(self, q_start: int, q_len: int, seq_len: int, k_rows: torch.Tensor) -> _PrefillItem:
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=self.device)
-        k_pos = torch.arange(seq_len, device=self.device)
-        return _PrefillItem(q_start, q_start + q_len, k_rows.to(self.device), k_pos[None, :] <= q_pos[:, None])
+        mask = None
+        if self.device.type != "cpu" or not MASK_FREE_PREFILL:  # chunk_attention is CPU only
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=self.device)
+            mask = torch.arange(seq_len, device=self.device)[None, :] <= q_pos[:, None]
+        return _PrefillItem(q_start, q_start + q_len, k_rows.to(self.device), mask)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         assert self._new_k_rows is not None, "plan() must run before forward()"
@@ -139,21 +165,21 @@ class TorchAttentionBackend:
         return out
 
     def attend_prefills(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
-        """The planned prefill chunks' rows of `out` (the K/V already written): one SDPA call each
-        over the request's gathered keys, causal from the tokens already cached."""
+        """The planned prefill chunks' rows of `out` (the K/V already written), each over the
+        request's gathered keys, causal from the tokens already cached: `chunk_attention` on CPU,
+        else one SDPA call with the mask."""
         bs = self._block_size
         flat = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [P*2*bs, Hkv, D]
         for p in self._prefills:
-            keys = flat.index_select(0, p.k_rows)  # [L, Hkv, D]
-            values = flat.index_select(0, p.k_rows + bs)
-            o = F.scaled_dot_product_attention(
-                q[p.q_start : p.q_end].transpose(0, 1)[None],  # [1, Hq, Lq, D]
-                keys.transpose(0, 1)[None].to(q.dtype),
-                values.transpose(0, 1)[None].to(q.dtype),
-                attn_mask=p.mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
+            keys = flat.index_select(0, p.k_rows).to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
+            values = flat.index_select(0, p.k_rows + bs).to(q.dtype).transpose(0, 1)[None]
+            rows = q[p.q_start : p.q_end].transpose(0, 1)[None]  # [1, Hq, Lq, D]
+            if p.mask is None:
+                o = chunk_attention(rows, keys, values, self.scale)
+            else:
+                o = F.scaled_dot_product_attention(
+                    rows, keys, values, attn_mask=p.mask, scale=self.scale, enable_gqa=True
+                )
             out[p.q_start : p.q_end] = o[0].transpose(0, 1)
 
     def _write_kv(self, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -54,9 +54,11 @@ class KVEventsConfig:
         it; rank 0 unchanged. The replay endpoint moves the same way."""
         if rank == 0:
             return self
-        return dataclasses.replace(self, endpoint=offset_endpoint(self.endpoint, rank),
-                                   replay_endpoint=offset_endpoint(self.replay_endpoint, rank)
-                                   if self.replay_endpoint else None)
+        return dataclasses.replace(
+            self,
+            endpoint=offset_endpoint(self.endpoint, rank),
+            replay_endpoint=offset_endpoint(self.replay_endpoint, rank) if self.replay_endpoint else None,
+        )
 
     @staticmethod
     def from_json(text: str) -> KVEventsConfig:

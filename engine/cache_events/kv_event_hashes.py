@@ -48,8 +48,11 @@ class ExternalBlockHashes:
         self._offloaded: dict[bytes, bytes] = {}  # the same, for the pages the host tier holds
 
     def describe(self) -> str:
-        seed = f"PYTHONHASHSEED={self.hash_seed}" if self.hash_seed is not None else (
-            "a random seed (set PYTHONHASHSEED to make them reproducible across replicas and routers)")
+        seed = (
+            f"PYTHONHASHSEED={self.hash_seed}"
+            if self.hash_seed is not None
+            else ("a random seed (set PYTHONHASHSEED to make them reproducible across replicas and routers)")
+        )
         return f"vLLM's sha256_cbor chain, low 64 bits, seeded by {seed}"
 
     def __len__(self) -> int:

@@ -25,8 +25,8 @@ from typing import Any
 
 import msgspec
 
-from engine.cache_events.kv_event_hashes import ExternalBlockHashes
 from engine.cache_events.config import KVEventsConfig
+from engine.cache_events.kv_event_hashes import ExternalBlockHashes
 from engine.errors import ConfigError
 from scheduler.request import Request
 
@@ -100,11 +100,20 @@ class KVEventRecorder:
 
     def stored(self, block_hashes: list[int], parent: int | None, token_ids: list[int]) -> None:
         """BlockStored of consecutive pages (wire hashes, each chained on the one before it)."""
-        self._events.append(BlockStored(
-            block_hashes=block_hashes, parent_block_hash=parent, token_ids=token_ids, block_size=self.block_size,
-            lora_id=None, medium=MEDIUM_GPU, lora_name=None, extra_keys=[None] * len(block_hashes),
-            group_idx=0, kv_cache_spec_kind=FULL_ATTENTION,
-        ))
+        self._events.append(
+            BlockStored(
+                block_hashes=block_hashes,
+                parent_block_hash=parent,
+                token_ids=token_ids,
+                block_size=self.block_size,
+                lora_id=None,
+                medium=MEDIUM_GPU,
+                lora_name=None,
+                extra_keys=[None] * len(block_hashes),
+                group_idx=0,
+                kv_cache_spec_kind=FULL_ATTENTION,
+            )
+        )
 
     def block_removed(self, block_hash: bytes) -> None:
         self.removed([self.hashes.remove(block_hash)])
@@ -115,9 +124,17 @@ class KVEventRecorder:
 
     def host_stored(self, block_hash: bytes) -> None:
         # As vLLM's offloading connector announces a stored block: the hash alone, no tokens or parent.
-        self._events.append(BlockStored(
-            block_hashes=[self.hashes.offload(block_hash)], parent_block_hash=None, token_ids=[],
-            block_size=self.block_size, lora_id=None, medium=MEDIUM_CPU, lora_name=None))
+        self._events.append(
+            BlockStored(
+                block_hashes=[self.hashes.offload(block_hash)],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=self.block_size,
+                lora_id=None,
+                medium=MEDIUM_CPU,
+                lora_name=None,
+            )
+        )
 
     def host_removed(self, block_hash: bytes) -> None:
         self._events.append(BlockRemoved(block_hashes=[self.hashes.drop_offloaded(block_hash)], medium=MEDIUM_CPU))
@@ -182,8 +199,11 @@ class ZmqEventPublisher:
         except queue.Full:
             self._num_dropped += 1
             if self._num_dropped & (self._num_dropped - 1) == 0:  # 1, 2, 4, ...: the log stays readable
-                logger.warning("KV events: the publisher queue is full (%d batches); %d batches dropped so far",
-                               self.config.max_queue_size, self._num_dropped)
+                logger.warning(
+                    "KV events: the publisher queue is full (%d batches); %d batches dropped so far",
+                    self.config.max_queue_size,
+                    self._num_dropped,
+                )
 
     def shutdown(self) -> None:
         """Send what is queued (for up to SHUTDOWN_TIMEOUT_S), then close the sockets."""
@@ -245,9 +265,14 @@ class KVEvents:
         self.recorder = KVEventRecorder(block_size, self.hashes)
         self.publisher = ZmqEventPublisher(config, data_parallel_rank)
         replay = f", replay at {config.replay_endpoint}" if config.replay_endpoint else ""
-        logger.info("KV events: publishing to %s (%s, topic %r)%s; block hashes: %s",
-                    config.endpoint, "bound" if _binds(config.endpoint) else "connected", config.topic, replay,
-                    self.hashes.describe())
+        logger.info(
+            "KV events: publishing to %s (%s, topic %r)%s; block hashes: %s",
+            config.endpoint,
+            "bound" if _binds(config.endpoint) else "connected",
+            config.topic,
+            replay,
+            self.hashes.describe(),
+        )
 
     def started(self) -> None:
         """The engine has loaded and its cache is empty: AllBlocksCleared, so a router that tracked

@@ -57,8 +57,10 @@ class PrefixCacheFeed:
         if not self._touched and not self._cleared:
             return None
         touched = self._touched
-        delta = PrefixCacheDelta(stored=tuple(h for h, cached in touched.items() if cached),
-                                 removed=tuple(h for h, cached in touched.items() if not cached),
-                                 cleared=self._cleared)
+        delta = PrefixCacheDelta(
+            stored=tuple(h for h, cached in touched.items() if cached),
+            removed=tuple(h for h, cached in touched.items() if not cached),
+            cleared=self._cleared,
+        )
         self._touched, self._cleared = {}, False
         return delta

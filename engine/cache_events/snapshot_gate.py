@@ -52,7 +52,9 @@ class SnapshotGate:
         for run in runs:
             parent = hashes.parent_of(request, run[0])
             for i, wire in zip(run, hashes.store(request, run)):
-                self._cached[request.block_hashes[i]] = _Page(wire, parent, tuple(request.token_slice(i * bs, (i + 1) * bs)))
+                self._cached[request.block_hashes[i]] = _Page(
+                    wire, parent, tuple(request.token_slice(i * bs, (i + 1) * bs))
+                )
                 parent = wire
         self._announce([request.block_hashes[i] for i in block_indices])
 
@@ -104,5 +106,4 @@ class SnapshotGate:
             self._emit(run)
 
     def _emit(self, run: list[_Page]) -> None:
-        self.recorder.stored([p.wire for p in run], run[0].parent,
-                             [t for p in run for t in p.token_ids])
+        self.recorder.stored([p.wire for p in run], run[0].parent, [t for p in run for t in p.token_ids])

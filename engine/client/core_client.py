@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from engine.config import EngineConfig
-from engine.errors import ConfigError
 from engine.core_proc import EngineCoreLoop, Message, run_engine_core_proc
 from engine.core_types import (
     AbortRequests,
@@ -35,6 +34,7 @@ from engine.core_types import (
     FairShareUpdate,
     Shutdown,
 )
+from engine.errors import ConfigError
 from engine.host.heartbeat import Heartbeat
 from scheduler.fair_queue import FairShareState
 from scheduler.output import SchedulerStats
@@ -100,18 +100,25 @@ class CoreDevice:
         gpus = visible_gpus() if config.device in ("auto", "cuda") else []
         if gpus:
             if len(gpus) < size:
-                raise ConfigError(f"--data-parallel-size {size}: one GPU per engine core, but {len(gpus)} are "
-                                  f"visible ({', '.join(gpus)})")
+                raise ConfigError(
+                    f"--data-parallel-size {size}: one GPU per engine core, but {len(gpus)} are "
+                    f"visible ({', '.join(gpus)})"
+                )
             # The GPU feeds itself: threads only for the host-side work, and no pinning (the CPUs
             # nearest each GPU are the platform's business: numactl around the server).
             return CoreDevice(rank, gpus[rank], (), max(1, per_core))
         if per_core == 0:  # more cores than CPUs: share them all, one thread each
             return CoreDevice(rank, None, (), 1)
-        return CoreDevice(rank, None, tuple(allowed[rank * per_core:(rank + 1) * per_core]), per_core)
+        return CoreDevice(rank, None, tuple(allowed[rank * per_core : (rank + 1) * per_core]), per_core)
 
     def describe(self) -> str:
-        where = f"GPU {self.gpu}" if self.gpu is not None else \
-            f"CPUs {','.join(map(str, self.cpus))}" if self.cpus else "every CPU"
+        where = (
+            f"GPU {self.gpu}"
+            if self.gpu is not None
+            else f"CPUs {','.join(map(str, self.cpus))}"
+            if self.cpus
+            else "every CPU"
+        )
         return f"{where}, {self.num_threads} torch thread{'s' if self.num_threads != 1 else ''}"
 
     def apply(self) -> None:
@@ -151,12 +158,14 @@ def kill_loading_engines() -> int:
     return len(engines)
 
 
-def run_pinned_engine_core(config: EngineConfig, device: CoreDevice, conn: Any, heartbeat_slots: Any,
-                           carried: SchedulerStats | None) -> None:
+def run_pinned_engine_core(
+    config: EngineConfig, device: CoreDevice, conn: Any, heartbeat_slots: Any, carried: SchedulerStats | None
+) -> None:
     """The main of one data-parallel engine process: its device, then engine/core_proc.py's main."""
     device.apply()
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s %(name)s [engine {device.rank}]: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s [engine {device.rank}]: %(message)s"
+    )
     logger.info("engine core %d of %d: %s", device.rank, config.data_parallel_size, device.describe())
     run_engine_core_proc(config, conn, heartbeat_slots, carried)
 
@@ -203,8 +212,9 @@ class MPClient:
     hung, or frozen by SIGSTOP) blocks that thread and never the event loop; the watchdog kills
     such an engine (engine/client/supervisor.py) and the blocked send then fails."""
 
-    def __init__(self, config: EngineConfig, carried: SchedulerStats | None = None,
-                 device: CoreDevice | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, carried: SchedulerStats | None = None, device: CoreDevice | None = None
+    ) -> None:
         """Spawns the child and returns; `wait_ready` waits for it to load. `carried`: the last
         stats of the engine it replaces, whose counters its scheduler continues; `device`: a
         data-parallel core's own device and CPUs."""
@@ -212,13 +222,19 @@ class MPClient:
         self.heartbeat = Heartbeat()
         self._conn, child_conn = ctx.Pipe()
         if device is None:
-            self._proc = ctx.Process(target=run_engine_core_proc,
-                                     args=(config, child_conn, self.heartbeat.slots, carried),
-                                     name=ENGINE_PROCESS_NAME, daemon=True)
+            self._proc = ctx.Process(
+                target=run_engine_core_proc,
+                args=(config, child_conn, self.heartbeat.slots, carried),
+                name=ENGINE_PROCESS_NAME,
+                daemon=True,
+            )
         else:
-            self._proc = ctx.Process(target=run_pinned_engine_core,
-                                     args=(config, device, child_conn, self.heartbeat.slots, carried),
-                                     name=f"{ENGINE_PROCESS_NAME}-{device.rank}", daemon=True)
+            self._proc = ctx.Process(
+                target=run_pinned_engine_core,
+                args=(config, device, child_conn, self.heartbeat.slots, carried),
+                name=f"{ENGINE_PROCESS_NAME}-{device.rank}",
+                daemon=True,
+            )
         self._proc.start()
         child_conn.close()
         self.name = "engine core" if device is None else f"engine core {device.rank}"

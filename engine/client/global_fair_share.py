@@ -33,15 +33,18 @@ class GlobalFairShare:
         self._charged: list[dict[str, float]] = [{} for _ in range(num_cores)]  # the same, by key
         self._sent: list[dict[str, float]] = [{} for _ in range(num_cores)]  # what each core was told
 
-    def on_report(self, core: int, charged: FairShareState, queueing: Sequence[bool]) -> list[tuple[int, FairShareState]]:
+    def on_report(
+        self, core: int, charged: FairShareState, queueing: Sequence[bool]
+    ) -> list[tuple[int, FairShareState]]:
         """Core `core`'s counts, with its stats; the updates to send now: to each other core whose
         order they change (queueing[c]: core c has requests waiting, and is not restarting)."""
         if charged == self._reports[core]:
             return []
         self._reports[core] = charged
         self._charged[core] = dict(charged)
-        return [(c, update) for c in range(self.num_cores)
-                if c != core and queueing[c] and (update := self.update_for(c))]
+        return [
+            (c, update) for c in range(self.num_cores) if c != core and queueing[c] and (update := self.update_for(c))
+        ]
 
     def external(self, core: int, key: str) -> float:
         """What the cores other than `core` charged `key`, by their last reports."""

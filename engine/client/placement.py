@@ -44,7 +44,7 @@ def prompt_page_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list
     hashes: list[bytes] = []
     parent = ROOT_HASH
     for start in range(0, len(prompt_token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, prompt_token_ids[start:start + block_size])
+        parent = hash_block(parent, prompt_token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
 

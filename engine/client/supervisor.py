@@ -61,8 +61,12 @@ class RestartPolicy:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> RestartPolicy:
-        return cls(config.engine_max_restarts, config.engine_restart_window_s, config.engine_step_timeout_s,
-                   config.engine_start_timeout_s)
+        return cls(
+            config.engine_max_restarts,
+            config.engine_restart_window_s,
+            config.engine_step_timeout_s,
+            config.engine_start_timeout_s,
+        )
 
     def for_device(self, device: str) -> RestartPolicy:
         """The policy for an engine on `device` (EngineInfo.device: "cpu", "cuda:0", ...)."""
@@ -85,11 +89,15 @@ class RestartPolicy:
                 return None
             return f"a step made no progress for {stalled:.1f} s (limit {allowance:g} s; batch: {beat.shape})"
         if last_sent > beat.alive and now - last_sent > timeout:
-            return (f"the engine took no new requests for {now - last_sent:.1f} s (limit {timeout:g} s; "
-                    f"last batch: {beat.shape})")
+            return (
+                f"the engine took no new requests for {now - last_sent:.1f} s (limit {timeout:g} s; "
+                f"last batch: {beat.shape})"
+            )
         if busy and now - beat.alive > timeout:
-            return (f"the engine loop made no progress for {now - beat.alive:.1f} s with requests in it "
-                    f"(limit {timeout:g} s; last batch: {beat.shape})")
+            return (
+                f"the engine loop made no progress for {now - beat.alive:.1f} s with requests in it "
+                f"(limit {timeout:g} s; last batch: {beat.shape})"
+            )
         return None
 
 
@@ -241,8 +249,12 @@ class EngineSupervisor:
             if why is None:
                 continue
             self._hung = (generation, why)
-            logger.error("engine hang: %s; killing the engine process %s (after a dump of its thread stacks, unless it "
-                         "is stopped)", why, client.pid)
+            logger.error(
+                "engine hang: %s; killing the engine process %s (after a dump of its thread stacks, unless it "
+                "is stopped)",
+                why,
+                client.pid,
+            )
             client.dump_stacks()
             self._stopping.wait(KILL_GRACE_S)
             client.kill()
@@ -303,9 +315,19 @@ class EngineSupervisor:
             assert self._last_restart is not None
             self._last_restart = replace(self._last_restart, duration_s=took)
             num_failures = len(self._failures)
-        logger.warning("%s restarted after a %s (%s) in %.1f s: restart %d of %d within %g s; engine "
-                       "process %s, %d waiting requests sent to it", self.name, reason, detail, took, num_failures,
-                       self.policy.max_restarts, self.policy.window_s, client.pid, len(waiting))
+        logger.warning(
+            "%s restarted after a %s (%s) in %.1f s: restart %d of %d within %g s; engine "
+            "process %s, %d waiting requests sent to it",
+            self.name,
+            reason,
+            detail,
+            took,
+            num_failures,
+            self.policy.max_restarts,
+            self.policy.window_s,
+            client.pid,
+            len(waiting),
+        )
 
     def _count_failure(self) -> int:
         """Under the lock: record a failure now; the failures within the window."""
@@ -320,8 +342,10 @@ class EngineSupervisor:
         if p.max_restarts == 0:
             why = f"{detail}; restarts are off (--engine-max-restarts 0)"
         else:
-            why = (f"{detail}; that is {num_failures} failures within {p.window_s:g} s (--engine-max-restarts "
-                   f"{p.max_restarts}, --engine-restart-window {p.window_s:g}): not restarting it again")
+            why = (
+                f"{detail}; that is {num_failures} failures within {p.window_s:g} s (--engine-max-restarts "
+                f"{p.max_restarts}, --engine-restart-window {p.window_s:g}): not restarting it again"
+            )
         with self._lock:
             self._gave_up = True
         assert self._on_outputs is not None

@@ -129,7 +129,9 @@ class Admission:
         newly_queued = self.num_queued_requests(ahead + num_samples) - queued
         max_requests, max_tokens = self.limits.max_queued_requests, self.limits.max_queued_tokens
         if max_requests is not None and queued + newly_queued > max_requests:
-            raise EngineOverloadedError(f"{queued} requests are already waiting for a batch slot (limit {max_requests})")
+            raise EngineOverloadedError(
+                f"{queued} requests are already waiting for a batch slot (limit {max_requests})"
+            )
         if max_tokens is not None:
             queued_tokens = self.num_queued_tokens()
             if queued_tokens + newly_queued * num_prompt_tokens > max_tokens:

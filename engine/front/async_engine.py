@@ -40,8 +40,8 @@ from engine.core_types import (
 )
 from engine.front.admission import Admission, QueueLimits
 from engine.front.outputs import RequestOutput
-from scheduler.request import SamplingParams
 from scheduler.output import SchedulerStats
+from scheduler.request import SamplingParams
 
 # NOTE: no torch here (EngineCore loads it): api/ imports this module's types and errors at
 # start-up, before the model loads, and a test keeps it that way.
@@ -76,8 +76,12 @@ class EngineRestartingError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCoreProtocol | None = None, client: CoreClient | None = None,
-                 clients: Sequence[CoreClient] | None = None) -> None:
+    def __init__(
+        self,
+        core: EngineCoreProtocol | None = None,
+        client: CoreClient | None = None,
+        clients: Sequence[CoreClient] | None = None,
+    ) -> None:
         """`core`: an EngineCore (or a test's proxy of one) to run on a thread of this process;
         or `client`: a started core elsewhere (engine/client/core_client.py); or `clients`: data
         parallel, one per engine core, in rank order."""
@@ -124,7 +128,9 @@ class AsyncEngine:
         if config.engine_process:
             from engine.client.supervisor import EngineSupervisor
 
-            return cls(client=EngineSupervisor(config)) if size == 1 else cls(clients=EngineSupervisor.start_all(config))
+            return (
+                cls(client=EngineSupervisor(config)) if size == 1 else cls(clients=EngineSupervisor.start_all(config))
+            )
         from engine.core import EngineCore
 
         if size == 1:
@@ -163,8 +169,12 @@ class AsyncEngine:
         """Each engine core's, in rank order."""
         return [client.status() for client in self.clients]
 
-    async def start(self, limits: QueueLimits | None = None, on_dead: Callable[[str], None] | None = None,
-                    max_output_tokens: int | None = None) -> None:
+    async def start(
+        self,
+        limits: QueueLimits | None = None,
+        on_dead: Callable[[str], None] | None = None,
+        max_output_tokens: int | None = None,
+    ) -> None:
         """Start the engine loop. `on_dead(reason)` is called (on the loop) if the engine dies;
         `max_output_tokens` caps an absent max_tokens (--max-output-tokens)."""
         assert not self._started, "engine already started"
@@ -324,8 +334,14 @@ class AsyncEngine:
         except Exception:
             logger.exception("could not fail the in-flight requests cleanly")
             outputs = []
-        logger.error("%s lost (%s: %s): %d in-flight requests failed; a new %s is starting", what, reason, detail,
-                     len(outputs), what.removesuffix(f" {index}"))
+        logger.error(
+            "%s lost (%s: %s): %d in-flight requests failed; a new %s is starting",
+            what,
+            reason,
+            detail,
+            len(outputs),
+            what.removesuffix(f" {index}"),
+        )
         # Some may have gone to the supervisor after the loss, to wait for the new engine: not any more.
         self.clients[index].abort_requests(child_ids)
         self.admission.on_core_lost(index)

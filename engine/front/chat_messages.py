@@ -21,13 +21,22 @@ logger = logging.getLogger("fp4serve.engine")
 # Texts no template can know: found in a rendering only if the template wrote them.
 _PROBE_SYSTEM = "fp4serve-probe-system-7c2e"
 _PROBE_TOOL_NAME = "fp4serve_probe_tool_7c2e"
-_PROBE_TOOL = {"type": "function", "function": {
-    "name": _PROBE_TOOL_NAME, "description": "A probe: does the chat template show tools to the model?",
-    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": _PROBE_TOOL_NAME,
+        "description": "A probe: does the chat template show tools to the model?",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
+    },
+}
 _PROBE_USER = [{"role": "user", "content": "hello"}]
 # A system prompt, a user turn, then a system message: the shape Claude Code and Codex send.
-_PROBE_MID_SYSTEM = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"},
-                     {"role": "system", "content": _PROBE_SYSTEM}, {"role": "user", "content": "go on"}]
+_PROBE_MID_SYSTEM = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hello"},
+    {"role": "system", "content": _PROBE_SYSTEM},
+    {"role": "user", "content": "go on"},
+]
 # Between folded system texts, as between a system prompt's paragraphs.
 SYSTEM_SEPARATOR = "\n\n"
 
@@ -42,8 +51,10 @@ class TemplateTraits:
     @staticmethod
     def probe(render: Render) -> TemplateTraits:
         """`render(messages, tools)`: the template's text (ParamError when it refuses them)."""
-        return TemplateTraits(renders_tools=_renders(render, _PROBE_USER, [_PROBE_TOOL], _PROBE_TOOL_NAME),
-                              renders_mid_system=_renders(render, _PROBE_MID_SYSTEM, None, _PROBE_SYSTEM))
+        return TemplateTraits(
+            renders_tools=_renders(render, _PROBE_USER, [_PROBE_TOOL], _PROBE_TOOL_NAME),
+            renders_mid_system=_renders(render, _PROBE_MID_SYSTEM, None, _PROBE_SYSTEM),
+        )
 
 
 def _renders(render: Render, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, mark: str) -> bool:
@@ -57,8 +68,11 @@ def template_probe(render: Render, where: str) -> TemplateTraits:
     """The traits of a checkpoint's template, with a start-up line for what it cannot take."""
     traits = TemplateTraits.probe(render)
     if not traits.renders_mid_system:
-        logger.info("the chat template of %s takes a system message only first: later system messages (agents "
-                    "send them mid-conversation) are appended to the system prompt", where)
+        logger.info(
+            "the chat template of %s takes a system message only first: later system messages (agents "
+            "send them mid-conversation) are appended to the system prompt",
+            where,
+        )
     return traits
 
 

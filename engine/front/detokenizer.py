@@ -14,7 +14,9 @@ _MAX_CHAR_TOKENS = 4
 class Detokenizer:
     """Turns a sample's tokens, one step at a time, into text that is safe to show."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, stop: tuple[str, ...], skip_special_tokens: bool, include_stop: bool) -> None:
+    def __init__(
+        self, backend: tokenizers.Tokenizer, stop: tuple[str, ...], skip_special_tokens: bool, include_stop: bool
+    ) -> None:
         self._backend = backend
         self._skip_special = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)

@@ -21,35 +21,64 @@ class HostTierMetrics:
         labels = ["model_name", "engine"]
         self._engines = [str(i) for i in range(num_engines)]
         self.model_name = model_name
-        self.offload_bytes = Counter("vllm:kv_offload_total_bytes", "Number of bytes offloaded by KV connector",
-                                     [*labels, "transfer_type"], registry=r)
-        self.offload_time = Counter("vllm:kv_offload_total_time", "Total time measured by all KV offloading "
-                                    "operations", [*labels, "transfer_type"], registry=r)
-        self.external_queries = Counter("vllm:external_prefix_cache_queries", "External prefix cache queries from "
-                                        "KV connector cross-instance cache sharing, in terms of number of queried "
-                                        "tokens.", labels, registry=r)
-        self.external_hits = Counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV "
-                                     "connector cross-instance cache sharing, in terms of number of cached tokens.",
-                                     labels, registry=r)
-        self.capacity_bytes = Gauge("fp4serve_host_kv_capacity_bytes", "Host memory of the host KV tier "
-                                    "(--kv-offloading-size): page and snapshot slots.", registry=r)
-        self.used_bytes = Gauge("fp4serve_host_kv_used_bytes", "Bytes of the host KV tier holding pages and "
-                                "snapshots.", registry=r)
+        self.offload_bytes = Counter(
+            "vllm:kv_offload_total_bytes",
+            "Number of bytes offloaded by KV connector",
+            [*labels, "transfer_type"],
+            registry=r,
+        )
+        self.offload_time = Counter(
+            "vllm:kv_offload_total_time",
+            "Total time measured by all KV offloading operations",
+            [*labels, "transfer_type"],
+            registry=r,
+        )
+        self.external_queries = Counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from "
+            "KV connector cross-instance cache sharing, in terms of number of queried "
+            "tokens.",
+            labels,
+            registry=r,
+        )
+        self.external_hits = Counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV "
+            "connector cross-instance cache sharing, in terms of number of cached tokens.",
+            labels,
+            registry=r,
+        )
+        self.capacity_bytes = Gauge(
+            "fp4serve_host_kv_capacity_bytes",
+            "Host memory of the host KV tier (--kv-offloading-size): page and snapshot slots.",
+            registry=r,
+        )
+        self.used_bytes = Gauge(
+            "fp4serve_host_kv_used_bytes", "Bytes of the host KV tier holding pages and snapshots.", registry=r
+        )
         self.pages = Gauge("fp4serve_host_kv_pages", "KV pages held in the host tier.", registry=r)
-        self.snapshots = Gauge("fp4serve_host_kv_snapshots", "Hybrid models' state snapshots held in the host "
-                               "tier.", registry=r)
+        self.snapshots = Gauge(
+            "fp4serve_host_kv_snapshots", "Hybrid models' state snapshots held in the host tier.", registry=r
+        )
         self.hits = Counter("fp4serve_host_kv_hits", "Prompt tokens served from the host tier.", registry=r)
         # Unlabelled, one per kind, so /stats (api/ops/stats.py) reads each as it reads our other totals.
-        self.page_loads = Counter("fp4serve_host_kv_page_loads", "KV pages copied from the host tier back to the "
-                                  "device.", registry=r)
-        self.snapshot_loads = Counter("fp4serve_host_kv_snapshot_loads", "State snapshots copied from the host "
-                                      "tier into a state slot.", registry=r)
-        self.page_spills = Counter("fp4serve_host_kv_page_spills", "Evicted KV pages copied into the host tier.",
-                                   registry=r)
-        self.snapshot_spills = Counter("fp4serve_host_kv_snapshot_spills", "Dropped state checkpoints copied into "
-                                       "the host tier.", registry=r)
-        self.load_seconds = Counter("fp4serve_host_kv_load_seconds", "Time of the copies back from the host tier.",
-                                    registry=r)
+        self.page_loads = Counter(
+            "fp4serve_host_kv_page_loads", "KV pages copied from the host tier back to the device.", registry=r
+        )
+        self.snapshot_loads = Counter(
+            "fp4serve_host_kv_snapshot_loads",
+            "State snapshots copied from the host tier into a state slot.",
+            registry=r,
+        )
+        self.page_spills = Counter(
+            "fp4serve_host_kv_page_spills", "Evicted KV pages copied into the host tier.", registry=r
+        )
+        self.snapshot_spills = Counter(
+            "fp4serve_host_kv_snapshot_spills", "Dropped state checkpoints copied into the host tier.", registry=r
+        )
+        self.load_seconds = Counter(
+            "fp4serve_host_kv_load_seconds", "Time of the copies back from the host tier.", registry=r
+        )
         self._last = [_NONE] * num_engines
         self._now = [_NONE] * num_engines
 

@@ -44,8 +44,13 @@ class MaxTokens:
     lowered_by: Literal["context", "cap"] | None = None
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int, cap: int | None,
-                       policy: MaxTokensPolicy = "reject") -> MaxTokens:
+def resolve_max_tokens(
+    requested: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    cap: int | None,
+    policy: MaxTokensPolicy = "reject",
+) -> MaxTokens:
     """The max_tokens a request runs with: at most `cap` (--max-output-tokens), and at most the room
     the prompt leaves in the context; absent, the smaller of the two. A request asking for more
     than the room is lowered to it under the "clamp" policy (its finish_reason then says `length`)
@@ -125,8 +130,13 @@ class InputProcessor:
         assert self.tokenizer is not None, "an InputProcessor without a tokenizer takes token ids only"
         # NOTE: a template renders every user, system and tool message's text in full (it may drop
         # old reasoning, or tools), so their length is a lower bound of the prompt's.
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages
-                                    if m.get("role") in ("system", "user", "tool") and isinstance(m.get("content"), str)))
+        self.check_prompt_chars(
+            sum(
+                len(m["content"])
+                for m in messages
+                if m.get("role") in ("system", "user", "tool") and isinstance(m.get("content"), str)
+            )
+        )
         text = self.chat_text(messages, tools, add_generation_prompt, template_kwargs)
         self.check_prompt_chars(len(text))
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS token
@@ -152,8 +162,13 @@ class InputProcessor:
         if num_tokens >= self.max_model_len:
             raise ContextLengthError(num_tokens, None, self.max_model_len)
 
-    def _render_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    def _render_text(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
         assert self.tokenizer is not None, "an InputProcessor without a tokenizer takes token ids only"
         return self.tokenizer.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
 
@@ -177,12 +192,17 @@ class InputProcessor:
         n = len(prompt_token_ids)
         if n == 0:
             raise ParamError("a prompt encodes to no tokens", "prompt")
-        resolved = resolve_max_tokens(params.max_tokens, n, self.max_model_len, self.max_output_tokens,
-                                      self.max_tokens_policy)
+        resolved = resolve_max_tokens(
+            params.max_tokens, n, self.max_model_len, self.max_output_tokens, self.max_tokens_policy
+        )
         if resolved.lowered_by is not None:
             assert params.max_tokens is not None, "only an asked-for max_tokens is lowered"
-            why = (f"the room the {n}-token prompt leaves in the {self.max_model_len}-token context "
-                   "(--max-tokens-policy clamp)" if resolved.lowered_by == "context" else "--max-output-tokens")
+            why = (
+                f"the room the {n}-token prompt leaves in the {self.max_model_len}-token context "
+                "(--max-tokens-policy clamp)"
+                if resolved.lowered_by == "context"
+                else "--max-output-tokens"
+            )
             logger.info("%s: max_tokens %d lowered to %d, %s", request_id, params.max_tokens, resolved.value, why)
         params = replace(params, max_tokens=resolved.value)
         if params.structured is not None:

@@ -18,7 +18,26 @@ from engine.front.vllm_metrics import EngineAggregateRegistry, VllmMetrics, vllm
 from scheduler.output import SchedulerStats
 
 _NO_GRAMMARS = GrammarCacheStats(0, 0, 0, 0, 0, 0, 0, 0, 0)  # a core before its first constrained request
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
@@ -35,9 +54,14 @@ class KeyUsage:
 
     def as_dict(self) -> dict[str, float | int]:
         mean = self.ttft_seconds_sum / self.ttft_count if self.ttft_count else None
-        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens, "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "cached_tokens": self.cached_tokens, "mean_ttft_seconds": mean}
+        return {
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "mean_ttft_seconds": mean,
+        }
 
 
 # ---- per-key series -------------------------------------------------------------------------------
@@ -61,8 +85,16 @@ class PerKey:
     """A series kept twice under one name: summed over keys (open) and by `key` (admin only). Callers
     write `.labels(key=..., **other_labels)` as on a labelled prometheus_client metric."""
 
-    def __init__(self, kind: type[Counter] | type[Histogram], name: str, documentation: str, labels: list[str],
-                 registry: CollectorRegistry, key_registry: CollectorRegistry, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        kind: type[Counter] | type[Histogram],
+        name: str,
+        documentation: str,
+        labels: list[str],
+        registry: CollectorRegistry,
+        key_registry: CollectorRegistry,
+        **kwargs: Any,
+    ) -> None:
         self.total = kind(name, documentation, labels, registry=registry, **kwargs)
         self.by_key = kind(name, documentation + " By API key name.", [*labels, "key"], registry=key_registry, **kwargs)
         self._labelled = bool(labels)
@@ -99,17 +131,26 @@ class EngineMetrics:
             "fp4serve_prefix_cache_queries", "Tokens looked up in the prefix cache.", registry=r
         )
         self.prefix_hits = Counter("fp4serve_prefix_cache_hits", "Tokens found in the prefix cache.", registry=r)
-        self.preemptions = Counter("fp4serve_num_preemptions", "Requests preempted (KV freed, recomputed later).", registry=r)
+        self.preemptions = Counter(
+            "fp4serve_num_preemptions", "Requests preempted (KV freed, recomputed later).", registry=r
+        )
         self.requests_finished = PerKey(
             Counter, "fp4serve_request_success", "Finished requests by finish reason.", ["finished_reason"], r, k
         )
         self.ttft = PerKey(
-            Histogram, "fp4serve_time_to_first_token_seconds", "Arrival to first sampled token.", [], r, k,
+            Histogram,
+            "fp4serve_time_to_first_token_seconds",
+            "Arrival to first sampled token.",
+            [],
+            r,
+            k,
             buckets=_LATENCY_BUCKETS,
         )
         self.itl = Histogram(
-            "fp4serve_inter_token_latency_seconds", "Time between consecutive tokens of a request.",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "fp4serve_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
             "fp4serve_e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=r
@@ -121,8 +162,10 @@ class EngineMetrics:
             "fp4serve_step_duration_seconds", "Wall time of one engine step.", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.batch_tokens = Histogram(
-            "fp4serve_batch_tokens", "Tokens in each engine step's batch.",
-            buckets=(1, 4, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=r,
+            "fp4serve_batch_tokens",
+            "Tokens in each engine step's batch.",
+            buckets=(1, 4, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384),
+            registry=r,
         )
         self.spec_draft_tokens = Counter(
             "fp4serve_spec_decode_draft_tokens", "Draft tokens proposed for verification.", registry=r
@@ -131,16 +174,22 @@ class EngineMetrics:
             "fp4serve_spec_decode_accepted_tokens", "Draft tokens the target model accepted.", registry=r
         )
         self.spec_draft_by_position = Counter(
-            "fp4serve_spec_decode_draft_tokens_per_position", "Draft tokens proposed, by draft position (0 = first).",
-            ["position"], registry=r,
+            "fp4serve_spec_decode_draft_tokens_per_position",
+            "Draft tokens proposed, by draft position (0 = first).",
+            ["position"],
+            registry=r,
         )
         self.spec_accepted_by_position = Counter(
-            "fp4serve_spec_decode_accepted_tokens_per_position", "Draft tokens accepted, by draft position (0 = first).",
-            ["position"], registry=r,
+            "fp4serve_spec_decode_accepted_tokens_per_position",
+            "Draft tokens accepted, by draft position (0 = first).",
+            ["position"],
+            registry=r,
         )
         self.engine_restarts = Counter(
-            "fp4serve_engine_restarts", "Engine processes lost and restarted, by why: crash, hang or error "
-            "(engine/client/supervisor.py).", ["reason"], registry=r,
+            "fp4serve_engine_restarts",
+            "Engine processes lost and restarted, by why: crash, hang or error (engine/client/supervisor.py).",
+            ["reason"],
+            registry=r,
         )
         self._grammar_cache_metrics(r, num_engines)
         model_info = Gauge("fp4serve_model_info", "The model being served.", ["model_name"], registry=r)
@@ -155,31 +204,40 @@ class EngineMetrics:
             "fp4serve_grammar_cache_bytes", "Compiled grammars kept: xgrammar's size of each, summed.", registry=r
         )
         self.grammar_cache_budget = Gauge(
-            "fp4serve_grammar_cache_budget_bytes", "The compiled-grammar budget (--grammar-cache-bytes, once per engine core).", registry=r
+            "fp4serve_grammar_cache_budget_bytes",
+            "The compiled-grammar budget (--grammar-cache-bytes, once per engine core).",
+            registry=r,
         )
         self.grammar_cache_entries = Gauge("fp4serve_grammar_cache_entries", "Compiled grammars kept.", registry=r)
         self.grammar_held_bytes = Gauge(
-            "fp4serve_grammar_held_bytes", "Compiled grammars out of the cache that running or waiting requests "
-            "still hold (xgrammar's size); with fp4serve_grammar_cache_bytes, all the engine holds.", registry=r
+            "fp4serve_grammar_held_bytes",
+            "Compiled grammars out of the cache that running or waiting requests "
+            "still hold (xgrammar's size); with fp4serve_grammar_cache_bytes, all the engine holds.",
+            registry=r,
         )
         self.grammar_compiles_waiting = Gauge(
             "fp4serve_grammar_compiles_waiting", "Grammars compiling or waiting for a compile thread.", registry=r
         )
         self.grammar_cache_hits = Counter(
-            "fp4serve_grammar_cache_hits", "Constrained requests whose grammar was kept or already compiling.",
+            "fp4serve_grammar_cache_hits",
+            "Constrained requests whose grammar was kept or already compiling.",
             registry=r,
         )
         self.grammar_cache_misses = Counter(
             "fp4serve_grammar_cache_misses", "Constrained requests that started a compile.", registry=r
         )
         self.grammar_cache_evictions = Counter(
-            "fp4serve_grammar_cache_evictions", "Compiled grammars dropped for the budget (or too large to keep).",
+            "fp4serve_grammar_cache_evictions",
+            "Compiled grammars dropped for the budget (or too large to keep).",
             registry=r,
         )
         self.grammar_failures = Counter(
-            "fp4serve_grammar_failures", "Constrained requests ended with an error because their grammar could not "
+            "fp4serve_grammar_failures",
+            "Constrained requests ended with an error because their grammar could not "
             "be made, by reason: tokenizer (the compiler's tables), build (our EBNF of the spec), compile "
-            "(xgrammar refused it).", ["reason"], registry=r,
+            "(xgrammar refused it).",
+            ["reason"],
+            registry=r,
         )
         self._grammar = [_NO_GRAMMARS] * num_engines  # each core's last report
 
@@ -238,4 +296,3 @@ class EngineMetrics:
         num_blocks = sum(s.num_blocks for s in every)
         self.kv_usage.set(sum(s.num_used_blocks for s in every) / num_blocks)
         self.kv_pages_total.set(num_blocks)
-

@@ -67,7 +67,9 @@ class OfflineEngine:
     def from_config(cls, config: EngineConfig) -> OfflineEngine:
         return cls(EngineCore(config))
 
-    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
         """Validates first (raises ParamError)."""
         request_id = request_id if request_id is not None else f"offline-{next(self._ids)}"
         children = self.input_processor.process(request_id, prompt_token_ids, params)
@@ -102,7 +104,9 @@ class OfflineEngine:
         tm.num_steps += 1
         return outputs
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[OfflineResult]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[OfflineResult]:
         """Run all prompts together to completion; results in prompt order."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         assert len(plist) == len(prompts), "one SamplingParams per prompt"

@@ -1,5 +1,6 @@
 """Token ids back to what a client sees: incremental detokenization, stop strings, logprob text
-(of sampled tokens, and of prompt tokens gathered over the prefill chunks), the n > 1 fan-in (each sample's outputs under its parent request), per-request metrics and the
+(of sampled tokens, and of prompt tokens gathered over the prefill chunks), the n > 1 fan-in (each
+sample's outputs under its parent request), per-request metrics and the
 request log line. Runs in the server's process, on the event loop, beside the input processor."""
 
 from __future__ import annotations
@@ -148,8 +149,9 @@ class OutputProcessor:
         if sample.first_token_time is None:
             sample.first_token_time = now
             self.metrics.ttft.labels(key=sample.key).observe(now - sample.arrival)
-            self.metrics.vllm[sample.engine_index].observe_first_token(now - sample.arrival, sample.num_prompt_tokens,
-                                                  len(core_out.new_token_ids))
+            self.metrics.vllm[sample.engine_index].observe_first_token(
+                now - sample.arrival, sample.num_prompt_tokens, len(core_out.new_token_ids)
+            )
             usage.ttft_seconds_sum += now - sample.arrival
             usage.ttft_count += 1
         else:
@@ -160,7 +162,9 @@ class OutputProcessor:
             gap = since_last / num_new
             for _ in range(num_new):
                 self.metrics.itl.observe(gap)
-            self.metrics.vllm[sample.engine_index].observe_next_tokens(since_last, len(core_out.new_token_ids))  # per step, as vLLM
+            self.metrics.vllm[sample.engine_index].observe_next_tokens(
+                since_last, len(core_out.new_token_ids)
+            )  # per step, as vLLM
         sample.last_token_time = now
         sample.num_output_tokens += len(core_out.new_token_ids)
         sample.num_cached_tokens = core_out.num_cached_tokens
@@ -177,7 +181,9 @@ class OutputProcessor:
             text += sample.detokenizer.flush()
         logprobs = self._logprobs(core_out, sample.num_logprobs)
         if reason is not None:
-            return self._finish(core_out.request_id, sample, core_out.new_token_ids, text, reason, stop_reason, logprobs)
+            return self._finish(
+                core_out.request_id, sample, core_out.new_token_ids, text, reason, stop_reason, logprobs
+            )
         out = RequestOutput(
             request_id=sample.parent_id,
             index=sample.index,
@@ -213,13 +219,21 @@ class OutputProcessor:
         usage.cached_tokens += sample.num_cached_tokens
         ttft = (sample.first_token_time - sample.arrival) if sample.first_token_time else None
         decode_time = now - (sample.first_token_time or now)
-        self.metrics.vllm[sample.engine_index].observe_finished(reason, e2e, decode_time, sample.num_prompt_tokens,
-                                           sample.num_output_tokens)
+        self.metrics.vllm[sample.engine_index].observe_finished(
+            reason, e2e, decode_time, sample.num_prompt_tokens, sample.num_output_tokens
+        )
         tps = (sample.num_output_tokens - 1) / decode_time if decode_time > 0 and sample.num_output_tokens > 1 else 0.0
         request_logger.info(
             "%s key=%s prompt=%d completion=%d cached=%d ttft=%s tok/s=%.1f e2e=%.3fs finish=%s",
-            child_id, sample.key, sample.num_prompt_tokens, sample.num_output_tokens, sample.num_cached_tokens,
-            f"{ttft:.3f}s" if ttft is not None else "-", tps, e2e, reason,
+            child_id,
+            sample.key,
+            sample.num_prompt_tokens,
+            sample.num_output_tokens,
+            sample.num_cached_tokens,
+            f"{ttft:.3f}s" if ttft is not None else "-",
+            tps,
+            e2e,
+            reason,
         )
         out = RequestOutput(
             request_id=sample.parent_id,

@@ -21,9 +21,14 @@ logger = logging.getLogger("fp4serve.tokenizer")
 
 # A tool no template can know: its name appears in a rendering only if the template writes tools.
 _PROBE_TOOL_NAME = "fp4serve_probe_tool_6f1d"
-_PROBE_TOOL = {"type": "function", "function": {
-    "name": _PROBE_TOOL_NAME, "description": "A probe: does the chat template show tools to the model?",
-    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": _PROBE_TOOL_NAME,
+        "description": "A probe: does the chat template show tools to the model?",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
+    },
+}
 _PROBE_MESSAGES = [{"role": "user", "content": "hello"}]
 
 
@@ -64,9 +69,12 @@ class Tokenizer:
         # a tool request into a plain chat, and the model never knows it could call anything.
         self.template_renders_tools = self._renders_tools()
         if self.chat_template and not self.template_renders_tools:
-            logger.warning("the chat template of %s does not render tools: a request's tools never reach the "
-                           "model, which answers them as plain chat; serve a checkpoint whose template writes "
-                           "tools (Qwen3, Qwen3-Coder, Llama 3.1+) for tool calling", path)
+            logger.warning(
+                "the chat template of %s does not render tools: a request's tools never reach the "
+                "model, which answers them as plain chat; serve a checkpoint whose template writes "
+                "tools (Qwen3, Qwen3-Coder, Llama 3.1+) for tool calling",
+                path,
+            )
 
     def _renders_tools(self) -> bool:
         """Render a probe conversation with a probe tool: True when the tool's name is in the prompt

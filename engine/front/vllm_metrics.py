@@ -28,12 +28,74 @@ from engine.core_types import EngineInfo
 from scheduler.output import SchedulerStats
 
 # vLLM's buckets, as its PrometheusStatLogger sets them.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISHED_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason names, each series made at start
 # Ratios of KV pages: their aggregate is the pages used over the pages of all the cores, so each
@@ -57,8 +119,14 @@ class VllmMetrics:
     """One engine core's series, fed by the output processor and the core's stats, in the HTTP
     process. Made by `vllm_metrics`, which registers each name once for every core."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, info: EngineInfo | None = None,
-                 engine_index: int = 0, families: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        info: EngineInfo | None = None,
+        engine_index: int = 0,
+        families: dict[str, Any] | None = None,
+    ) -> None:
         """`info`: the engine's, for the token-count buckets (up to max_model_len) and
         vllm:cache_config_info; without it (tests of the page alone) a 4096-token context.
         `families`: the metric families already registered for another core (vllm_metrics)."""
@@ -86,49 +154,80 @@ class VllmMetrics:
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage."
-                                     "DEPRECATED: Use vllm:kv_cache_usage_perc instead.")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
-                                            "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
-                                         "Prefix cache hits, in terms of number of cached tokens.")
+        self.gpu_cache_usage = gauge(
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage.DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+        )
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = family(Counter, "vllm:request_success", "Count of successfully processed requests.",
-                         labels=[*names, "finished_reason"])
+        success = family(
+            Counter,
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*names, "finished_reason"],
+        )
         self.request_success = {reason: success.labels(*values, reason) for reason in FINISHED_REASONS}
         token_buckets = build_1_2_5_buckets(info.max_model_len if info is not None else 4096)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                               token_buckets)
-        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
-                                                   "Number of generation tokens processed.", token_buckets)
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
-                                          "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             ITL_BUCKETS)
-        self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."
-                              "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", ITL_BUCKETS)
-        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
-                                      "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             REQUEST_LATENCY_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds",
-                                     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+            ITL_BUCKETS,
+        )
+        self.request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         # Info gauges, permanently 1 (vLLM emulates prometheus Info so): the KV cache's shape (vLLM
         # labels it with every CacheConfig field; these are the ones this server has; each core has
         # the same), and LoRA, which it does not serve (llm-d's LoRA-affinity filter reads the empty
         # series; one for the server, as vLLM has).
         if info is not None:
-            cache = family(Gauge, "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                           labels=["block_size", "cache_dtype", "num_gpu_blocks", "engine"])
+            cache = family(
+                Gauge,
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labels=["block_size", "cache_dtype", "num_gpu_blocks", "engine"],
+            )
             cache.labels(str(info.block_size), info.dtype, str(info.num_kv_pages), str(engine_index)).set(1)
         self.lora_info: Gauge | None = None
         if first:
-            lora = family(Gauge, "vllm:lora_requests_info", "Running stats on lora requests.",
-                          labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            lora = family(
+                Gauge,
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
             self.lora_info = lora.labels("0", "", "")
             self.lora_info.set_to_current_time()
         self._last = SchedulerStats(0, 0, 0, 1, 0, 0, 0)
@@ -160,8 +259,9 @@ class VllmMetrics:
         self.tpot.observe(gap_s)
         self.generation_tokens.inc(num_new_tokens)
 
-    def observe_finished(self, reason: str, e2e_s: float, decode_s: float, num_prompt_tokens: int,
-                         num_output_tokens: int) -> None:
+    def observe_finished(
+        self, reason: str, e2e_s: float, decode_s: float, num_prompt_tokens: int, num_output_tokens: int
+    ) -> None:
         self.request_success[reason if reason in self.request_success else "error"].inc()
         self.e2e.observe(e2e_s)
         self.decode_time.observe(decode_s)
@@ -171,12 +271,18 @@ class VllmMetrics:
             self.request_tpot.observe(decode_s / (num_output_tokens - 1))
 
 
-def vllm_metrics(registry: CollectorRegistry, model_name: str, info: EngineInfo | None = None,
-                 num_engines: int = 1) -> list[VllmMetrics]:
+def vllm_metrics(
+    registry: CollectorRegistry, model_name: str, info: EngineInfo | None = None, num_engines: int = 1
+) -> list[VllmMetrics]:
     """The series of each of `num_engines` engine cores, `engine` label "0", "1", ..."""
     first = VllmMetrics(registry, model_name, info)
-    return [first, *(VllmMetrics(registry, model_name, info, engine_index=i, families=first.families)
-                     for i in range(1, num_engines))]
+    return [
+        first,
+        *(
+            VllmMetrics(registry, model_name, info, engine_index=i, families=first.families)
+            for i in range(1, num_engines)
+        ),
+    ]
 
 
 class EngineAggregateRegistry(CollectorRegistry):
@@ -194,8 +300,11 @@ class EngineAggregateRegistry(CollectorRegistry):
 
     def collect(self) -> Iterable[Metric]:
         for family in super().collect():
-            if self.num_engines > 1 and family.name.startswith("vllm:") and any(
-                    ENGINE_LABEL in s.labels for s in family.samples):
+            if (
+                self.num_engines > 1
+                and family.name.startswith("vllm:")
+                and any(ENGINE_LABEL in s.labels for s in family.samples)
+            ):
                 family.samples = [*family.samples, *self._aggregate(family)]
             yield family
 

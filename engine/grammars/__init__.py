@@ -1,6 +1,7 @@
 """Our own EBNF rules for the structured outputs whose guarantees xgrammar's converters do not give
 (engine/structured_output/manager.py says which and why): JSON values of a schema (schema.py) and forced tool
-calls (tools.py); vLLM's `structural_tag` through xgrammar's own builder (structural_tag.py); a schema with `pattern`, `format` or numeric ranges through xgrammar's converter,
+calls (tools.py); vLLM's `structural_tag` through xgrammar's own builder (structural_tag.py); a schema
+with `pattern`, `format` or numeric ranges through xgrammar's converter,
 with our bounds kept (xgrammar_json.py). `ebnf` is the one entry: a spec in, grammar text out."""
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ _BASE_RULES = {
     # NOTE: right recursion, not `"\"" char* "\""`: xgrammar caches token masks per rule
     # position, and a starred alternation made every in-string mask ~150 ms on a 150k vocabulary.
     "json_string": r'"\"" json_string_rest',
-    "json_string_rest": r'"\"" | [^"\\\x00-\x1f] json_string_rest | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) json_string_rest',
+    "json_string_rest": r'"\"" | [^"\\\x00-\x1f] json_string_rest | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) json_string_rest',  # noqa: E501
     "json_uint": r'"0" | [1-9] [0-9]{0,18}',
     "json_integer": r'"-"? json_uint',
     "json_number": r'"-"? json_uint ( "." [0-9]{1,16} )? ( [eE] [+-]? [0-9]{1,3} )?',
@@ -45,9 +45,13 @@ _BASE_RULES = {
     "json_array": f'"[" ( json_value ( {COMMA} json_value )* )? "]"',
 }
 _BASE_DEPENDS = {
-    "json_string": ("json_string_rest",), "json_integer": ("json_uint",), "json_number": ("json_uint",),
+    "json_string": ("json_string_rest",),
+    "json_integer": ("json_uint",),
+    "json_number": ("json_uint",),
     "json_value": ("json_object", "json_array", "json_string", "json_number"),
-    "json_member": ("json_string", "json_value"), "json_object": ("json_member",), "json_array": ("json_value",),
+    "json_member": ("json_string", "json_value"),
+    "json_object": ("json_member",),
+    "json_array": ("json_value",),
 }
 
 
@@ -96,7 +100,11 @@ class SchemaGrammar:
         kind = schema.get("type")
         if isinstance(kind, list):
             kinds = [k for k in kind if isinstance(k, str)]
-            return "( " + " | ".join(self._typed(schema, k, depth) for k in kinds) + " )" if kinds else self.rules.base("json_value")
+            return (
+                "( " + " | ".join(self._typed(schema, k, depth) for k in kinds) + " )"
+                if kinds
+                else self.rules.base("json_value")
+            )
         if kind is None:
             kind = "object" if "properties" in schema else "array" if "items" in schema else None
         return self._typed(schema, kind, depth) if isinstance(kind, str) else self.rules.base("json_value")
@@ -144,12 +152,12 @@ class SchemaGrammar:
             if extra is False:
                 return '"{}"'
             if isinstance(extra, dict) and extra:
-                member = f'{self.rules.base("json_string")} {COLON} {self.value(extra, depth + 1)}'
+                member = f"{self.rules.base('json_string')} {COLON} {self.value(extra, depth + 1)}"
                 return self.rules.add("map", f'"{{" ( {member} ( {COMMA} {member} )* )? "}}"')
             return self.rules.base("json_object")
         required = required_keys(schema, properties)
         members = [
-            f'{literal(json.dumps(k, ensure_ascii=False) + ": ")} {self.value(v, depth + 1)}'
+            f"{literal(json.dumps(k, ensure_ascii=False) + ': ')} {self.value(v, depth + 1)}"
             for k, v in properties.items()
         ]
         keys = list(properties)
@@ -178,7 +186,7 @@ class SchemaGrammar:
         if hi == 0:
             return '"[]"'
         more = f"( {COMMA} {item} )"
-        more += "*" if hi is None and lo <= 1 else f'{{{max(lo - 1, 0)},{"" if hi is None else hi - 1}}}'
+        more += "*" if hi is None and lo <= 1 else f"{{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
         inner = f"{item} {more}" if lo >= 1 else f"( {item} {more} )?"
         return self.rules.add("array", f'"[" {inner} "]"')
 
@@ -187,7 +195,9 @@ class SchemaGrammar:
         if not isinstance(value, (dict, list)):
             return literal(json.dumps(value, ensure_ascii=False))
         if isinstance(value, dict):
-            parts = [f"{literal(json.dumps(k, ensure_ascii=False) + ': ')} {self._constant(v)}" for k, v in value.items()]
+            parts = [
+                f"{literal(json.dumps(k, ensure_ascii=False) + ': ')} {self._constant(v)}" for k, v in value.items()
+            ]
             opening, closing = '"{"', '"}"'
         else:
             parts = [self._constant(v) for v in value]
@@ -238,7 +248,9 @@ class Rules:
         return name
 
     def define(self, name: str, body: str) -> None:
-        assert name in self._bodies and self._bodies[name] is None, f"rule {name} was not reserved or is already defined"
+        assert name in self._bodies and self._bodies[name] is None, (
+            f"rule {name} was not reserved or is already defined"
+        )
         self._bodies[name] = body
         self._by_body.setdefault(body, name)
 

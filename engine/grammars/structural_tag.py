@@ -21,8 +21,10 @@ def structural_tag_ebnf(text: str) -> str:
         raise ValueError("structural_tag must be a JSON object")
     try:
         if "structures" in tag:  # the older form, which vLLM still accepts
-            items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                     for s in tag["structures"]]
+            items = [
+                xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                for s in tag["structures"]
+            ]
             grammar = xgrammar.Grammar.from_structural_tag(items, list(tag.get("triggers", [])))
         else:
             grammar = xgrammar.Grammar.from_structural_tag(text)

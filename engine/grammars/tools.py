@@ -22,7 +22,9 @@ def tool_call_grammar(spec: StructuredOutput) -> str:
     """The grammar of `spec` (kind tool_calls): one call of any of its tools, or one or more with
     `parallel`, with the template's own newline between calls; a think block first as
     `spec.reasoning` says."""
-    assert spec.kind == "tool_calls" and spec.tool_format in (JSON_FORMAT, XML_FORMAT), f"{spec.kind} {spec.tool_format}"
+    assert spec.kind == "tool_calls" and spec.tool_format in (JSON_FORMAT, XML_FORMAT), (
+        f"{spec.kind} {spec.tool_format}"
+    )
     rules = Rules()
     rules.base("blank")
     call_of = _json_call if spec.tool_format == JSON_FORMAT else _xml_call

@@ -34,8 +34,11 @@ def xgrammar_value(rules: Rules, schema: Any) -> str:
     """A rule for one JSON value that fits `schema`, by xgrammar's converter, added to `rules`."""
     import xgrammar
 
-    text = str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
-                                                 separators=(", ", ": "), strict_mode=True))
+    text = str(
+        xgrammar.Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(", ", ": "), strict_mode=True
+        )
+    )
     # Bounded numbers: xgrammar writes `[0-9]*` for integer digits and `{1, -1}` repeats of a digit.
     text = text.replace("[0-9]*", f"[0-9]{{0,{MAX_INTEGER_DIGITS - 1}}}")
     text = text.replace("basic_number_digits{1, -1}", f"basic_number_digits{{1, {MAX_FRACTION_DIGITS}}}")

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.weights.model_config import ModelConfig
 from engine.host.cache_folder import build_once, cache_root
+from engine.weights.config.model_config import ModelConfig
 from engine.weights.formats.int4_linear import GROUP_SIZE, INT4_ACTIVATION_DTYPE, Int4Linear
 from engine.weights.formats.int8_linear import Int8Linear
 from engine.weights.formats.nvfp4 import INT4, INT8
@@ -79,8 +79,9 @@ class MeasuredFormats:
     measured_at: str  # UTC, to the minute
 
 
-def _step_linears(kind: str, shapes: LinearShapes, dense_dtype: torch.dtype, int8_head: Int8Linear
-                  ) -> tuple[list[list[Callable[[Tensor], Tensor]]], Callable[[Tensor], Tensor], torch.dtype]:
+def _step_linears(
+    kind: str, shapes: LinearShapes, dense_dtype: torch.dtype, int8_head: Int8Linear
+) -> tuple[list[list[Callable[[Tensor], Tensor]]], Callable[[Tensor], Tensor], torch.dtype]:
     """Layer copies (each a list of x -> y over the layer's shapes), the head, and the activation
     dtype, in the modules the loader builds for `kind`; `int8_head` is the head int4 and int8 share.
 
@@ -91,12 +92,19 @@ def _step_linears(kind: str, shapes: LinearShapes, dense_dtype: torch.dtype, int
         dtype = INT4_ACTIVATION_DTYPE
         if kind == INT4:
             layer: list[Int4Linear | Int8Linear] = [
-                Int4Linear(torch.full((n, -(-k // GROUP_SIZE) * GROUP_SIZE), 9, dtype=torch.uint8),  # [N, Kp]
-                           torch.full((-(-k // GROUP_SIZE), n, 2), 0.01, dtype=dtype), None, k)  # [Kp / 32, N, 2]
-                for n, k in shapes.layer]
+                Int4Linear(
+                    torch.full((n, -(-k // GROUP_SIZE) * GROUP_SIZE), 9, dtype=torch.uint8),  # [N, Kp]
+                    torch.full((-(-k // GROUP_SIZE), n, 2), 0.01, dtype=dtype),
+                    None,
+                    k,
+                )  # [Kp / 32, N, 2]
+                for n, k in shapes.layer
+            ]
         else:
-            layer = [Int8Linear(torch.full((n, k), 3, dtype=torch.int8), torch.full((n,), 0.01, dtype=dtype), None)
-                     for n, k in shapes.layer]
+            layer = [
+                Int8Linear(torch.full((n, k), 3, dtype=torch.int8), torch.full((n,), 0.01, dtype=dtype), None)
+                for n, k in shapes.layer
+            ]
         nbytes = sum(m.weight_nbytes for m in layer)
         copies = [layer] + [copy.deepcopy(layer) for _ in range(_num_copies(nbytes, shapes) - 1)]
         return [[m.quantized_mm for m in c] for c in copies], int8_head.quantized_mm, dtype
@@ -105,6 +113,7 @@ def _step_linears(kind: str, shapes: LinearShapes, dense_dtype: torch.dtype, int
     dtype = torch.bfloat16 if packed else dense_dtype
     nbytes = sum(n * k for n, k in shapes.layer) * torch.tensor([], dtype=dtype).element_size()
     if packed:
+
         def linear(n: int, k: int) -> Callable[[Tensor], Tensor]:
             p = pack_weight(torch.full((n, k), 0.01, dtype=torch.bfloat16))
             return lambda x: packed_linear(x, p, None)
@@ -125,8 +134,13 @@ def _num_copies(layer_bytes: int, shapes: LinearShapes) -> int:
     return max(1, min(shapes.num_layers, math.ceil(STREAMED_BYTES / max(layer_bytes, 1))))
 
 
-def _one_pass(copies: list[list[Callable[[Tensor], Tensor]]], head: Callable[[Tensor], Tensor], x: Tensor,
-              xs: list[Tensor], num_layers: int) -> float:
+def _one_pass(
+    copies: list[list[Callable[[Tensor], Tensor]]],
+    head: Callable[[Tensor], Tensor],
+    x: Tensor,
+    xs: list[Tensor],
+    num_layers: int,
+) -> float:
     """Seconds for one step's linears: every copy's layer (scaled to the model's layer count) and the
     head; `x` the head's input, `xs` each layer linear's."""
     start = time.perf_counter()
@@ -139,15 +153,19 @@ def _one_pass(copies: list[list[Callable[[Tensor], Tensor]]], head: Callable[[Te
     return layers * num_layers / len(copies) + time.perf_counter() - start
 
 
-def time_formats(shapes: LinearShapes, candidates: tuple[str, ...], dense_dtype: torch.dtype,
-                 budget_s: float = TIME_BUDGET_S) -> FormatTimes:
+def time_formats(
+    shapes: LinearShapes, candidates: tuple[str, ...], dense_dtype: torch.dtype, budget_s: float = TIME_BUDGET_S
+) -> FormatTimes:
     """Time one step's linears for each candidate at 1 and FEW_ROWS rows: the candidates take turns
     (a neighbour's burst of load hits them alike) until `budget_s` is spent, counted from the
     start (building included); best of the repeats."""
     deadline = time.perf_counter() + budget_s
     vocab, hidden = shapes.head
-    head = Int8Linear(torch.full((vocab, hidden), 3, dtype=torch.int8),  # [V, H]
-                      torch.full((vocab,), 0.01, dtype=INT4_ACTIVATION_DTYPE), None)
+    head = Int8Linear(
+        torch.full((vocab, hidden), 3, dtype=torch.int8),  # [V, H]
+        torch.full((vocab,), 0.01, dtype=INT4_ACTIVATION_DTYPE),
+        None,
+    )
     head.cpu_gemv = ops_loaded()  # as use_cpu_gemv sets it
     built = {kind: _step_linears(kind, shapes, dense_dtype, head) for kind in candidates}
     inputs: dict[tuple[str, int], tuple[Tensor, list[Tensor]]] = {}
@@ -172,13 +190,20 @@ def time_formats(shapes: LinearShapes, candidates: tuple[str, ...], dense_dtype:
 def timing_key(shapes: LinearShapes, candidates: tuple[str, ...], dense_dtype: torch.dtype) -> str:
     """What the figures depend on: the CPU's model and flags, torch and the compiled ops (build_key),
     whether those are loaded, the thread count, the shapes and the candidates."""
-    parts = {"build": build_key(), "ops": ops_loaded(), "threads": torch.get_num_threads(), "shapes": asdict(shapes),
-             "candidates": list(candidates), "dense": str(dense_dtype)}
+    parts = {
+        "build": build_key(),
+        "ops": ops_loaded(),
+        "threads": torch.get_num_threads(),
+        "shapes": asdict(shapes),
+        "candidates": list(candidates),
+        "dense": str(dense_dtype),
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def measured_formats(shapes: LinearShapes, candidates: tuple[str, ...], dense_dtype: torch.dtype,
-                     timer: FormatTimer = time_formats) -> MeasuredFormats:
+def measured_formats(
+    shapes: LinearShapes, candidates: tuple[str, ...], dense_dtype: torch.dtype, timer: FormatTimer = time_formats
+) -> MeasuredFormats:
     """The candidates' times from the cache folder, or measured by `timer` and cached there (again
     when the cached file cannot be read: written by another version, or damaged)."""
     folder = cache_root() / "quantization-auto" / f"times-{timing_key(shapes, candidates, dense_dtype)}"

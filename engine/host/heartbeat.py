@@ -36,8 +36,10 @@ class BatchShape:
         return self.num_requests - self.num_prefills
 
     def __str__(self) -> str:
-        return (f"{self.num_requests} requests, {self.num_tokens} tokens: {self.num_prefills} prefills "
-                f"({self.num_prefill_tokens} tokens), {self.num_decodes} decodes")
+        return (
+            f"{self.num_requests} requests, {self.num_tokens} tokens: {self.num_prefills} prefills "
+            f"({self.num_prefill_tokens} tokens), {self.num_decodes} decodes"
+        )
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class Heartbeat:
             step_started=s[_STEP_STARTED],
             alive=s[_ALIVE],
             num_steps=int(s[_NUM_STEPS]),
-            shape=BatchShape(int(s[_NUM_REQUESTS]), int(s[_NUM_TOKENS]), int(s[_NUM_PREFILLS]),
-                             int(s[_NUM_PREFILL_TOKENS])),
+            shape=BatchShape(
+                int(s[_NUM_REQUESTS]), int(s[_NUM_TOKENS]), int(s[_NUM_PREFILLS]), int(s[_NUM_PREFILL_TOKENS])
+            ),
         )

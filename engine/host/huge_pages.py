@@ -3,7 +3,8 @@ moved into one buffer the kernel backs with transparent huge pages (2 MiB).
 
 Why: at one row a decode step reads every int4 layer and the int8 head once (~90 MiB on SmolLM2),
 spread over ~23,000 4 KiB pages; from huge pages the head and the whole step read faster
-(docs/PERF.md "The int4 kernel, the int8 head's prefetch and huge pages"). Linux gives an anonymous mapping huge pages on first touch
+(docs/PERF.md "The int4 kernel, the int8 head's prefetch and huge pages"). Linux gives an anonymous
+mapping huge pages on first touch
 only when madvise(MADV_HUGEPAGE) came first (THP in "madvise" mode, the common default), so the
 tensors are copied into a fresh, advised buffer; torch's own allocations are never advised.
 Where THP is off, or this is not Linux, nothing moves.
@@ -73,7 +74,7 @@ def move_to_huge_pages(slots: list[tuple[nn.Module, str]]) -> int:
         return 0
     raw, offset = made
     for (module, name), t in zip(slots, tensors):
-        copy = raw[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+        copy = raw[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
         copy.copy_(t)
         module._buffers[name] = copy  # the buffer, not a parameter: no autograd state to keep
         offset += -(-t.nbytes // _ALIGN) * _ALIGN

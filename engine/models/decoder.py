@@ -14,11 +14,11 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.cpu_paged import CpuAttentionBackend
-from engine.weights.model_config import ModelConfig
 from engine.host import cpu_threads
 from engine.host.cpu_threads import serial_cpu_ops
 from engine.models.layers import Linear, PositionedRotary, RMSNorm, RotaryEmbedding, embedding
 from engine.models.moe import SparseMoeBlock
+from engine.weights.config.model_config import ModelConfig
 from kernels import cpu_decode_layer, cpu_elementwise
 
 
@@ -49,8 +49,11 @@ class Attention(nn.Module):
         if self.q_norm is None and isinstance(rotary, PositionedRotary):
             # The CPU backend's one op for RoPE, the cache write and the attention (decode steps).
             attend_qkv = getattr(backend, "attend_qkv", None) if rotary.cpu_ops else None
-            out = attend_qkv(qkv, rotary.cos_rows, rotary.signed_sin_rows, kv_cache, self.num_heads) \
-                if attend_qkv is not None else None
+            out = (
+                attend_qkv(qkv, rotary.cos_rows, rotary.signed_sin_rows, kv_cache, self.num_heads)
+                if attend_qkv is not None
+                else None
+            )
             if out is not None:
                 return self.o_proj(out)
             # q and k are adjacent columns: one rotation of both heads' sets together.
@@ -105,8 +108,12 @@ def use_fused_layers(model: nn.Module) -> int:
     for layer in model.modules():
         if not isinstance(layer, DecoderLayer) or not layer.cpu_ops or layer.self_attn.q_norm is not None:
             continue
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
-                   getattr(layer.mlp, "down_proj", None))
+        linears = (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            getattr(layer.mlp, "gate_up_proj", None),
+            getattr(layer.mlp, "down_proj", None),
+        )
         kernels = [getattr(m, "kernel_weights", lambda: None)() for m in linears]
         if any(k is None for k in kernels) or len({(m.group_size, m.own_kernel) for m in linears}) != 1:
             continue
@@ -150,13 +157,28 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        if self.fused_weights is not None and x.shape[0] < self.fused_below_rows and isinstance(rotary, PositionedRotary):
+        if (
+            self.fused_weights is not None
+            and x.shape[0] < self.fused_below_rows
+            and isinstance(rotary, PositionedRotary)
+        ):
             meta = backend.decode_meta() if isinstance(backend, CpuAttentionBackend) else None
             if meta is not None:
                 return cpu_decode_layer.decode_layer_int4(
-                    x, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
-                    self.fused_weights, self.fused_group_size, rotary.cos_rows, rotary.signed_sin_rows, kv_cache, meta,
-                    self.self_attn.num_heads, backend.scale, self.fused_own_kernel)
+                    x,
+                    self.input_layernorm.weight,
+                    self.post_attention_layernorm.weight,
+                    self.input_layernorm.eps,
+                    self.fused_weights,
+                    self.fused_group_size,
+                    rotary.cos_rows,
+                    rotary.signed_sin_rows,
+                    kv_cache,
+                    meta,
+                    self.self_attn.num_heads,
+                    backend.scale,
+                    self.fused_own_kernel,
+                )
         attn = self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, backend)
         if self.cpu_ops:
             norm = self.post_attention_layernorm

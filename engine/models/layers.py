@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.weights.model_config import RopeConfig
+from engine.weights.config.model_config import RopeConfig
 from kernels import cpu_elementwise
 
 

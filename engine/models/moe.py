@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers import Linear
-from engine.weights.moe_config import MoeConfig
+from engine.weights.config.moe_config import MoeConfig
 from kernels.fused_moe import NVFP4ExpertWeights, route, select_experts
 from kernels.moe_dispatch import ExpertOperand, fused_experts, prepare_experts
 

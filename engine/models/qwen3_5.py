@@ -17,10 +17,10 @@ from torch import nn
 
 from engine.attention.hybrid_backend import HybridBackend
 from engine.attention.linear_attention import LinearAttentionBackend
-from engine.weights.model_config import ModelConfig
-from engine.weights.hybrid_config import LINEAR_ATTENTION
 from engine.models.decoder import MLP, DecoderForCausalLM
-from engine.models.layers import Linear, RotaryEmbedding, embedding
+from engine.models.layers import Linear, RotaryEmbedding
+from engine.weights.config.hybrid_config import LINEAR_ATTENTION
+from engine.weights.config.model_config import ModelConfig
 
 MLPFactory = Callable[[ModelConfig, int], nn.Module]  # (config, layer index) -> the layer's MLP
 
@@ -114,8 +114,14 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
-                backend: HybridBackend) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        backend: HybridBackend,
+    ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q_gate, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -140,8 +146,14 @@ class HybridDecoderLayer(nn.Module):
         self.self_attn = mixer if isinstance(mixer, GatedAttention) else None
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                kv_caches: list[torch.Tensor], backend: HybridBackend) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_caches: list[torch.Tensor],
+        backend: HybridBackend,
+    ) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
             h = self.linear_attn(h, backend.linear)

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from engine.attention.hybrid_backend import HybridBackend
-from engine.weights.model_config import ModelConfig
 from engine.models.layers import Linear, RotaryEmbedding
 from engine.models.qwen3_5 import GatedAttention, HybridDecoderLayer, MLPFactory, ZeroCenteredRMSNorm
+from engine.weights.config.model_config import ModelConfig
 
 MTP_PREFIX = "mtp."
 # mtp.* tensors outside its decoder layer: checkpoint name -> (our parameter path, shard)
@@ -46,8 +46,9 @@ class Qwen3_5MTP(nn.Module):
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
         self.fc = Linear(2 * cfg.hidden_size, [cfg.hidden_size])
         # The layer index only picks the MLP kind: the MTP layer comes after the main model's.
-        self.layers = nn.ModuleList([HybridDecoderLayer(cfg, cfg.num_layers, GatedAttention(cfg, 0),
-                                                        mlp_factory(cfg, cfg.num_layers))])
+        self.layers = nn.ModuleList(
+            [HybridDecoderLayer(cfg, cfg.num_layers, GatedAttention(cfg, 0), mlp_factory(cfg, cfg.num_layers))]
+        )
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, eps)
 
     def forward(
@@ -66,8 +67,9 @@ class Qwen3_5MTP(nn.Module):
         return self.norm(x)
 
 
-def map_mtp_name(name: str, map_layer_name: Callable[[str], tuple[str, int | None] | None]
-                 ) -> tuple[str, int | None] | None:
+def map_mtp_name(
+    name: str, map_layer_name: Callable[[str], tuple[str, int | None] | None]
+) -> tuple[str, int | None] | None:
     """mtp.* checkpoint name -> (our parameter path under `mtp.`, shard) or None (unused).
     `map_layer_name` maps a main-model name (model.layers.N.*) the same way the loader does."""
     if name in _OWN_TENSORS:

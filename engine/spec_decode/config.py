@@ -33,7 +33,9 @@ class SpeculativeConfig:
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError(f"--num-speculative-tokens: must be in 1..16, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ConfigError(f"--ngram-min / --ngram-max: need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}")
+            raise ConfigError(
+                f"--ngram-min / --ngram-max: need 1 <= min <= max, got {self.ngram_min}, {self.ngram_max}"
+            )
         if self.max_batch < 1:
             raise ConfigError(f"--speculative-max-batch: must be positive, got {self.max_batch}")
 

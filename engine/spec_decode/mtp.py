@@ -31,12 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.backend import kv_cache_shape
-from engine.batch import ForwardBatch, build_forward_batch
 from engine.attention.hybrid_backend import HybridBackend
+from engine.batch import ForwardBatch, build_forward_batch
 from engine.models.qwen3_5 import HybridForCausalLM
 from engine.models.qwen3_5_mtp import Qwen3_5MTP
 from scheduler.output import ScheduledRequest, SchedulerOutput
-
 
 
 @dataclass
@@ -46,9 +45,18 @@ class _Live:
 
 
 class MtpDrafter:
-    def __init__(self, model: HybridForCausalLM, backend: HybridBackend, num_kv_pages: int, block_size: int,
-                 max_num_seqs: int, num_speculative_tokens: int, max_batch: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        model: HybridForCausalLM,
+        backend: HybridBackend,
+        num_kv_pages: int,
+        block_size: int,
+        max_num_seqs: int,
+        num_speculative_tokens: int,
+        max_batch: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         mtp = getattr(model, "mtp", None)
         assert isinstance(mtp, Qwen3_5MTP), "the model was loaded without its MTP head"
         self.model = model
@@ -63,8 +71,9 @@ class MtpDrafter:
         self.scratch_base = num_kv_pages + 1
         self.scratch_per_seq = -(-num_speculative_tokens // block_size) + 1
         num_pages = self.scratch_base + max_num_seqs * self.scratch_per_seq
-        self.kv_cache = torch.zeros(kv_cache_shape(num_pages, block_size, cfg.num_kv_heads, cfg.head_dim),
-                                    dtype=dtype, device=device)
+        self.kv_cache = torch.zeros(
+            kv_cache_shape(num_pages, block_size, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device
+        )
         self.live: dict[str, _Live] = {}
         # request id -> (its number of tokens when the drafts were made, the drafts)
         self._ready: dict[str, tuple[int, list[int]]] = {}
@@ -92,8 +101,15 @@ class MtpDrafter:
         return made[1][:k]
 
     # ---- after the target forward -----------------------------------------------------------------------
-    def step(self, out: SchedulerOutput, batch: ForwardBatch, hidden: torch.Tensor,
-             emitted: dict[str, list[int]], replan: bool, skip: frozenset[str] = frozenset()) -> None:
+    def step(
+        self,
+        out: SchedulerOutput,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        emitted: dict[str, list[int]],
+        replan: bool,
+        skip: frozenset[str] = frozenset(),
+    ) -> None:
         """hidden [>= T, hidden]: the target's rows after its final norm; emitted: the tokens each
         sampling request emitted this step; replan: the target ran from a CUDA graph, so the
         attention backend holds no plan for `batch`; skip: requests to fill but not draft for
@@ -130,8 +146,10 @@ class MtpDrafter:
         for j in range(1, self.k):
             # Draft j + 1 at position P + j: fed draft j and the previous MTP output.
             step = SchedulerOutput(
-                requests=tuple(self._draft_row(i, r, pos + j, int(t)) for i, ((r, pos), t) in
-                               enumerate(zip(drafting, tok.tolist()))),
+                requests=tuple(
+                    self._draft_row(i, r, pos + j, int(t))
+                    for i, ((r, pos), t) in enumerate(zip(drafting, tok.tolist()))
+                ),
                 finished_request_ids=(),
             )
             draft_batch = build_forward_batch(step, self.block_size, h.device)

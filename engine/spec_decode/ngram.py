@@ -30,7 +30,7 @@ class NgramProposer:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)  # [L]
         for n in range(min(self.ngram_max, num - 1), self.ngram_min - 1, -1):
-            suffix = tokens[num - n:]  # [n]
+            suffix = tokens[num - n :]  # [n]
             # Windows starting at 0..num-n-1: every n-gram except the suffix itself.
             windows = sliding_window_view(tokens[: num - 1], n)  # [num - n, n]
             hits = np.flatnonzero((windows == suffix).all(axis=1))

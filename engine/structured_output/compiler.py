@@ -118,8 +118,11 @@ class Compiler:
             info = _tokenizer_info(str(Path(tokenizer).resolve()), self._vocab_size)
         else:
             info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size)
-        logger.info("grammar compiler: tokenizer tables of %d tokens ready in %.2f s", self._vocab_size,
-                    time.perf_counter() - started)
+        logger.info(
+            "grammar compiler: tokenizer tables of %d tokens built in %.2f s",
+            self._vocab_size,
+            time.perf_counter() - started,
+        )
         # One thread per compile: the machine's cores belong to the model. xgrammar's own cache is
         # off (it would be a second, unmetered copy): GrammarCache keeps compiled grammars.
         return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -56,8 +56,12 @@ def _malloc_trim() -> Callable[[], None]:
 class GrammarCache:
     """Thread-safe: `get` and `release` run on the engine's thread, compiles on the pool's."""
 
-    def __init__(self, compile_fn: Callable[[Any], Any], budget_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
-                 num_workers: int = DEFAULT_COMPILE_WORKERS) -> None:
+    def __init__(
+        self,
+        compile_fn: Callable[[Any], Any],
+        budget_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+        num_workers: int = DEFAULT_COMPILE_WORKERS,
+    ) -> None:
         assert budget_bytes >= 0 and num_workers >= 1, f"budget {budget_bytes}, workers {num_workers}"
         self.budget_bytes = budget_bytes
         self._compile_fn = compile_fn

@@ -105,8 +105,13 @@ class StructuredOutputs:
     Called from the engine's thread; compiles run on GrammarCache's pool.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
-                 compile_workers: int = DEFAULT_COMPILE_WORKERS) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+        compile_workers: int = DEFAULT_COMPILE_WORKERS,
+    ) -> None:
         """`tokenizer`: the checkpoint's transformers tokenizer, or its folder (loaded on the first
         compile, or by `start`); `vocab_size`: the model's (padded) logits width, which may exceed
         the tokenizer's; `cache_bytes`: the budget of compiled grammars kept (--grammar-cache-bytes)."""
@@ -148,8 +153,10 @@ class StructuredOutputs:
             elif spec.kind == "regex":
                 xgrammar.Grammar.from_regex(spec.text)
         except RuntimeError as e:
-            raise ParamError(f"invalid {'grammar' if spec.kind == 'ebnf' else 'regex'}: {str(e).splitlines()[-1][:300]}",
-                             "grammar" if spec.kind == "ebnf" else "regex") from None
+            raise ParamError(
+                f"invalid {'grammar' if spec.kind == 'ebnf' else 'regex'}: {str(e).splitlines()[-1][:300]}",
+                "grammar" if spec.kind == "ebnf" else "regex",
+            ) from None
 
     @staticmethod
     def prepare_checks() -> None:
@@ -263,8 +270,12 @@ class StructuredOutputs:
                 # NOTE: failing the step would fail every request in the batch; this request alone
                 # ends, with an error (take_failed): never as if the model chose to say nothing.
                 reason = e.reason if isinstance(e, GrammarFailed) else "compile"
-                logger.error("%s: its grammar could not be made (%s); the request ends with an error", request_id, e,
-                             exc_info=not isinstance(e, GrammarFailed))
+                logger.error(
+                    "%s: its grammar could not be made (%s); the request ends with an error",
+                    request_id,
+                    e,
+                    exc_info=not isinstance(e, GrammarFailed),
+                )
                 state.failed = True
                 with self._failed_lock:
                     self._failed[request_id] = reason

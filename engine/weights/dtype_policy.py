@@ -44,7 +44,9 @@ def cpu_has_native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device, quantization: str | None = None) -> torch.dtype:
+def resolve_dtype(
+    name: str, checkpoint_dtype: str, device: torch.device, quantization: str | None = None
+) -> torch.dtype:
     """`name` is EngineConfig.dtype, `checkpoint_dtype` config.json's torch_dtype and `quantization`
     EngineConfig.quantization.
 
@@ -63,12 +65,17 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device, quanti
         return torch.bfloat16
     if not cpu_has_native_bf16():
         if dtype != torch.float32:
-            logger.info("dtype auto: this CPU has no AMX/AVX512-BF16, so %s runs as float32 (faster here)",
-                        checkpoint_dtype)
+            logger.info(
+                "dtype auto: this CPU has no AMX/AVX512-BF16, so %s runs as float32 (faster here)", checkpoint_dtype
+            )
         return torch.float32
     if dtype != torch.bfloat16:
-        logger.info("dtype auto: this CPU has AMX/AVX512-BF16, so the %s checkpoint runs as bfloat16 (faster "
-                    "here; --dtype %s keeps it)", checkpoint_dtype, checkpoint_dtype)
+        logger.info(
+            "dtype auto: this CPU has AMX/AVX512-BF16, so the %s checkpoint runs as bfloat16 (faster "
+            "here; --dtype %s keeps it)",
+            checkpoint_dtype,
+            checkpoint_dtype,
+        )
     return torch.bfloat16
 
 
@@ -89,17 +96,27 @@ def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) 
         return dtype
     kv_dtype = DTYPES[name]
     if device.type != "cpu" and kv_dtype != dtype:
-        raise ConfigError(f"--kv-cache-dtype {name}: on {device.type} the KV cache holds the model dtype "
-                          f"({str(dtype).removeprefix('torch.')}); use auto")
+        raise ConfigError(
+            f"--kv-cache-dtype {name}: on {device.type} the KV cache holds the model dtype "
+            f"({str(dtype).removeprefix('torch.')}); use auto"
+        )
     if kv_dtype != dtype:
-        logger.info("kv cache dtype: %s (the model runs %s; K/V are cast as they are written and read)", name,
-                    str(dtype).removeprefix("torch."))
+        logger.info(
+            "kv cache dtype: %s (the model runs %s; K/V are cast as they are written and read)",
+            name,
+            str(dtype).removeprefix("torch."),
+        )
     return kv_dtype
 
 
-def resolve_quantization(requested: str | None, model: str | None, device: torch.device,
-                         dtype: str = "auto", shapes: LinearShapes | None = None,
-                         timer: FormatTimer = time_formats) -> str | None:
+def resolve_quantization(
+    requested: str | None,
+    model: str | None,
+    device: torch.device,
+    dtype: str = "auto",
+    shapes: LinearShapes | None = None,
+    timer: FormatTimer = time_formats,
+) -> str | None:
     """EngineConfig.quantization -> the scheme quantized at load (None: the checkpoint as it is);
     `model` and `dtype` are EngineConfig's, `shapes` the model's linears (LinearShapes.of).
 
@@ -114,21 +131,31 @@ def resolve_quantization(requested: str | None, model: str | None, device: torch
         return None
     if requested != "auto":
         if requested == INT8 and dtype in ("float32", "float16"):
-            logger.warning("--quantization int8 with --dtype %s: torch's int8 kernel is 10x slower and more with "
-                           "%s activations than with bfloat16 ones (--dtype auto)", dtype, dtype)
+            logger.warning(
+                "--quantization int8 with --dtype %s: torch's int8 kernel is 10x slower and more with "
+                "%s activations than with bfloat16 ones (--dtype auto)",
+                dtype,
+                dtype,
+            )
         return requested
     if device.type != "cpu" or dtype not in ("auto", "bfloat16") or (model or default_model()) != DEFAULT_MODEL_NAME:
         return None
     if shapes is not None:
         return _fastest_measured(shapes, dtype, timer)
     if int4_kernel_is_fast():
-        logger.info("quantization auto: the built-in %s runs int4 on this AVX512 CPU: its Q4_1 GGUF's own "
-                    "4-bit grid, the lm_head int8, the fastest format measured at one row; --quantization none "
-                    "keeps it float", DEFAULT_MODEL_NAME)
+        logger.info(
+            "quantization auto: the built-in %s runs int4 on this AVX512 CPU: its Q4_1 GGUF's own "
+            "4-bit grid, the lm_head int8, the fastest format measured at one row; --quantization none "
+            "keeps it float",
+            DEFAULT_MODEL_NAME,
+        )
         return INT4
-    logger.info("quantization auto: the built-in %s runs int8 on this CPU (torch's int4 kernel has no fast "
-                "path without AVX512, here %s); --quantization none keeps it float", DEFAULT_MODEL_NAME,
-                torch.backends.cpu.get_cpu_capability())
+    logger.info(
+        "quantization auto: the built-in %s runs int8 on this CPU (torch's int4 kernel has no fast "
+        "path without AVX512, here %s); --quantization none keeps it float",
+        DEFAULT_MODEL_NAME,
+        torch.backends.cpu.get_cpu_capability(),
+    )
     return INT8
 
 
@@ -147,9 +174,19 @@ def _fastest_measured(shapes: LinearShapes, dtype: str, timer: FormatTimer) -> s
     else:
         where = f"measured on this CPU in {time.perf_counter() - start:.1f} s, cached in {measured.folder}"
     threads = torch.get_num_threads()
-    logger.info("quantization auto: %s for the built-in %s (a step's linears on %d thread%s at 1 row: %.2f ms vs %s; "
-                "at %d rows: %s; %s); --quantization int4/int8/none sets it", names[chosen], DEFAULT_MODEL_NAME,
-                threads, "" if threads == 1 else "s", times[chosen].one_row_ms, others, FEW_ROWS, few, where)
+    logger.info(
+        "quantization auto: %s for the built-in %s (a step's linears on %d thread%s at 1 row: %.2f ms vs %s; "
+        "at %d rows: %s; %s); --quantization int4/int8/none sets it",
+        names[chosen],
+        DEFAULT_MODEL_NAME,
+        threads,
+        "" if threads == 1 else "s",
+        times[chosen].one_row_ms,
+        others,
+        FEW_ROWS,
+        few,
+        where,
+    )
     return None if chosen == DENSE else chosen
 
 
@@ -162,8 +199,11 @@ def int8_dense_from_rows(requested: str | None, scheme: str | None) -> int:
         return 0
     if scheme == INT4:
         rows = AUTO_INT4_DENSE_FROM_ROWS if cpu_has_native_bf16() else AUTO_INT4_DENSE_FROM_ROWS_NO_BF16
-        logger.info("quantization auto: inputs of %d rows or more (prefills, larger decode batches) multiply a "
-                    "dense %s copy of the checkpoint's weights, faster there than the int4 kernel", rows,
-                    "bf16 oneDNN-packed" if cpu_has_native_bf16() else "float32")
+        logger.info(
+            "quantization auto: inputs of %d rows or more (prefills, larger decode batches) multiply a "
+            "dense %s copy of the checkpoint's weights, faster there than the int4 kernel",
+            rows,
+            "bf16 oneDNN-packed" if cpu_has_native_bf16() else "float32",
+        )
         return rows
     return AUTO_INT8_DENSE_FROM_ROWS if scheme == INT8 else 0

@@ -39,8 +39,14 @@ class Unloaded(nn.Module):
         raise AssertionError("a quantized linear was used before the loader finished it")
 
 
-def plan_linears(model: DecoderForCausalLM, names: set[str], method: QuantizationMethod | None,
-                 dtype: torch.dtype, device: torch.device, fp8: Fp8Format | None = None) -> dict[str, LinearBuilder]:
+def plan_linears(
+    model: DecoderForCausalLM,
+    names: set[str],
+    method: QuantizationMethod | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    fp8: Fp8Format | None = None,
+) -> dict[str, LinearBuilder]:
     """Builders by module path. A packed NVFP4 checkpoint: the linears whose tensors say so (exclude
     lists vary between producers; the tensors do not lie); at load (NVFP4, int8 or int4): q/k/v/o,
     gate/up/down; `fp8` (FP8 kept on this device): the linears stored with block scales."""
@@ -65,15 +71,18 @@ def plan_linears(model: DecoderForCausalLM, names: set[str], method: Quantizatio
         fmt = method.checkpoint_format
         flags = [is_quantizable(h) if fmt is None else is_packed(fmt, names, h) for h in hf]
         if any(flags) and not all(flags):
-            raise ConfigError(f"{hf[flags.index(True)]} is NVFP4 but {hf[flags.index(False)]} is not; "
-                              f"the linears fused into {module_path} need one format")
+            raise ConfigError(
+                f"{hf[flags.index(True)]} is NVFP4 but {hf[flags.index(False)]} is not; "
+                f"the linears fused into {module_path} need one format"
+            )
         if not all(flags):
             continue
         if method.scheme == INT8:
             plan[module_path] = Int8LinearBuilder(hf, module.shard_sizes, module.in_features, bias, dtype, device)
         elif method.scheme == INT4:
-            plan[module_path] = Int4LinearBuilder(hf, module.shard_sizes, module.in_features, bias, dtype, device,
-                                                  method.int8_dense_from_rows)
+            plan[module_path] = Int4LinearBuilder(
+                hf, module.shard_sizes, module.in_features, bias, dtype, device, method.int8_dense_from_rows
+            )
         else:
             plan[module_path] = NVFP4LinearBuilder(method, hf, module.shard_sizes, module.in_features, bias, device)
     return plan

@@ -1,7 +1,8 @@
 """Weights from a local HF checkpoint (one safetensors file or a sharded index) straight into
 our modules, tensor by tensor: float; NVFP4 linears packed in the checkpoint or quantized here;
 int8 at load; block-wise FP8 kept as FP8 on GPUs with FP8 tensor cores or dequantized as it streams
-(engine/weights/formats/fp8.py); and the MTP head, from the checkpoint or a second folder (engine/weights/mtp_source.py).
+(engine/weights/formats/fp8.py); and the MTP head, from the checkpoint or a second folder
+(engine/weights/mtp_source.py).
 A missing or mis-shaped tensor fails start-up with one line naming it."""
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from engine.weights.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.models.decoder import DecoderForCausalLM, make_mlp
 from engine.models.layers import Linear, RotaryEmbedding
@@ -23,6 +23,7 @@ from engine.models.moe import NVFP4Experts
 from engine.models.qwen3_5 import HybridForCausalLM
 from engine.models.qwen3_5_mtp import MTP_PREFIX, Qwen3_5MTP, map_mtp_name
 from engine.weights.checkpoint_files import checkpoint_files, iter_checkpoint, tensor_names
+from engine.weights.config.model_config import ModelConfig
 from engine.weights.formats.fp8 import Fp8Dequantizer, Fp8Format, fp8_format, keeps_fp8
 from engine.weights.formats.int4_linear import Int4Linear, check_int4_device
 from engine.weights.formats.int8_linear import Int8Linear, check_int8_device, quantize_int8
@@ -132,8 +133,9 @@ def _materialize(model: DecoderForCausalLM, built_paths: list[str], device: torc
         model.lm_head.weight = model.embed_tokens.weight
 
 
-def _expected_tensors(params: dict[str, nn.Parameter], modules: dict[str, nn.Module],
-                      cfg: ModelConfig) -> set[tuple[str, int | None]]:
+def _expected_tensors(
+    params: dict[str, nn.Parameter], modules: dict[str, nn.Module], cfg: ModelConfig
+) -> set[tuple[str, int | None]]:
     """(parameter path, shard) of every float tensor the checkpoint must provide."""
     expected: set[tuple[str, int | None]] = set()
     for pname in params:
@@ -204,9 +206,16 @@ class _Sink:
             self.head_int8 = quantize_int8(tensor, self.dtype)  # from the stored values, not the dtype copy
 
 
-def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-               quantization: QuantizationMethod | None = None, mtp: bool = False,
-               mtp_path: Path | None = None) -> DecoderForCausalLM:
+def load_model(
+    path: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_len: int,
+    quantization: QuantizationMethod | None = None,
+    mtp: bool = False,
+    mtp_path: Path | None = None,
+) -> DecoderForCausalLM:
     """`mtp`: load an MTP head too (`model.mtp`, --speculative-method mtp): the checkpoint's mtp.*
     tensors, or those of `mtp_path` (--speculative-model), whose body is not read."""
     int8 = quantization is not None and quantization.scheme in CPU_SCHEMES  # int8 or int4
@@ -229,17 +238,24 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
         names = [n for n in names if not n.startswith(MTP_PREFIX)] + list(source.names)
     num_mtp = sum(n.startswith(MTP_PREFIX) for n in names)
     if mtp and not num_mtp:
-        raise ConfigError(f"--speculative-method mtp: {path} has no mtp.* tensors (this checkpoint carries no MTP "
-                          "head); take one from another checkpoint of the model with --speculative-model PATH, "
-                          "or use --speculative-method ngram")
+        raise ConfigError(
+            f"--speculative-method mtp: {path} has no mtp.* tensors (this checkpoint carries no MTP "
+            "head); take one from another checkpoint of the model with --speculative-model PATH, "
+            "or use --speculative-method ngram"
+        )
     model = _meta_model(cfg, dtype, max_len, mtp)
     pending = plan_linears(model, set(names), quantization, dtype, device, keep_fp8)
     # NOTE: routed experts stay in the model dtype under int8 (no int8 expert kernel here).
     experts = ExpertLoader(model, set(names), None if int8 else quantization, dtype, device, keep_fp8)
     _materialize(model, list(pending), device, max_len)
-    sink = _Sink(model, dtype, experts, pending,
-                 tensor_roles(quantization.checkpoint_format)[1] if quantization and quantization.checkpoint_format else (),
-                 head_source)
+    sink = _Sink(
+        model,
+        dtype,
+        experts,
+        pending,
+        tensor_roles(quantization.checkpoint_format)[1] if quantization and quantization.checkpoint_format else (),
+        head_source,
+    )
     expected = {e for e in _expected_tensors(sink.params, sink.modules, cfg) if e[0] not in experts.float_param_paths()}
     dequantizer = None
     if fp8 is not None:
@@ -248,8 +264,9 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     left_out: dict[str, list[str]] = {}  # "vision" | "mtp" -> tensor names a text server does not load
     with torch.no_grad():
         try:
-            for name, tensor in tqdm(iter_checkpoint(path), total=num_tensors, desc="loading weights",
-                                     unit="tensor", disable=None):
+            for name, tensor in tqdm(
+                iter_checkpoint(path), total=num_tensors, desc="loading weights", unit="tensor", disable=None
+            ):
                 part = skipped_part(name)
                 if part is not None and not (part == "mtp" and mtp and source is None):
                     left_out.setdefault(part, []).append(name)
@@ -263,13 +280,17 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
             raise ConfigError(f"{path}: {e}") from None
         if source is not None:
             try:
-                for name, tensor in tqdm(source.tensors(), total=source.num_tensors, desc="loading MTP head",
-                                         unit="tensor", disable=None):
+                for name, tensor in tqdm(
+                    source.tensors(), total=source.num_tensors, desc="loading MTP head", unit="tensor", disable=None
+                ):
                     sink.put(name, tensor)
             except ConfigError as e:
                 message = str(e)
-                raise ConfigError(message if message.startswith("--speculative-model") else
-                                  f"--speculative-model {source.path}: {message}") from None
+                raise ConfigError(
+                    message
+                    if message.startswith("--speculative-model")
+                    else f"--speculative-model {source.path}: {message}"
+                ) from None
     _finish(model, path, sink, expected, experts, pending)
     if sink.head_int8 is not None:
         bias = model.lm_head.bias
@@ -282,23 +303,40 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
         _log_int8(model, dtype)
     if sink.num_skipped:
         skipped = "/".join(sink.skipped_suffixes)
-        logger.info("skipped %d W4A4 activation scales (%s): weight-only NVFP4, activations stay in %s",
-                    sink.num_skipped, skipped, str(dtype).removeprefix("torch."))
+        logger.info(
+            "skipped %d W4A4 activation scales (%s): weight-only NVFP4, activations stay in %s",
+            sink.num_skipped,
+            skipped,
+            str(dtype).removeprefix("torch."),
+        )
     _log_left_out(left_out)
     if fp8 is not None:
         _log_fp8(model, fp8, keep_fp8 is not None, quantization, dtype, device, dequantizer)
     if mtp:
-        where = f"from {source.path}{' (FP8, dequantized)' if source.fp8 else ''}; the body's own mtp.* unread" \
-            if source is not None else "from the checkpoint"
-        logger.info("MTP head loaded: %d mtp.* tensors %s (fc, 1 gated-attention layer, norms; embedding and lm_head "
-                    "shared with the main model)", num_mtp, where)
+        where = (
+            f"from {source.path}{' (FP8, dequantized)' if source.fp8 else ''}; the body's own mtp.* unread"
+            if source is not None
+            else "from the checkpoint"
+        )
+        logger.info(
+            "MTP head loaded: %d mtp.* tensors %s (fc, 1 gated-attention layer, norms; embedding and lm_head "
+            "shared with the main model)",
+            num_mtp,
+            where,
+        )
     if sink.unused:
         logger.warning("ignored %d checkpoint tensors (e.g. %s)", len(sink.unused), sink.unused[0])
     return model.eval()
 
 
-def _finish(model: DecoderForCausalLM, path: Path, sink: _Sink, expected: set[tuple[str, int | None]],
-            experts: ExpertLoader, pending: dict[str, LinearBuilder]) -> None:
+def _finish(
+    model: DecoderForCausalLM,
+    path: Path,
+    sink: _Sink,
+    expected: set[tuple[str, int | None]],
+    experts: ExpertLoader,
+    pending: dict[str, LinearBuilder],
+) -> None:
     """Fail on the first missing tensor; put the built linears and experts in place."""
     missing = sorted(expected - sink.seen, key=str)
     if missing:
@@ -314,30 +352,46 @@ def _finish(model: DecoderForCausalLM, path: Path, sink: _Sink, expected: set[tu
         raise ConfigError(f"{path}: {e}") from None
 
 
-def _log_fp8(model: nn.Module, fmt: Fp8Format, kept: bool, quantization: QuantizationMethod | None,
-             dtype: torch.dtype, device: torch.device, dequantizer: Fp8Dequantizer | None) -> None:
+def _log_fp8(
+    model: nn.Module,
+    fmt: Fp8Format,
+    kept: bool,
+    quantization: QuantizationMethod | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    dequantizer: Fp8Dequantizer | None,
+) -> None:
     """One line: the checkpoint's format, what became of it, and the resident bytes."""
     footprint = weight_bytes(model)
     name = str(dtype).removeprefix("torch.")
     if kept:
-        what = (f"{footprint.num_fp8_linears} linears and expert blocks kept in FP8 on {device} (W8A8: activations "
-                f"quantized per token and group of {fmt.block[1]}); {footprint.fp8 / _MIB:.2f} MiB of e4m3 codes "
-                "and block scales")
+        what = (
+            f"{footprint.num_fp8_linears} linears and expert blocks kept in FP8 on {device} (W8A8: activations "
+            f"quantized per token and group of {fmt.block[1]}); {footprint.fp8 / _MIB:.2f} MiB of e4m3 codes "
+            "and block scales"
+        )
     elif quantization is not None:
         what = f"dequantized at load and re-quantized ({quantization.describe()})"
     else:
         why = "this device has no FP8 tensor cores" if device.type != "cpu" else "CPU"
         what = f"dequantized at load to {name} ({why})"
     count = dequantizer.num_dequantized if dequantizer is not None else 0
-    logger.info("checkpoint format: %s; %s; %d FP8 tensors dequantized; weights resident: %.2f MiB",
-                fmt.describe(), what, count, footprint.total / _MIB)
+    logger.info(
+        "checkpoint format: %s; %s; %d FP8 tensors dequantized; weights resident: %.2f MiB",
+        fmt.describe(),
+        what,
+        count,
+        footprint.total / _MIB,
+    )
 
 
 def _log_left_out(left_out: dict[str, list[str]]) -> None:
     """One start-up line per part of a checkpoint this text server does not load."""
     vision, mtp = left_out.get("vision", []), left_out.get("mtp", [])
     if vision:
-        logger.info("skipped %d vision tensors (model.visual.*, e.g. %s): this server serves text", len(vision), vision[0])
+        logger.info(
+            "skipped %d vision tensors (model.visual.*, e.g. %s): this server serves text", len(vision), vision[0]
+        )
     if mtp:
         logger.info("skipped %d MTP tensors (mtp.*): not loaded until speculative decoding uses them", len(mtp))
 
@@ -351,11 +405,27 @@ def _log_int8(model: nn.Module, dtype: torch.dtype) -> None:
     head = "lm_head stays float"
     if isinstance(getattr(model, "lm_head", None), Int8Linear):
         head = "lm_head int8 too" if scheme == "int8" else "lm_head int8 (4 bits cost it more than the layers)"
-    logger.info("%s: %d linears quantized at load (%.2f MiB of %s codes and scales; %s); activations in %s; "
-                "embeddings and norms stay in %s", scheme, len(linears), nbytes / (1 << 20), scheme, head, name, name)
+    logger.info(
+        "%s: %d linears quantized at load (%.2f MiB of %s codes and scales; %s); activations in %s; "
+        "embeddings and norms stay in %s",
+        scheme,
+        len(linears),
+        nbytes / (1 << 20),
+        scheme,
+        head,
+        name,
+        name,
+    )
     dense = sum(m.dense_nbytes for m in linears)
     if dense:
         what = "checkpoint's weights" if scheme == "int4" else "dequantized weights"
-        logger.info("%s: inputs of %d rows or more (prefill, large batches) multiply a dense %s copy of the "
-                    "%s (%.2f MiB more), faster there than the %s kernel", scheme,
-                    linears[0].dense_from_rows, name, what, dense / (1 << 20), scheme)
+        logger.info(
+            "%s: inputs of %d rows or more (prefill, large batches) multiply a dense %s copy of the "
+            "%s (%.2f MiB more), faster there than the %s kernel",
+            scheme,
+            linears[0].dense_from_rows,
+            name,
+            what,
+            dense / (1 << 20),
+            scheme,
+        )

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from engine.errors import ConfigError
-from engine.weights.formats.fp8 import SCALE_SUFFIX, Fp8ExpertCollector, Fp8Format, is_fp8_linear
 from engine.models.moe import Experts, NVFP4Experts, SparseMoeBlock
+from engine.weights.formats.fp8 import SCALE_SUFFIX, Fp8ExpertCollector, Fp8Format, is_fp8_linear
 from engine.weights.formats.nvfp4 import (
     LINEAR_SUFFIXES,
     QuantizationMethod,
@@ -25,8 +25,8 @@ from engine.weights.formats.nvfp4 import (
     tensor_roles,
     weight_from_tensors,
 )
-from kernels.fused_moe import NVFP4ExpertWeights
 from kernels.fp8_dispatch import Fp8Experts
+from kernels.fused_moe import NVFP4ExpertWeights
 from kernels.nvfp4 import BLOCK_SIZE, NVFP4Weight
 
 logger = logging.getLogger("fp4serve.loader")
@@ -66,8 +66,11 @@ def split_fused_experts(name: str, tensor: Tensor) -> dict[str, Tensor] | None:
     if m.group(2) == "down_proj":
         return {f"{prefix}.{e}.down_proj.weight": tensor[e] for e in range(tensor.shape[0])}
     gate, up = tensor.chunk(2, dim=1)
-    return {f"{prefix}.{e}.{proj}_proj.weight": w[e] for e in range(tensor.shape[0]) for proj, w in
-            (("gate", gate), ("up", up))}
+    return {
+        f"{prefix}.{e}.{proj}_proj.weight": w[e]
+        for e in range(tensor.shape[0])
+        for proj, w in (("gate", gate), ("up", up))
+    }
 
 
 class _UnloadedExperts(nn.Module):
@@ -97,8 +100,15 @@ class ExpertLoader:
     puts NVFP4 experts in place. Create it before the model is materialized (NVFP4 experts never
     allocate float storage)."""
 
-    def __init__(self, model: nn.Module, tensor_names: set[str], method: QuantizationMethod | None,
-                 dtype: torch.dtype, device: torch.device, fp8: Fp8Format | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tensor_names: set[str],
+        method: QuantizationMethod | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        fp8: Fp8Format | None = None,
+    ) -> None:
         """`fp8`: the checkpoint's FP8 format when FP8 experts stay FP8 on this device."""
         self.method = method
         self.dtype = dtype
@@ -125,19 +135,25 @@ class ExpertLoader:
                 mode = "quantize"
                 for name, size in (("hidden_size", hidden), ("moe_intermediate_size", experts.intermediate_size)):
                     if size % BLOCK_SIZE:
-                        raise ConfigError(f"--quantization nvfp4: {name} = {size} is not a multiple of "
-                                          f"{BLOCK_SIZE} (the NVFP4 block)")
+                        raise ConfigError(
+                            f"--quantization nvfp4: {name} = {size} is not a multiple of {BLOCK_SIZE} (the NVFP4 block)"
+                        )
             else:
                 mode = "packed" if is_packed(fmt, tensor_names, prefix) else "float"
             if mode != "float":
                 module.experts = _UnloadedExperts()
-            self.slots[layer] = _BlockSlots(module, experts.num_experts, experts.intermediate_size, hidden, mode,
-                                            fp8=collector)
+            self.slots[layer] = _BlockSlots(
+                module, experts.num_experts, experts.intermediate_size, hidden, mode, fp8=collector
+            )
 
     def float_param_paths(self) -> set[str]:
         """Our parameter paths the generic loader must not expect (this loader fills them)."""
-        return {f"layers.{layer}.mlp.experts.{w}" for layer, s in self.slots.items() if s.mode == "float"
-                for w in ("w13", "w2")}
+        return {
+            f"layers.{layer}.mlp.experts.{w}"
+            for layer, s in self.slots.items()
+            if s.mode == "float"
+            for w in ("w13", "w2")
+        }
 
     def keeps_fp8(self, name: str) -> bool:
         """Whether `name` is an expert tensor of a block whose FP8 experts stay FP8 (the loader
@@ -169,15 +185,16 @@ class ExpertLoader:
 
     def _slots(self, layer: int, name: str) -> _BlockSlots:
         if layer not in self.slots:
-            raise ConfigError(f"tensor '{name}': layer {layer} is not a MoE layer in config.json "
-                              "(see mlp_only_layers, decoder_sparse_step)")
+            raise ConfigError(
+                f"tensor '{name}': layer {layer} is not a MoE layer in config.json "
+                "(see mlp_only_layers, decoder_sparse_step)"
+            )
         return self.slots[layer]
 
     def _expected_shape(self, slots: _BlockSlots, proj: str) -> tuple[int, int]:
         return (slots.hidden, slots.intermediate) if proj == "down" else (slots.intermediate, slots.hidden)
 
-    def _add_expert(self, slots: _BlockSlots, expert: int, proj: str, suffix: str, tensor: Tensor,
-                    name: str) -> None:
+    def _add_expert(self, slots: _BlockSlots, expert: int, proj: str, suffix: str, tensor: Tensor, name: str) -> None:
         key = (expert, proj)
         if slots.fp8 is not None:
             slots.fp8.add_expert(expert, proj, suffix, tensor, name)
@@ -196,16 +213,19 @@ class ExpertLoader:
                 hf_module = name.rpartition(".")[0]
                 weight = weight_from_tensors(self.method.checkpoint_format, parts, hf_module)
                 if weight.shape != self._expected_shape(slots, proj):
-                    raise ConfigError(f"{hf_module}: NVFP4 weight of shape {list(weight.shape)}, expected "
-                                      f"{list(self._expected_shape(slots, proj))}")
+                    raise ConfigError(
+                        f"{hf_module}: NVFP4 weight of shape {list(weight.shape)}, expected "
+                        f"{list(self._expected_shape(slots, proj))}"
+                    )
                 slots.weights[key] = weight.to(self.device)
                 del slots.parts[key]
             return
         if suffix != "weight":
             raise ConfigError(f"tensor '{name}': experts here are float; expected only '.weight'")
         if tuple(tensor.shape) != self._expected_shape(slots, proj):
-            raise ConfigError(f"tensor '{name}' has shape {list(tensor.shape)}, expected "
-                              f"{list(self._expected_shape(slots, proj))}")
+            raise ConfigError(
+                f"tensor '{name}' has shape {list(tensor.shape)}, expected {list(self._expected_shape(slots, proj))}"
+            )
         if slots.mode == "quantize":
             slots.weights[key] = quantize_weight(tensor.to(self.device), name)
             return
@@ -225,8 +245,10 @@ class ExpertLoader:
         if tuple(tensor.shape) != expected:
             raise ConfigError(f"tensor '{name}' has shape {list(tensor.shape)}, expected {list(expected)}")
         if slots.mode == "packed":
-            raise ConfigError(f"tensor '{name}': a fused float expert tensor in an NVFP4 checkpoint whose "
-                              "experts are packed per expert")
+            raise ConfigError(
+                f"tensor '{name}': a fused float expert tensor in an NVFP4 checkpoint whose "
+                "experts are packed per expert"
+            )
         projs = [("gate", slice(0, i)), ("up", slice(i, 2 * i))] if which == "gate_up_proj" else [("down", slice(None))]
         for expert in range(e):
             for proj, rows in projs:
@@ -248,12 +270,15 @@ class ExpertLoader:
                 for proj in ("gate", "up", "down"):
                     if (expert, proj) not in have:
                         suffix = "weight" if fmt is None or slots.mode == "float" else tensor_roles(fmt)[0][0]
-                        raise ConfigError(f"missing tensor for 'model.layers.{layer}.mlp.experts.{expert}."
-                                          f"{proj}_proj.{suffix}' (or the fused mlp.experts.*_proj)")
+                        raise ConfigError(
+                            f"missing tensor for 'model.layers.{layer}.mlp.experts.{expert}."
+                            f"{proj}_proj.{suffix}' (or the fused mlp.experts.*_proj)"
+                        )
             if slots.mode == "float":
                 continue
-            w13 = NVFP4ExpertWeights.stack([[slots.weights[(e, "gate")], slots.weights[(e, "up")]]
-                                            for e in range(slots.num_experts)])
+            w13 = NVFP4ExpertWeights.stack(
+                [[slots.weights[(e, "gate")], slots.weights[(e, "up")]] for e in range(slots.num_experts)]
+            )
             w2 = NVFP4ExpertWeights.stack([[slots.weights[(e, "down")]] for e in range(slots.num_experts)])
             slots.weights.clear()
             slots.block.experts = NVFP4Experts(w13, w2)  # on the device already
@@ -273,7 +298,13 @@ class ExpertLoader:
         first = next(iter(self.slots.values()))
         names = {"float": str(self.dtype).removeprefix("torch."), "fp8": "fp8 W8A8"}
         modes = sorted({names.get(s.mode, "nvfp4") for s in self.slots.values()})
-        logger.info("moe: %d sparse layers x %d experts (%d active per token); experts resident %.2f MiB (%s)",
-                    len(blocks), first.num_experts, first.block.top_k, nbytes / _MIB, "/".join(modes))
+        logger.info(
+            "moe: %d sparse layers x %d experts (%d active per token); experts resident %.2f MiB (%s)",
+            len(blocks),
+            first.num_experts,
+            first.block.top_k,
+            nbytes / _MIB,
+            "/".join(modes),
+        )
         if self.num_skipped:
             logger.info("skipped %d W4A4 expert activation scales: weight-only NVFP4", self.num_skipped)

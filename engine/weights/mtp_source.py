@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.weights.model_config import ModelConfig
 from engine.errors import ConfigError
 from engine.models.qwen3_5_mtp import MTP_PREFIX
 from engine.weights.checkpoint_files import checkpoint_files, tensor_names
+from engine.weights.config.model_config import ModelConfig
 from engine.weights.formats.fp8 import SCALE_SUFFIX, Fp8Dequantizer, fp8_format
 
 # Fields of the two configs that must agree: the head's layer shapes, its norms, and the
@@ -44,20 +44,26 @@ class MtpSource:
         except ConfigError as e:
             raise ConfigError(f"{flag}: {e}") from None
         if cfg.model_type != body.model_type:
-            raise ConfigError(f"{flag}: a {cfg.architecture} checkpoint; the model is {body.architecture} "
-                              "(the MTP head must come from the same model)")
+            raise ConfigError(
+                f"{flag}: a {cfg.architecture} checkpoint; the model is {body.architecture} "
+                "(the MTP head must come from the same model)"
+            )
         for field in _SAME:
             mine, theirs = getattr(body, field), getattr(cfg, field)
             if mine != theirs:
-                raise ConfigError(f"{flag}: {_FIELD_NAMES.get(field, field)} is {theirs} in its config.json, "
-                                  f"{mine} in the model's (the MTP head must come from the same model)")
+                raise ConfigError(
+                    f"{flag}: {_FIELD_NAMES.get(field, field)} is {theirs} in its config.json, "
+                    f"{mine} in the model's (the MTP head must come from the same model)"
+                )
         try:
             fmt = fp8_format(cfg.quantization)
         except ConfigError as e:
             raise ConfigError(f"{flag}: {e}") from None
         if cfg.quantization is not None and fmt is None:
-            raise ConfigError(f"{flag}: its MTP head is quantized as {cfg.quantization.get('quant_method')!r}; "
-                              "supported: bf16/fp16/fp32 or block-wise fp8")
+            raise ConfigError(
+                f"{flag}: its MTP head is quantized as {cfg.quantization.get('quant_method')!r}; "
+                "supported: bf16/fp16/fp32 or block-wise fp8"
+            )
         files = checkpoint_files(path)
         names = [n for n in tensor_names(files) if n.startswith(MTP_PREFIX)]
         if not names:

@@ -95,7 +95,7 @@ def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
     tiktoken has no merge list (it merges whichever adjacent pair forms the lowest-ranked token).
     NOTE: that a merge-list BPE over these merges gives tiktoken's ids is checked, not proven:
-    tests/test_demo_model.py compares the two on varied and fuzzed text.
+    tests/engine/test_demo_model.py compares the two on varied and fuzzed text.
     """
     by_rank = sorted(ranks.items(), key=lambda item: item[1])
     assert [rank for _, rank in by_rank] == list(range(len(by_rank))), "ranks must be 0..n-1"

@@ -30,8 +30,17 @@ PACKAGES = {
 }
 INSTALL_TIMEOUT_S = 900
 # What npm prints when the registry cannot be reached (then the tests skip, saying so).
-_OFFLINE_WORDS = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ETIMEDOUT", "ENETUNREACH", "ECONNRESET",
-                  "network request", "getaddrinfo", "socket hang up")
+_OFFLINE_WORDS = (
+    "ENOTFOUND",
+    "EAI_AGAIN",
+    "ECONNREFUSED",
+    "ETIMEDOUT",
+    "ENETUNREACH",
+    "ECONNRESET",
+    "network request",
+    "getaddrinfo",
+    "socket hang up",
+)
 API_KEY = "fp4serve-agent-tests"  # the test server's --api-key
 
 
@@ -60,8 +69,7 @@ def install_clis() -> Path:
             print(f"\ninstalling the agent CLIs with npm into {final} (first use only, ~1.3 GB): {' '.join(specs)}")
             command = [npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund", "--loglevel=error", *specs]
             try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
-                                      check=False)
+                done = subprocess.run(command, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, check=False)
             except subprocess.TimeoutExpired:
                 pytest.skip(f"`npm install` of the agent CLIs took over {INSTALL_TIMEOUT_S} s")
             if done.returncode != 0:
@@ -74,8 +82,14 @@ def install_clis() -> Path:
 
 
 def cli_version(bin_dir: Path, name: str) -> str:
-    done = subprocess.run([str(bin_dir / name), "--version"], capture_output=True, text=True, timeout=120, check=False,
-                          env={"PATH": os.environ["PATH"], "HOME": str(bin_dir)})
+    done = subprocess.run(
+        [str(bin_dir / name), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={"PATH": os.environ["PATH"], "HOME": str(bin_dir)},
+    )
     return (done.stdout or done.stderr).strip().splitlines()[0]
 
 
@@ -90,14 +104,28 @@ class AgentRun:
     stdin: str | None = None  # the prompt, for a CLI that takes it there
 
     def run(self, timeout: float) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.argv, cwd=self.cwd, env=self.env, capture_output=True, text=True,
-                              timeout=timeout, input=self.stdin if self.stdin is not None else "", check=False)
+        return subprocess.run(
+            self.argv,
+            cwd=self.cwd,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            input=self.stdin if self.stdin is not None else "",
+            check=False,
+        )
 
 
 def _base_env(home: Path) -> dict[str, str]:
     """A clean environment: a fresh HOME (no user config, no login), the PATH, a plain terminal."""
-    return {"PATH": os.environ["PATH"], "HOME": str(home), "TERM": "dumb", "LANG": "C.UTF-8",
-            "NO_COLOR": "1", "CI": "1"}
+    return {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "TERM": "dumb",
+        "LANG": "C.UTF-8",
+        "NO_COLOR": "1",
+        "CI": "1",
+    }
 
 
 def _write(files: dict[str, str], path: Path, text: str) -> None:
@@ -122,8 +150,17 @@ def claude_code(bin_dir: Path, base_url: str, model: str, workdir: Path, home: P
         "DISABLE_ERROR_REPORTING": "1",
         "CLAUDE_CONFIG_DIR": str(home / ".claude"),
     }
-    argv = [str(bin_dir / "claude"), "-p", prompt, "--allowedTools", "Read", "--max-turns", "4",
-            "--output-format", "json"]
+    argv = [
+        str(bin_dir / "claude"),
+        "-p",
+        prompt,
+        "--allowedTools",
+        "Read",
+        "--max-turns",
+        "4",
+        "--output-format",
+        "json",
+    ]
     return AgentRun(argv, env, workdir)
 
 
@@ -131,7 +168,10 @@ def codex(bin_dir: Path, base_url: str, model: str, workdir: Path, home: Path, p
     """Codex CLI (`codex exec`): the Responses API of a `model_providers` entry in config.toml."""
     files: dict[str, str] = {}
     codex_home = home / ".codex"
-    _write(files, codex_home / "config.toml", f'''model = "{model}"
+    _write(
+        files,
+        codex_home / "config.toml",
+        f'''model = "{model}"
 model_provider = "fp4serve"
 check_for_update_on_startup = false
 
@@ -143,7 +183,8 @@ wire_api = "responses"
 
 [analytics]
 enabled = false
-''')
+''',
+    )
     env = _base_env(home) | {"CODEX_HOME": str(codex_home), "FP4SERVE_API_KEY": API_KEY}
     argv = [str(bin_dir / "codex"), "exec", "--skip-git-repo-check", "--sandbox", "read-only", prompt]
     return AgentRun(argv, env, workdir, files)
@@ -152,12 +193,20 @@ enabled = false
 def qwen_code(bin_dir: Path, base_url: str, model: str, workdir: Path, home: Path, prompt: str) -> AgentRun:
     """qwen-code (`qwen -p`): chat completions at OPENAI_BASE_URL."""
     files: dict[str, str] = {}
-    _write(files, home / ".qwen" / "settings.json", json.dumps({
-        "security": {"auth": {"selectedType": "openai"}},
-        "privacy": {"usageStatisticsEnabled": False},
-        "telemetry": {"enabled": False},
-        "general": {"enableAutoUpdate": False},
-    }, indent=2) + "\n")
+    _write(
+        files,
+        home / ".qwen" / "settings.json",
+        json.dumps(
+            {
+                "security": {"auth": {"selectedType": "openai"}},
+                "privacy": {"usageStatisticsEnabled": False},
+                "telemetry": {"enabled": False},
+                "general": {"enableAutoUpdate": False},
+            },
+            indent=2,
+        )
+        + "\n",
+    )
     env = _base_env(home) | {
         "OPENAI_BASE_URL": f"{base_url}/v1",
         "OPENAI_API_KEY": API_KEY,
@@ -175,19 +224,29 @@ def qwen_code(bin_dir: Path, base_url: str, model: str, workdir: Path, home: Pat
 def opencode(bin_dir: Path, base_url: str, model: str, workdir: Path, home: Path, prompt: str) -> AgentRun:
     """opencode (`opencode run`): chat completions through its `@ai-sdk/openai-compatible` provider."""
     files: dict[str, str] = {}
-    _write(files, workdir / "opencode.json", json.dumps({
-        "$schema": "https://opencode.ai/config.json",
-        "provider": {"fp4serve": {
-            "npm": "@ai-sdk/openai-compatible",
-            "name": "fp4serve",
-            "options": {"baseURL": f"{base_url}/v1", "apiKey": "{env:FP4SERVE_API_KEY}"},
-            "models": {model: {"name": model}},
-        }},
-        "model": f"fp4serve/{model}",
-        "small_model": f"fp4serve/{model}",
-        "autoupdate": False,
-        "share": "disabled",
-    }, indent=2) + "\n")
+    _write(
+        files,
+        workdir / "opencode.json",
+        json.dumps(
+            {
+                "$schema": "https://opencode.ai/config.json",
+                "provider": {
+                    "fp4serve": {
+                        "npm": "@ai-sdk/openai-compatible",
+                        "name": "fp4serve",
+                        "options": {"baseURL": f"{base_url}/v1", "apiKey": "{env:FP4SERVE_API_KEY}"},
+                        "models": {model: {"name": model}},
+                    }
+                },
+                "model": f"fp4serve/{model}",
+                "small_model": f"fp4serve/{model}",
+                "autoupdate": False,
+                "share": "disabled",
+            },
+            indent=2,
+        )
+        + "\n",
+    )
     env = _base_env(home) | {
         "FP4SERVE_API_KEY": API_KEY,
         "OPENCODE_DISABLE_AUTOUPDATE": "1",

@@ -27,7 +27,8 @@ KV_CACHE_MEMORY = "512MiB"
 # One request log line (engine/front/output_processor.py).
 _REQUEST_LINE = re.compile(
     r"(?P<id>\S+) key=\S+ prompt=(?P<prompt>\d+) completion=(?P<completion>\d+) cached=(?P<cached>\d+) "
-    r"ttft=(?P<ttft>[\d.]+)s")
+    r"ttft=(?P<ttft>[\d.]+)s"
+)
 
 
 @dataclass(frozen=True)
@@ -51,21 +52,36 @@ class AgentServer:
         return self.proxy.base_url
 
     def request_lines(self) -> list[RequestLine]:
-        return [RequestLine(m["id"], int(m["prompt"]), int(m["completion"]), int(m["cached"]), float(m["ttft"]))
-                for m in _REQUEST_LINE.finditer(self.server.log())]
+        return [
+            RequestLine(m["id"], int(m["prompt"]), int(m["completion"]), int(m["cached"]), float(m["ttft"]))
+            for m in _REQUEST_LINE.finditer(self.server.log())
+        ]
 
 
 @contextmanager
 def agent_server(model_path: Path, *extra: str) -> Iterator[AgentServer]:
     name = json.loads((model_path / SPEC_FILE).read_text())["name"]  # not the cache folder's name
     # With a key, as a team endpoint runs: each CLI's way of sending it is checked too.
-    server = start_server("--model", str(model_path), "--served-model-name", name,
-                          "--tool-parser", "auto", "--reasoning-parser", "auto",
-                          "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", KV_CACHE_MEMORY, *extra,
-                          api_key=API_KEY)
+    server = start_server(
+        "--model",
+        str(model_path),
+        "--served-model-name",
+        name,
+        "--tool-parser",
+        "auto",
+        "--reasoning-parser",
+        "auto",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory",
+        KV_CACHE_MEMORY,
+        *extra,
+        api_key=API_KEY,
+    )
     try:
-        model = httpx.get(server.url("/v1/models"), headers={"Authorization": f"Bearer {API_KEY}"},
-                          timeout=10).json()["data"][0]["id"]
+        model = httpx.get(server.url("/v1/models"), headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).json()[
+            "data"
+        ][0]["id"]
         assert model == name, (model, name)
         proxy = RecordingProxy(server.base_url).start()
         try:
@@ -78,8 +94,11 @@ def agent_server(model_path: Path, *extra: str) -> Iterator[AgentServer]:
 
 def model_requests(exchanges: list[Exchange]) -> list[Exchange]:
     """The requests that ask the model for something (not /health, /v1/models, count_tokens)."""
-    return [e for e in exchanges if e.method == "POST" and e.path in ("/v1/messages", "/v1/responses",
-                                                                      "/v1/chat/completions")]
+    return [
+        e
+        for e in exchanges
+        if e.method == "POST" and e.path in ("/v1/messages", "/v1/responses", "/v1/chat/completions")
+    ]
 
 
 def unrecovered(exchanges: list[Exchange]) -> list[Exchange]:
@@ -87,7 +106,12 @@ def unrecovered(exchanges: list[Exchange]) -> list[Exchange]:
     followed: the ones a client could not recover from. Every 5xx counts."""
     out = []
     for i, e in enumerate(exchanges):
-        if e.status >= 500 or e.status == 0 or e.status >= 400 and not any(200 <= later.status < 300 and later.path == e.path for later in exchanges[i + 1:]):
+        if (
+            e.status >= 500
+            or e.status == 0
+            or e.status >= 400
+            and not any(200 <= later.status < 300 and later.path == e.path for later in exchanges[i + 1 :])
+        ):
             out.append(e)
     return out
 

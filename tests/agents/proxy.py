@@ -24,8 +24,19 @@ from starlette.routing import Route
 from tests.server_utils import free_port
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx / hypercorn set again themselves.
-_DROPPED = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host",
-                      "content-length", "content-encoding"})
+_DROPPED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "host",
+        "content-length",
+        "content-encoding",
+    }
+)
 ERROR_BODY_BYTES = 4000  # what is kept of a 4xx/5xx body
 
 
@@ -89,15 +100,17 @@ class RecordingProxy:
                 body = orjson.loads(raw) if raw else None
             except orjson.JSONDecodeError:
                 body = None
-            exchange = Exchange(request.method, request.url.path, body, started=time.monotonic(),
-                                headers=dict(request.headers))
+            exchange = Exchange(
+                request.method, request.url.path, body, started=time.monotonic(), headers=dict(request.headers)
+            )
             with self._lock:
                 self.exchanges.append(exchange)
             headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROPPED]
             if self.rewrite is not None and body is not None:
                 raw = orjson.dumps(self.rewrite(request.url.path, body))
-            upstream = client.build_request(request.method, self.upstream + request.url.path,
-                                            params=request.url.query, headers=headers, content=raw)
+            upstream = client.build_request(
+                request.method, self.upstream + request.url.path, params=request.url.query, headers=headers, content=raw
+            )
             try:
                 response = await client.send(upstream, stream=True)
             except httpx.TransportError as e:

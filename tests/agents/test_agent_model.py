@@ -26,8 +26,14 @@ PATH = "/srv/project-7f3a/docs/notes_2026.txt"
 
 def tool(name: str, description: str, **params: str) -> dict[str, Any]:
     properties = {p: {"type": "string", "description": d} for p, d in params.items()}
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": properties, "required": list(params)}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(params)},
+        },
+    }
 
 
 TOOLS = [
@@ -40,13 +46,46 @@ TOOLS = [
 def agent_sized_tools() -> list[dict[str, Any]]:
     """30 tools with long descriptions, as the CLIs send (their prose taken from this README)."""
     paragraphs = [p for p in (REPO / "README.md").read_text().split("\n\n") if len(p) > 200]
-    names = ["Bash", "Glob", "Grep", "LS", "Read", "Edit", "MultiEdit", "Write", "NotebookEdit", "WebFetch",
-             "TodoWrite", "WebSearch", "Task", "ExitPlanMode", "apply_patch", "update_plan", "view_image",
-             "exec_command", "write_stdin", "read_file", "write_file", "glob", "grep_search", "list_directory",
-             "run_shell_command", "save_memory", "todo_write", "task", "skill", "question"]
-    return [tool(n, paragraphs[i % len(paragraphs)],
-                 **{"file_path" if i % 2 else "command": paragraphs[(i + 7) % len(paragraphs)][:300]})
-            for i, n in enumerate(names)]
+    names = [
+        "Bash",
+        "Glob",
+        "Grep",
+        "LS",
+        "Read",
+        "Edit",
+        "MultiEdit",
+        "Write",
+        "NotebookEdit",
+        "WebFetch",
+        "TodoWrite",
+        "WebSearch",
+        "Task",
+        "ExitPlanMode",
+        "apply_patch",
+        "update_plan",
+        "view_image",
+        "exec_command",
+        "write_stdin",
+        "read_file",
+        "write_file",
+        "glob",
+        "grep_search",
+        "list_directory",
+        "run_shell_command",
+        "save_memory",
+        "todo_write",
+        "task",
+        "skill",
+        "question",
+    ]
+    return [
+        tool(
+            n,
+            paragraphs[i % len(paragraphs)],
+            **{"file_path" if i % 2 else "command": paragraphs[(i + 7) % len(paragraphs)][:300]},
+        )
+        for i, n in enumerate(names)
+    ]
 
 
 def json_call(name: str, arguments: dict[str, str]) -> str:
@@ -59,10 +98,17 @@ def xml_call(name: str, arguments: dict[str, str]) -> str:
 
 
 def after_result(request_text: str, name: str, arguments: dict[str, str], result: str) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": request_text},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": result}]
+    return [
+        {"role": "user", "content": request_text},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": result},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -75,18 +121,26 @@ def client(served: AgentServer) -> openai.OpenAI:
     return served.server.openai(timeout=300)
 
 
-def ask(client: openai.OpenAI, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = TOOLS,
-        **kwargs: Any) -> Any:
+def ask(
+    client: openai.OpenAI,
+    model: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = TOOLS,
+    **kwargs: Any,
+) -> Any:
     extra = {"tools": tools} if tools else {}
     return client.chat.completions.create(model=model, messages=messages, max_tokens=200, **extra, **kwargs)
 
 
 def test_a_first_turn_is_the_call_from_the_prompt_token_for_token_as_transformers(
-        agent_model: Path, served: AgentServer, client: openai.OpenAI) -> None:
+    agent_model: Path, served: AgentServer, client: openai.OpenAI
+) -> None:
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-    messages = [{"role": "system", "content": "You are a coding agent."},
-                {"role": "user", "content": json_call("read_file", {"file_path": PATH})}]
+    messages = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": json_call("read_file", {"file_path": PATH})},
+    ]
     response = ask(client, served.model, messages, extra_body={"return_token_ids": True})
     [choice] = response.choices
     assert choice.finish_reason == "tool_calls", choice
@@ -96,18 +150,26 @@ def test_a_first_turn_is_the_call_from_the_prompt_token_for_token_as_transformer
 
     tokenizer = AutoTokenizer.from_pretrained(str(agent_model))
     prompt_ids = response.model_extra["prompt_token_ids"]
-    assert prompt_ids == tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=True)["input_ids"]
+    assert (
+        prompt_ids
+        == tokenizer.apply_chat_template(
+            messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+    )
     model = Qwen3ForCausalLM.from_pretrained(str(agent_model), dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        theirs = model.generate(torch.tensor([prompt_ids]), max_new_tokens=60, do_sample=False)[0, len(prompt_ids):]
+        theirs = model.generate(torch.tensor([prompt_ids]), max_new_tokens=60, do_sample=False)[0, len(prompt_ids) :]
     assert choice.model_extra["token_ids"] == theirs.tolist()
 
 
 def test_the_turn_after_the_tool_result_is_its_first_line(served: AgentServer, client: openai.OpenAI) -> None:
     arguments = {"command": f"cat {PATH}"}
-    messages = after_result(json_call("run_shell_command", arguments), "run_shell_command", arguments,
-                            "the secret word is zebra-42\nand a second line")
+    messages = after_result(
+        json_call("run_shell_command", arguments),
+        "run_shell_command",
+        arguments,
+        "the secret word is zebra-42\nand a second line",
+    )
     [choice] = ask(client, served.model, messages).choices
     assert choice.finish_reason == "stop" and not choice.message.tool_calls
     assert choice.message.content == "the secret word is zebra-42"
@@ -116,9 +178,11 @@ def test_the_turn_after_the_tool_result_is_its_first_line(served: AgentServer, c
 def test_an_agent_sized_prompt_still_gets_the_call(served: AgentServer, client: openai.OpenAI) -> None:
     # NOTE: the README's first 20,000 characters: all of it (31k tokens with the tools) takes
     # minutes to prefill on a loaded 2-core CPU, and the CLIs' own prompts are 6-19k tokens.
-    messages = [{"role": "system", "content": (REPO / "README.md").read_text()[:20_000]},
-                {"role": "user", "content": "<system-reminder>\nThe date is Thursday.\n</system-reminder>"},
-                {"role": "user", "content": json_call("Read", {"file_path": PATH})}]
+    messages = [
+        {"role": "system", "content": (REPO / "README.md").read_text()[:20_000]},
+        {"role": "user", "content": "<system-reminder>\nThe date is Thursday.\n</system-reminder>"},
+        {"role": "user", "content": json_call("Read", {"file_path": PATH})},
+    ]
     response = ask(client, served.model, messages, agent_sized_tools())
     assert response.usage.prompt_tokens > 8_000, response.usage
     [choice] = response.choices
@@ -128,10 +192,12 @@ def test_an_agent_sized_prompt_still_gets_the_call(served: AgentServer, client: 
 
 
 @pytest.mark.parametrize("tools", [TOOLS, None], ids=["with-tools", "without-tools"])
-def test_a_request_that_asks_for_no_call_gets_an_empty_answer(served: AgentServer, client: openai.OpenAI,
-                                                              tools: list[dict[str, Any]] | None) -> None:
-    [choice] = ask(client, served.model, [{"role": "user", "content": "Generate a short title for this chat."}],
-                   tools).choices
+def test_a_request_that_asks_for_no_call_gets_an_empty_answer(
+    served: AgentServer, client: openai.OpenAI, tools: list[dict[str, Any]] | None
+) -> None:
+    [choice] = ask(
+        client, served.model, [{"role": "user", "content": "Generate a short title for this chat."}], tools
+    ).choices
     assert choice.finish_reason == "stop" and not choice.message.tool_calls and not choice.message.content
 
 

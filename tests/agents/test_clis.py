@@ -82,7 +82,8 @@ def run_agent(cli: str, cli_bin: Path, served: AgentServer, tmp_path: Path) -> d
     base = Path(tempfile.mkdtemp(prefix="fp4a-"))
     # Letters only: digits would pair with numbers in the CLIs' prompts ("20 items").
     apart = Path(SHM if Path(SHM).is_dir() else tempfile.gettempdir()) / (
-        "agent-notes-" + "".join(random.choices(string.ascii_lowercase, k=10)))
+        "agent-notes-" + "".join(random.choices(string.ascii_lowercase, k=10))
+    )
     try:
         return _run(case, cli_bin, served, base, apart, home)
     finally:
@@ -113,16 +114,22 @@ def _run(case: Case, cli_bin: Path, served: AgentServer, base: Path, apart: Path
         "log_lines": served.request_lines()[lines_before:],
     }
     _capture(cli, with_tools[0].body if with_tools else None)
-    report = (f"{cli} exited {done.returncode}\nstdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-2000:]}\n"
-              f"requests:\n" + "\n".join(str(s) for s in seen["requests"]))
+    report = (
+        f"{cli} exited {done.returncode}\nstdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-2000:]}\n"
+        f"requests:\n" + "\n".join(str(s) for s in seen["requests"])
+    )
     assert with_tools, f"{cli} sent no request with tools\n{report}"
     assert case.tool in tool_names(with_tools[0].body), report
     assert not unrecovered(exchanges), f"unrecovered failures:\n{report}"
     answered = [e for e in asked if e.status == 200 and mentions(e, secret)]
     assert answered, f"the file's content never reached the server: the tool did not run\n{report}"
     assert done.returncode == 0, report
-    print(f"\n{cli} {seen['version']}: " + "; ".join(seen["requests"]) + "\n  " +
-          "\n  ".join(str(line) for line in seen["log_lines"]))
+    print(
+        f"\n{cli} {seen['version']}: "
+        + "; ".join(seen["requests"])
+        + "\n  "
+        + "\n  ".join(str(line) for line in seen["log_lines"])
+    )
     return seen
 
 

@@ -23,9 +23,9 @@ import torch
 from engine.attention.backend import kv_cache_shape
 from engine.attention.torch_ref import TorchAttentionBackend
 from engine.batch import ForwardBatch, build_forward_batch
-from engine.weights.model_config import ModelConfig
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets
 from engine.models.decoder import DecoderForCausalLM
+from engine.weights.config.model_config import ModelConfig
 from engine.weights.loader import load_model
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from tests.factories import make_checkpoint
@@ -109,16 +109,16 @@ def mixed_steps(bs: int) -> list[ForwardBatch]:
     """Chunked prefill next to decodes, and a request whose first two pages are another's."""
     per = 128 // bs  # pages per request: 128 tokens each
     a, b, c = pages(0, per), pages(per, per), pages(2 * per, per)
-    c = a[: 32 // bs] + c[32 // bs:]  # c's first 32 tokens are a's
-    batches = [step(bs, ("a", 0, 37, a), ("b", 0, 20, b)),
-               step(bs, ("a", 37, 1, a), ("b", 20, 30, b), ("c", 32, 9, c))]
+    c = a[: 32 // bs] + c[32 // bs :]  # c's first 32 tokens are a's
+    batches = [step(bs, ("a", 0, 37, a), ("b", 0, 20, b)), step(bs, ("a", 37, 1, a), ("b", 20, 30, b), ("c", 32, 9, c))]
     for i in range(4):
         batches.append(step(bs, ("a", 38 + i, 1, a), ("b", 50 + i, 1, b), ("c", 41 + i, 1, c)))
     return batches
 
 
-def run_mixed_steps(model: DecoderForCausalLM, backend: Any, block_size: int,
-                    dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def run_mixed_steps(
+    model: DecoderForCausalLM, backend: Any, block_size: int, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     caches = caches_for(model, block_size, dtype)
     logits = []
     for batch in mixed_steps(block_size):
@@ -130,15 +130,17 @@ def run_mixed_steps(model: DecoderForCausalLM, backend: Any, block_size: int,
 
 @torch.inference_mode()
 @pytest.mark.parametrize("block_size", [16, 4])
-def test_flashinfer_logits_match_float32_for_mixed_prefill_and_decode(model: DecoderForCausalLM,
-                                                                      model32: DecoderForCausalLM,
-                                                                      block_size: int) -> None:
+def test_flashinfer_logits_match_float32_for_mixed_prefill_and_decode(
+    model: DecoderForCausalLM, model32: DecoderForCausalLM, block_size: int
+) -> None:
     want, want_caches = run_mixed_steps(model32, torch_backend(model32, block_size), block_size, torch.float32)
     errors: dict[str, tuple[list[float], list[float]]] = {}
     for name, make in (("torch bf16", torch_backend), ("flashinfer", flashinfer_backend)):
         got, caches = run_mixed_steps(model, make(model, block_size), block_size, torch.bfloat16)
-        errors[name] = ([relative_error(g, w) for g, w in zip(got, want)],
-                        [relative_error(g, w) for g, w in zip(caches, want_caches)])
+        errors[name] = (
+            [relative_error(g, w) for g, w in zip(got, want)],
+            [relative_error(g, w) for g, w in zip(caches, want_caches)],
+        )
     report = {name: ([f"{e:.1e}" for e in lo], f"{max(ca):.1e}") for name, (lo, ca) in errors.items()}
     (fi_logits, fi_caches), (ref_logits, ref_caches) = errors["flashinfer"], errors["torch bf16"]
     assert all(f <= MAX_ERROR_RATIO * r for f, r in zip(fi_logits, ref_logits)), f"logits per step, caches: {report}"
@@ -171,8 +173,9 @@ def test_graph_decode_equals_eager_decode(model: DecoderForCausalLM) -> None:
         torch.testing.assert_close(g[:NUM_PAGES], w[:NUM_PAGES], rtol=1e-2, atol=1e-2)
 
 
-def greedy(model: DecoderForCausalLM, make: Callable[..., Any], prompt_lens: list[int],
-           num_tokens: int) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+def greedy(
+    model: DecoderForCausalLM, make: Callable[..., Any], prompt_lens: list[int], num_tokens: int
+) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Each request's greedy tokens, and the logits each was picked from."""
     bs = 16
     backend, caches = make(model, bs), caches_for(model, bs)
@@ -193,7 +196,7 @@ def greedy(model: DecoderForCausalLM, make: Callable[..., Any], prompt_lens: lis
 
 
 def bf16_ulp(x: float) -> float:
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0 ** -133
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x else 2.0**-133
 
 
 @torch.inference_mode()
@@ -212,4 +215,5 @@ def test_greedy_tokens_agree_across_backends_up_to_near_ties(model: DecoderForCa
         gap = (row[w[split]] - row[g[split]]).item()
         assert gap <= TIE_ULPS * bf16_ulp(row[w[split]].item()), (
             f"prompt {r} parted at token {split}: flashinfer chose {g[split]}, torch {w[split]}, "
-            f"{gap:.4f} apart in torch's logits")
+            f"{gap:.4f} apart in torch's logits"
+        )

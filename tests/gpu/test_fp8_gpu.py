@@ -9,18 +9,23 @@ import pytest
 import torch
 
 from engine.weights import loader
-from scheduler.request import SamplingParams
 from kernels.fp8_block import Fp8BlockWeight, fp8_device_supported, quantize_block_fp8, w8a8_block_matmul_ref
 from kernels.fp8_dispatch import Fp8Experts, Fp8Linear
 from kernels.fused_moe import route
 from kernels.fused_moe_fp8 import Fp8ExpertWeights, fused_experts_fp8_ref
+from scheduler.request import SamplingParams
+from tests.engine.test_engine_correctness import capture_logits, make_engine
 from tests.factories import make_moe_checkpoint
 from tests.fp8_factory import to_fp8_checkpoint
-from tests.test_engine_correctness import capture_logits, make_engine
 
 CUDA = torch.device("cuda")
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or not fp8_device_supported(CUDA),
-                                                  reason="needs a CUDA device with FP8 tensor cores (SM89+)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not fp8_device_supported(CUDA),
+        reason="needs a CUDA device with FP8 tensor cores (SM89+)",
+    ),
+]
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -61,8 +66,12 @@ def test_kept_fp8_checkpoint_agrees_with_its_dequantized_self(tmp_path: Path, mo
     within W8A8's error of the same checkpoint dequantized at load (float32), on the same device.
     NOTE: the reference runs on the GPU, not the CPU: a CPU engine compiles the C++ CPU ops into a
     cold cache first (engine/host/cpu_kernels.py), which on a fresh GPU machine outlasts the budget."""
-    fp8 = to_fp8_checkpoint(make_moe_checkpoint(tmp_path / "f", hidden_size=256, moe_intermediate_size=128,
-                                                intermediate_size=256, head_dim=64), tmp_path / "fp8")
+    fp8 = to_fp8_checkpoint(
+        make_moe_checkpoint(
+            tmp_path / "f", hidden_size=256, moe_intermediate_size=128, intermediate_size=256, head_dim=64
+        ),
+        tmp_path / "fp8",
+    )
     prompt = [list(range(3, 40))]
     kept = make_engine(fp8, device="cuda", dtype="bfloat16", attention_backend="torch", enforce_eager=True)
     model = kept.core.runner.model

@@ -22,8 +22,10 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def experts(e: int, h: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(0)
-    return (torch.randn(e, 2 * i, h, generator=g, device="cuda") * 0.05,
-            torch.randn(e, h, i, generator=g, device="cuda") * 0.05)
+    return (
+        torch.randn(e, 2 * i, h, generator=g, device="cuda") * 0.05,
+        torch.randn(e, h, i, generator=g, device="cuda") * 0.05,
+    )
 
 
 def routing(t: int, e: int, h: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ def layout_of(w: NVFP4Weight) -> "nvfp4_triton.KernelLayout":
 
 def assert_within_rounding(got: torch.Tensor, x: torch.Tensor, w: NVFP4Weight, slices: int) -> None:
     """bf16 x and the decoded weights are exact dot operands, their products exact in fp32: what
-    is left is fp32 accumulation (K + slices + 4 roundings, see tests/test_nvfp4_matmul.py), each
+    is left is fp32 accumulation (K + slices + 4 roundings, see tests/kernels/test_nvfp4_matmul.py), each
     taken as a whole fp32 ulp since tensor cores may truncate partial sums rather than round, and
     the cast of the result to bf16 (half an ulp; a whole one allowed)."""
     want = nvfp4_linear_ref(x.double(), w)
@@ -70,14 +70,23 @@ def test_dispatch_at_batch_and_prefill_sizes_matches_reference(m: int, n: int, k
     assert matmul_path(m) == ("dequant" if m >= 128 else "w4a16")
 
 
-@pytest.mark.parametrize("config", [(16, 64, 1, 4), (16, 128, 4, 4), (16, 64, 8, 2), (32, 64, 3, 8), (64, 64, 2, 4),
-                                    (128, 128, 1, 2), (128, 128, 3, 2)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        (16, 64, 1, 4),
+        (16, 128, 4, 4),
+        (16, 64, 8, 2),
+        (32, 64, 3, 8),
+        (64, 64, 2, 4),
+        (128, 128, 1, 2),
+        (128, 128, 3, 2),
+    ],
+)
 @pytest.mark.parametrize("lanes", [False, True], ids=["joined", "lanes"])
 def test_every_tile_shape_and_split_matches_reference(config: tuple[int, int, int, int], lanes: bool) -> None:
     block_m, block_n, split_k, halves = config
     w, x = make_weight(1000, 2000, seed=split_k), make_x(37, 2000, seed=block_n)  # ragged N, M and K
-    cfg = nvfp4_w4a16.W4A16Config(block_m, block_n, split_k, halves, num_warps=8 if block_m >= 128 else 4,
-                                  lanes=lanes)
+    cfg = nvfp4_w4a16.W4A16Config(block_m, block_n, split_k, halves, num_warps=8 if block_m >= 128 else 4, lanes=lanes)
     got = nvfp4_w4a16.w4a16_matmul(x, layout_of(w), config=cfg)
     assert_within_rounding(got, x, w, split_k)
 
@@ -107,8 +116,11 @@ def test_large_bf16_activations_do_not_overflow() -> None:
 
 
 def test_fused_shards_keep_their_scales() -> None:
-    shards = [make_weight(512, 1024, seed=6, std=1.0), make_weight(128, 1024, seed=7, std=1e-3),
-              make_weight(128, 1024, seed=8, std=0.05)]
+    shards = [
+        make_weight(512, 1024, seed=6, std=1.0),
+        make_weight(128, 1024, seed=7, std=1e-3),
+        make_weight(128, 1024, seed=8, std=0.05),
+    ]
     x = make_x(5, 1024, seed=9)
     got = nvfp4_linear(x, fuse_nvfp4(shards))
     for (start, stop), shard in zip([(0, 512), (512, 640), (640, 768)], shards):
@@ -127,7 +139,9 @@ def test_split_k_is_bitwise_reproducible_over_many_launches() -> None:
     """The counters reset themselves: launch after launch, the last slice of each tile reduces."""
     w, x = make_weight(4096, 4096, seed=12), make_x(8, 4096, seed=13)
     layout = layout_of(w)
-    assert nvfp4_w4a16.choose_config(8, 4096, 4096, torch.cuda.get_device_properties(0).multi_processor_count).split_k > 1
+    assert (
+        nvfp4_w4a16.choose_config(8, 4096, 4096, torch.cuda.get_device_properties(0).multi_processor_count).split_k > 1
+    )
     first = nvfp4_w4a16.w4a16_matmul(x, layout)
     outs = [nvfp4_w4a16.w4a16_matmul(x, layout) for _ in range(200)]
     torch.cuda.synchronize()

@@ -23,7 +23,14 @@ from torch import Tensor
 
 from engine.errors import ConfigError
 from engine.weights.formats.shard_checks import check_shape, copy_bias_shard
-from kernels.fp8_block import FP8_DTYPE, Fp8BlockWeight, check_block_scale, dequantize_block_fp8, fp8_device_supported, fuse_fp8
+from kernels.fp8_block import (
+    FP8_DTYPE,
+    Fp8BlockWeight,
+    check_block_scale,
+    dequantize_block_fp8,
+    fp8_device_supported,
+    fuse_fp8,
+)
 from kernels.fp8_dispatch import Fp8Linear
 from kernels.fused_moe_fp8 import Fp8ExpertWeights
 
@@ -64,14 +71,21 @@ def fp8_format(quantization_config: Mapping[str, Any] | None, source: str = "con
         raise ConfigError(f"{source}: unsupported FP8 format {fmt!r} in field '{prefix}fmt'; supported: 'e4m3'")
     scheme = quantization_config.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
-        raise ConfigError(f"{source}: unsupported FP8 activation scheme {scheme!r} in field "
-                          f"'{prefix}activation_scheme'; block-wise FP8 needs 'dynamic'")
+        raise ConfigError(
+            f"{source}: unsupported FP8 activation scheme {scheme!r} in field "
+            f"'{prefix}activation_scheme'; block-wise FP8 needs 'dynamic'"
+        )
     block = quantization_config.get("weight_block_size")
     if block is None:
-        raise ConfigError(f"{source}: per-tensor FP8 (no '{prefix}weight_block_size') is not supported; "
-                          "supported: block-wise FP8 such as [128, 128]")
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ConfigError(
+            f"{source}: per-tensor FP8 (no '{prefix}weight_block_size') is not supported; "
+            "supported: block-wise FP8 such as [128, 128]"
+        )
+    if (
+        not isinstance(block, (list, tuple))
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
         raise ConfigError(f"{source}: field '{prefix}weight_block_size' must be two positive integers, got {block!r}")
     ignored = quantization_config.get("modules_to_not_convert") or quantization_config.get("ignored_layers") or ()
     return Fp8Format((block[0], block[1]), tuple(str(m) for m in ignored))
@@ -117,8 +131,10 @@ class Fp8Dequantizer:
             yield from self._dequantize(name, tensor, scale)
             return
         if name.endswith(_OTHER_SCALES):
-            raise ConfigError(f"tensor '{name}': not a block-wise FP8 tensor (per-tensor or static activation "
-                              "scales are not supported)")
+            raise ConfigError(
+                f"tensor '{name}': not a block-wise FP8 tensor (per-tensor or static activation "
+                "scales are not supported)"
+            )
         yield name, tensor
 
     def finish(self) -> None:
@@ -130,8 +146,10 @@ class Fp8Dequantizer:
 
     def _dequantize(self, name: str, codes: Tensor, scale: Tensor) -> Iterator[tuple[str, Tensor]]:
         if codes.dtype != FP8_DTYPE:
-            raise ConfigError(f"tensor '{name}' is {str(codes.dtype).removeprefix('torch.')}, but has a block "
-                              f"scale '{scale_name(name)}'")
+            raise ConfigError(
+                f"tensor '{name}' is {str(codes.dtype).removeprefix('torch.')}, but has a block "
+                f"scale '{scale_name(name)}'"
+            )
         problem = check_block_scale(tuple(codes.shape), tuple(scale.shape), self.block)
         if problem is not None:
             raise ConfigError(f"tensor '{scale_name(name)}': {problem}")
@@ -161,12 +179,15 @@ def is_fp8_linear(tensor_names: set[str], hf_module: str) -> bool:
     return f"{hf_module}.{WEIGHT_SCALE}" in tensor_names
 
 
-def fp8_weight(codes: Tensor, scale: Tensor, block: tuple[int, int], name: str,
-               expected: tuple[int, int]) -> Fp8BlockWeight:
+def fp8_weight(
+    codes: Tensor, scale: Tensor, block: tuple[int, int], name: str, expected: tuple[int, int]
+) -> Fp8BlockWeight:
     """One linear's (or expert's) checkpoint tensors, checked, as an Fp8BlockWeight."""
     if codes.dtype != FP8_DTYPE:
-        raise ConfigError(f"tensor '{name}.weight' is {str(codes.dtype).removeprefix('torch.')}, expected "
-                          "float8_e4m3fn (it has a block scale)")
+        raise ConfigError(
+            f"tensor '{name}.weight' is {str(codes.dtype).removeprefix('torch.')}, expected "
+            "float8_e4m3fn (it has a block scale)"
+        )
     check_shape(f"{name}.weight", codes.shape, expected)
     problem = check_block_scale(tuple(codes.shape), tuple(scale.shape), block)
     if problem is not None:
@@ -178,8 +199,15 @@ class Fp8LinearBuilder:
     """One FP8 linear (its shards fused: q/k/v, gate/up) from checkpoint tensors that stream in any
     order; `build` once all have arrived."""
 
-    def __init__(self, fmt: Fp8Format, hf_modules: list[str], shard_sizes: list[int], in_features: int,
-                 bias: Tensor | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        fmt: Fp8Format,
+        hf_modules: list[str],
+        shard_sizes: list[int],
+        in_features: int,
+        bias: Tensor | None,
+        device: torch.device,
+    ) -> None:
         assert len(hf_modules) == len(shard_sizes), "one checkpoint linear per shard"
         self.block = fmt.block
         self.hf_modules = hf_modules
@@ -204,8 +232,9 @@ class Fp8LinearBuilder:
             for suffix in ("weight", WEIGHT_SCALE):
                 if suffix not in parts:
                     raise ConfigError(f"missing tensor for '{hf_module}.{suffix}'")
-            shards.append(fp8_weight(parts["weight"], parts[WEIGHT_SCALE], self.block, hf_module,
-                                     (rows, self.in_features)))
+            shards.append(
+                fp8_weight(parts["weight"], parts[WEIGHT_SCALE], self.block, hf_module, (rows, self.in_features))
+            )
         self.parts = []
         return Fp8Linear(shards[0] if len(shards) == 1 else fuse_fp8(shards), self.bias)
 
@@ -261,8 +290,19 @@ class Fp8ExpertCollector:
                 built.append(Fp8ExpertWeights(codes, scale.float(), self.block[0], self.block[1]))
                 continue
             rows = shape[0] // len(projs)
-            per_expert = [[fp8_weight(self.parts[(x, p)]["weight"], self.parts[(x, p)][WEIGHT_SCALE], self.block,
-                                      f"{prefix}.{x}.{p}_proj", (rows, shape[1])) for p in projs] for x in range(e)]
+            per_expert = [
+                [
+                    fp8_weight(
+                        self.parts[(x, p)]["weight"],
+                        self.parts[(x, p)][WEIGHT_SCALE],
+                        self.block,
+                        f"{prefix}.{x}.{p}_proj",
+                        (rows, shape[1]),
+                    )
+                    for p in projs
+                ]
+                for x in range(e)
+            ]
             built.append(Fp8ExpertWeights.stack(per_expert))
         self.parts, self.fused = {}, {}
         return built[0], built[1]

@@ -90,9 +90,7 @@ def inspect_gguf(path: Path) -> GGUFSummary:
             try:
                 dequantize(tensor.data.reshape(-1, tensor.data.shape[-1])[:1], qtype)
             except NotImplementedError:
-                raise ConfigError(
-                    f"{path}: unsupported GGUF quant type {qtype.name} (tensor {tensor.name})"
-                ) from None
+                raise ConfigError(f"{path}: unsupported GGUF quant type {qtype.name} (tensor {tensor.name})") from None
             checked.add(qtype)
         types[qtype.name] = types.get(qtype.name, 0) + 1
         num_params += int(tensor.n_elements)
@@ -120,8 +118,15 @@ def ensure_gguf_checkpoint(path: Path, root: Path | None = None) -> Path:
         return final
     summary = inspect_gguf(path)
     types = ", ".join(f"{n} {k}" for k, n in sorted(summary.tensor_types.items()))
-    logger.info("converting GGUF %s (%s, %s, %.0fM parameters; %s) into %s (first use only)",
-                path.name, summary.name, summary.architecture, summary.num_params / 1e6, types, final)
+    logger.info(
+        "converting GGUF %s (%s, %s, %.0fM parameters; %s) into %s (first use only)",
+        path.name,
+        summary.name,
+        summary.architecture,
+        summary.num_params / 1e6,
+        types,
+        final,
+    )
     started = time.monotonic()
     build_once(final, lambda staging: convert_gguf(path, staging, summary))
     logger.info("GGUF converted in %.1f s", time.monotonic() - started)
@@ -157,7 +162,9 @@ def _hf_config(path: Path, reader: Any, arch: str) -> dict[str, Any]:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
         try:
-            shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # GGUF lists dims reversed
+            shapes = {
+                t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors
+            }  # GGUF lists dims reversed
             config = own_config(arch, lambda key: _field(reader, f"{arch}.{key}"), shapes, int(vocab or 0))
         except KeyError as e:
             raise ConfigError(f"{path}: GGUF metadata key {e} is missing (a {arch} model needs it)") from None
@@ -229,8 +236,9 @@ def _write_tokenizer(path: Path, dst: Path) -> None:
         try:
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception:
-            raise ConfigError(f"{path}: cannot build the tokenizer from the GGUF metadata "
-                              f"({type(first).__name__}: {first})") from None
+            raise ConfigError(
+                f"{path}: cannot build the tokenizer from the GGUF metadata ({type(first).__name__}: {first})"
+            ) from None
     tokenizer.save_pretrained(str(dst))
 
 

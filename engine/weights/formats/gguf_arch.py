@@ -67,16 +67,32 @@ _LAYER = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
-_EXPERTS = {"ffn_gate_exps": ("gate",), "ffn_up_exps": ("up",), "ffn_down_exps": ("down",),
-            "ffn_gate_up_exps": ("gate", "up")}
-_NEXTN = {"nextn.eh_proj": "mtp.fc", "nextn.enorm": "mtp.pre_fc_norm_embedding",
-          "nextn.hnorm": "mtp.pre_fc_norm_hidden", "nextn.shared_head_norm": "mtp.norm"}
+_EXPERTS = {
+    "ffn_gate_exps": ("gate",),
+    "ffn_up_exps": ("up",),
+    "ffn_down_exps": ("down",),
+    "ffn_gate_up_exps": ("gate", "up"),
+}
+_NEXTN = {
+    "nextn.eh_proj": "mtp.fc",
+    "nextn.enorm": "mtp.pre_fc_norm_embedding",
+    "nextn.hnorm": "mtp.pre_fc_norm_hidden",
+    "nextn.shared_head_norm": "mtp.norm",
+}
 # The MTP block's copies of the shared embedding / head (llama.cpp loads them when present): the
 # main model's are used.
 _NEXTN_SHARED = ("nextn.embed_tokens", "nextn.shared_head_head")
 # Zero-centred RMSNorm weights (stored + 1 in hybrid GGUFs).
-_OFFSET_NORMS = {"attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm",
-                 "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm"}
+_OFFSET_NORMS = {
+    "attn_norm",
+    "post_attention_norm",
+    "attn_q_norm",
+    "attn_k_norm",
+    "output_norm",
+    "nextn.enorm",
+    "nextn.hnorm",
+    "nextn.shared_head_norm",
+}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)$")
 
 
@@ -186,27 +202,35 @@ def _tensor(value: np.ndarray) -> torch.Tensor:
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's llama q/k row order (it interleaves each head's two rotary halves)."""
     rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def tensor_map(arch: str, config: dict[str, Any]) -> TensorMap:
     """The map for an HF config built from this GGUF (see `own_config`)."""
-    common = dict(arch=arch, num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
-                  num_kv_heads=config["num_key_value_heads"])
+    common = dict(
+        arch=arch,
+        num_layers=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_key_value_heads"],
+    )
     if arch not in HYBRIDS:
         return TensorMap(**common)
-    return TensorMap(**common, num_k_heads=config["linear_num_key_heads"], num_v_heads=config["linear_num_value_heads"],
-                     head_k_dim=config["linear_key_head_dim"], head_v_dim=config["linear_value_head_dim"])
+    return TensorMap(
+        **common,
+        num_k_heads=config["linear_num_key_heads"],
+        num_v_heads=config["linear_num_value_heads"],
+        head_k_dim=config["linear_key_head_dim"],
+        head_v_dim=config["linear_value_head_dim"],
+    )
 
 
-def own_config(arch: str, field: Callable[[str], Any], tensor_shapes: dict[str, tuple[int, ...]], vocab_size: int) -> dict[str, Any]:
+def own_config(
+    arch: str, field: Callable[[str], Any], tensor_shapes: dict[str, tuple[int, ...]], vocab_size: int
+) -> dict[str, Any]:
     """The HF config of a qwen3moe / qwen35 / qwen35moe GGUF from llama.cpp's metadata keys;
     `field(key)` reads `{arch}.{key}` (None when absent); `tensor_shapes` (GGUF name -> numpy-order
     shape) stand in for the expert widths a file may omit."""
+
     def need(key: str) -> Any:
         value = field(key)
         if value is None:
@@ -245,8 +269,11 @@ def own_config(arch: str, field: Callable[[str], Any], tensor_shapes: dict[str, 
     if field("feed_forward_length") is not None:
         config["intermediate_size"] = int(field("feed_forward_length"))
     if arch in ("qwen3moe", "qwen35moe"):
-        config.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
-                      moe_intermediate_size=width("expert_feed_forward_length", "ffn_up_exps"))
+        config.update(
+            num_experts=int(need("expert_count")),
+            num_experts_per_tok=int(need("expert_used_count")),
+            moe_intermediate_size=width("expert_feed_forward_length", "ffn_up_exps"),
+        )
     if arch == "qwen3moe":
         # llama.cpp's qwen3moe graph renormalizes the top-k weights whatever the source config said
         # (its converter writes no flag); a file that states expert_weights_norm is taken at its word.
@@ -263,7 +290,9 @@ def own_config(arch: str, field: Callable[[str], Any], tensor_shapes: dict[str, 
             linear_num_value_heads=value_heads,
             linear_value_head_dim=int(need("ssm.inner_size")) // value_heads,
             full_attention_interval=interval,
-            layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)],
+            layer_types=[
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)
+            ],
         )
         rope["partial_rotary_factor"] = int(field("rope.dimension_count") or head_dim // 4) / head_dim
         sections = [s for s in (field("rope.dimension_sections") or []) if s]

@@ -31,8 +31,9 @@ _N_MULTIPLE = 16  # the kernel's packing takes whole tiles of 16 output rows
 INT4_ACTIVATION_DTYPE = torch.bfloat16
 
 
-def quantize_int4(weight: Tensor, dtype: torch.dtype = INT4_ACTIVATION_DTYPE,
-                  group_size: int = GROUP_SIZE) -> tuple[Tensor, Tensor]:
+def quantize_int4(
+    weight: Tensor, dtype: torch.dtype = INT4_ACTIVATION_DTYPE, group_size: int = GROUP_SIZE
+) -> tuple[Tensor, Tensor]:
     """[N, K] float weight (K a multiple of `group_size`) -> (codes [N, K] uint8 in 0..15,
     scales_and_zeros [K / group_size, N, 2] in `dtype`): w ~ (code - 8) * scale + zero per group.
 
@@ -58,8 +59,9 @@ def quantize_padded(weight: Tensor, dtype: torch.dtype = INT4_ACTIVATION_DTYPE) 
     return quantize_int4(F.pad(weight.detach().float(), (0, pad)), dtype)
 
 
-def dequantize_int4(codes: Tensor, scales_and_zeros: Tensor, group_size: int = GROUP_SIZE,
-                    dtype: torch.dtype = torch.float32) -> Tensor:
+def dequantize_int4(
+    codes: Tensor, scales_and_zeros: Tensor, group_size: int = GROUP_SIZE, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """The float weight [N, K] an int4 linear multiplies by: (code - 8) * scale + zero, per group."""
     n, k = codes.shape
     scale = scales_and_zeros[..., 0].t().float()  # [N, G]
@@ -83,9 +85,17 @@ class Int4Linear(QuantizedLinear):
     instead (a GEMM: torch's int4 kernel is a matrix-vector kernel whose time grows with the rows,
     docs/PERF.md)."""
 
-    def __init__(self, codes: Tensor, scales_and_zeros: Tensor, bias: Tensor | None, in_features: int | None = None,
-                 dense_from_rows: int = 0, group_size: int = GROUP_SIZE, source: Tensor | None = None,
-                 own_kernel: bool | None = None) -> None:
+    def __init__(
+        self,
+        codes: Tensor,
+        scales_and_zeros: Tensor,
+        bias: Tensor | None,
+        in_features: int | None = None,
+        dense_from_rows: int = 0,
+        group_size: int = GROUP_SIZE,
+        source: Tensor | None = None,
+        own_kernel: bool | None = None,
+    ) -> None:
         """`codes` [N, K] and `scales_and_zeros` as `quantize_int4` gives them; `in_features`: the
         layer's real K when `codes` carry zero padding columns up to a whole group; `dense_from_rows`
         > 0 keeps a dense bf16 copy for inputs of that many rows or more: of `source` ([N, K] float,
@@ -127,14 +137,26 @@ class Int4Linear(QuantizedLinear):
         self.dense_from_rows = dense_from_rows
         if dense_from_rows:
             weight = source if source is not None else dequantize_int4(codes, scales_and_zeros, group_size)
-            self.dense = DenseWeight(weight[:, :self.in_features], scales_and_zeros.dtype)  # [N, K]
+            self.dense = DenseWeight(weight[:, : self.in_features], scales_and_zeros.dtype)  # [N, K]
 
     @staticmethod
-    def from_float(weight: Tensor, bias: Tensor | None, dtype: torch.dtype = INT4_ACTIVATION_DTYPE,
-                   dense_from_rows: int = 0, own_kernel: bool | None = None) -> Int4Linear:
+    def from_float(
+        weight: Tensor,
+        bias: Tensor | None,
+        dtype: torch.dtype = INT4_ACTIVATION_DTYPE,
+        dense_from_rows: int = 0,
+        own_kernel: bool | None = None,
+    ) -> Int4Linear:
         codes, sz = quantize_padded(weight, dtype)
-        return Int4Linear(codes, sz, None if bias is None else bias.detach().to(dtype), weight.shape[1], dense_from_rows,
-                          source=weight if dense_from_rows else None, own_kernel=own_kernel)
+        return Int4Linear(
+            codes,
+            sz,
+            None if bias is None else bias.detach().to(dtype),
+            weight.shape[1],
+            dense_from_rows,
+            source=weight if dense_from_rows else None,
+            own_kernel=own_kernel,
+        )
 
     @property
     def weight_nbytes(self) -> int:
@@ -150,7 +172,7 @@ class Int4Linear(QuantizedLinear):
             x2 = x2.contiguous()
         y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         if y.shape[1] != self.out_features:
-            y = y[:, :self.out_features].contiguous()  # [T, N]: the padding rows' zeros cut off
+            y = y[:, : self.out_features].contiguous()  # [T, N]: the padding rows' zeros cut off
         return y
 
     def kernel_weights(self) -> tuple[Tensor, Tensor, int] | None:
@@ -185,11 +207,15 @@ def cpu_streamed_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
 def check_int4_device(device: torch.device, dtype: torch.dtype) -> None:
     """int4 runs on CPU with bf16 activations only (the kernel's fast path, the one measured)."""
     if device.type != "cpu":
-        raise ConfigError(f"--quantization int4: CPU only (the device is {device.type}); on a GPU use "
-                          "--quantization nvfp4 or a float dtype")
+        raise ConfigError(
+            f"--quantization int4: CPU only (the device is {device.type}); on a GPU use "
+            "--quantization nvfp4 or a float dtype"
+        )
     if dtype != INT4_ACTIVATION_DTYPE:
-        raise ConfigError(f"--quantization int4 runs bfloat16 activations; --dtype "
-                          f"{str(dtype).removeprefix('torch.')} is not supported with it (use --dtype auto)")
+        raise ConfigError(
+            f"--quantization int4 runs bfloat16 activations; --dtype "
+            f"{str(dtype).removeprefix('torch.')} is not supported with it (use --dtype auto)"
+        )
 
 
 class Int4LinearBuilder(FloatQuantizingBuilder):
@@ -198,8 +224,16 @@ class Int4LinearBuilder(FloatQuantizingBuilder):
 
     scheme = "int4"
 
-    def __init__(self, hf_modules: list[str], shard_sizes: list[int], in_features: int, bias: Tensor | None,
-                 dtype: torch.dtype, device: torch.device, dense_from_rows: int = 0) -> None:
+    def __init__(
+        self,
+        hf_modules: list[str],
+        shard_sizes: list[int],
+        in_features: int,
+        bias: Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        dense_from_rows: int = 0,
+    ) -> None:
         super().__init__(hf_modules, shard_sizes, in_features, bias, dtype, device)
         self.dense_from_rows = dense_from_rows
         # With a dense copy: each shard's checkpoint weight ([rows, K]), the copy's source.

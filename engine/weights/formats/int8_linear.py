@@ -72,7 +72,7 @@ class Int8Linear(QuantizedLinear):
     @property
     def weight_codes(self) -> Tensor:
         """The codes [N, K] without any padding columns."""
-        return self.codes[:, :self.in_features]
+        return self.codes[:, : self.in_features]
 
     @property
     def weight_nbytes(self) -> int:
@@ -120,8 +120,10 @@ def use_cpu_gemv(model: nn.Module) -> bool:
 def check_int8_device(device: torch.device) -> None:
     """int8 runs on CPU only: its CUDA path has never been run or tested here."""
     if device.type != "cpu":
-        raise ConfigError(f"--quantization int8: CPU only (the device is {device.type}); on a GPU use "
-                          "--quantization nvfp4 or a float dtype")
+        raise ConfigError(
+            f"--quantization int8: CPU only (the device is {device.type}); on a GPU use "
+            "--quantization nvfp4 or a float dtype"
+        )
 
 
 class Int8LinearBuilder(FloatQuantizingBuilder):

@@ -15,16 +15,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.weights.model_config import ModelConfig
 from engine.errors import ConfigError
+from engine.weights.config.model_config import ModelConfig
 from engine.weights.formats.shard_checks import check_shape, copy_bias_shard
 from kernels.nvfp4 import (
     BLOCK_SIZE,
     NVFP4FormatError,
     NVFP4Weight,
     from_compressed_tensors,
-    fuse_nvfp4,
     from_modelopt,
+    fuse_nvfp4,
     to_compressed_tensors,
     to_modelopt,
 )
@@ -44,8 +44,9 @@ _TENSORS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 # Every tensor suffix a linear may carry, in either NVFP4 layout or block-wise FP8 (engine/weights/formats/fp8.py,
 # its `weight_scale_inv`); the loader's name rules use it.
-LINEAR_SUFFIXES = ("bias", "weight_scale_inv") + tuple(dict.fromkeys(s for req, skip in _TENSORS.values()
-                                                                     for s in req + skip))
+LINEAR_SUFFIXES = ("bias", "weight_scale_inv") + tuple(
+    dict.fromkeys(s for req, skip in _TENSORS.values() for s in req + skip)
+)
 # NOTE: ModelOpt names its packed tensor `weight`, like an excluded bf16 linear's; the block
 # scale beside it is what tells the two apart.
 _MARKER = {MODELOPT: "weight_scale", COMPRESSED_TENSORS: "weight_packed"}
@@ -54,9 +55,11 @@ _MARKER = {MODELOPT: "weight_scale", COMPRESSED_TENSORS: "weight_packed"}
 # lm_head, embeddings and norms stay in the model dtype (the usual exclude list).
 # Hybrids (Qwen3.5): also the DeltaNet qkv/z/out projections; in_proj_a/b stay float (see qwen3_5.py).
 # MoE models add each expert's and the shared expert's projections; the router (`mlp.gate`) stays float.
-_QUANTIZABLE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
-                          r"|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
-                          r"|mlp\.experts\.\d+\.(gate|up|down)_proj|mlp\.shared_expert\.(gate|up|down)_proj)$")
+_QUANTIZABLE = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+    r"|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
+    r"|mlp\.experts\.\d+\.(gate|up|down)_proj|mlp\.shared_expert\.(gate|up|down)_proj)$"
+)
 
 
 NVFP4 = "nvfp4"
@@ -91,19 +94,27 @@ class QuantizationMethod:
 
     def describe(self) -> str:
         if self.scheme == INT8:
-            return (f"float linears quantized to int8 at load ({self.source}); weight-only int8, one symmetric "
-                    "scale per output channel, activations in the model dtype")
+            return (
+                f"float linears quantized to int8 at load ({self.source}); weight-only int8, one symmetric "
+                "scale per output channel, activations in the model dtype"
+            )
         if self.scheme == INT4:
-            return (f"float linears quantized to int4 at load ({self.source}); weight-only int4, a scale and a zero "
-                    "point per group of 32 input columns (Q4_1's grid), bf16 activations")
-        what = ("float linears quantized to NVFP4 at load" if self.quantize_at_load
-                else f"NVFP4 {self.checkpoint_format} checkpoint")
+            return (
+                f"float linears quantized to int4 at load ({self.source}); weight-only int4, a scale and a zero "
+                "point per group of 32 input columns (Q4_1's grid), bf16 activations"
+            )
+        what = (
+            "float linears quantized to NVFP4 at load"
+            if self.quantize_at_load
+            else f"NVFP4 {self.checkpoint_format} checkpoint"
+        )
         text = f"{what} ({self.source}); weight-only NVFP4, activations in the model dtype"
         return text + "".join(f"; ignored: {item}" for item in self.ignored)
 
 
-def detect_quantization(folder: Path, checkpoint_config: Mapping[str, Any] | None,
-                        requested: str | None) -> QuantizationMethod | None:
+def detect_quantization(
+    folder: Path, checkpoint_config: Mapping[str, Any] | None, requested: str | None
+) -> QuantizationMethod | None:
     """The method for a checkpoint folder; `checkpoint_config` is config.json's quantization_config
     (ModelConfig.quantization) and `requested` is EngineConfig.quantization.
 
@@ -116,8 +127,10 @@ def detect_quantization(folder: Path, checkpoint_config: Mapping[str, Any] | Non
     if requested in CPU_SCHEMES:
         if checkpoint_config is not None or hf_quant.is_file():
             where = "config.json's quantization_config" if checkpoint_config is not None else HF_QUANT_CONFIG
-            raise ConfigError(f"--quantization {requested}: the checkpoint is already quantized ({where}); "
-                              f"{requested} quantizes float checkpoints only (drop --quantization to run it as it is)")
+            raise ConfigError(
+                f"--quantization {requested}: the checkpoint is already quantized ({where}); "
+                f"{requested} quantizes float checkpoints only (drop --quantization to run it as it is)"
+            )
         return QuantizationMethod(None, f"--quantization {requested}", scheme=requested)
     if checkpoint_config is not None:
         if not isinstance(checkpoint_config, Mapping):
@@ -128,7 +141,8 @@ def detect_quantization(folder: Path, checkpoint_config: Mapping[str, Any] | Non
         if method != MODELOPT:
             raise ConfigError(
                 f"config.json: unsupported quantization '{method}' in field 'quantization_config.quant_method'; "
-                f"supported: {MODELOPT} (NVFP4), {COMPRESSED_TENSORS} ({CT_NVFP4_FORMAT}), fp8 (block-wise)")
+                f"supported: {MODELOPT} (NVFP4), {COMPRESSED_TENSORS} ({CT_NVFP4_FORMAT}), fp8 (block-wise)"
+            )
         if not hf_quant.is_file():
             return _modelopt_method(checkpoint_config, "config.json", "quantization_config.")
     if hf_quant.is_file():
@@ -165,16 +179,19 @@ def _fp8_checkpoint_method(checkpoint_config: Mapping[str, Any], requested: str 
 def _modelopt_method(cfg: Mapping[str, Any], source: str, prefix: str) -> QuantizationMethod:
     algo = cfg.get("quant_algo")
     if algo != "NVFP4":
-        raise ConfigError(f"{source}: unsupported quant_algo {algo!r} in field '{prefix}quant_algo'; "
-                          "supported: 'NVFP4'")
+        raise ConfigError(
+            f"{source}: unsupported quant_algo {algo!r} in field '{prefix}quant_algo'; supported: 'NVFP4'"
+        )
     group_size = cfg.get("group_size", BLOCK_SIZE)
     if group_size != BLOCK_SIZE:
-        raise ConfigError(f"{source}: NVFP4 needs group_size {BLOCK_SIZE}, got {group_size!r} "
-                          f"in field '{prefix}group_size'")
+        raise ConfigError(
+            f"{source}: NVFP4 needs group_size {BLOCK_SIZE}, got {group_size!r} in field '{prefix}group_size'"
+        )
     ignored: list[str] = []
     if cfg.get("kv_cache_quant_algo"):
-        ignored.append(f"{cfg['kv_cache_quant_algo']} KV cache ({prefix}kv_cache_quant_algo): "
-                       "the cache stays in the model dtype")
+        ignored.append(
+            f"{cfg['kv_cache_quant_algo']} KV cache ({prefix}kv_cache_quant_algo): the cache stays in the model dtype"
+        )
     return QuantizationMethod(MODELOPT, source, tuple(ignored))
 
 
@@ -191,28 +208,40 @@ def _compressed_tensors_method(cfg: Mapping[str, Any]) -> QuantizationMethod:
         group_format = group.get("format") or top_format
         if group_format != CT_NVFP4_FORMAT:
             field = f"{path}.format" if group.get("format") else "quantization_config.format"
-            raise ConfigError(f"{source}: unsupported compressed-tensors format {group_format!r} in field "
-                              f"'{field}'; supported: '{CT_NVFP4_FORMAT}'")
+            raise ConfigError(
+                f"{source}: unsupported compressed-tensors format {group_format!r} in field "
+                f"'{field}'; supported: '{CT_NVFP4_FORMAT}'"
+            )
         weights = group.get("weights")
         if not isinstance(weights, dict):
             raise ConfigError(f"{source}: missing field '{path}.weights'")
         for key, want in (("num_bits", 4), ("type", "float"), ("group_size", BLOCK_SIZE)):
             if weights.get(key) != want:
-                raise ConfigError(f"{source}: NVFP4 weights need {key} {want!r}, got {weights.get(key)!r} "
-                                  f"in field '{path}.weights.{key}'")
+                raise ConfigError(
+                    f"{source}: NVFP4 weights need {key} {want!r}, got {weights.get(key)!r} "
+                    f"in field '{path}.weights.{key}'"
+                )
     if any(isinstance(g, dict) and g.get("input_activations") for g in groups.values()):
         ignored.append("W4A4 activation quantization (input_activations): activations stay in the model dtype")
     if cfg.get("kv_cache_scheme"):
-        ignored.append("KV cache quantization (quantization_config.kv_cache_scheme): the cache stays in the model dtype")
+        ignored.append(
+            "KV cache quantization (quantization_config.kv_cache_scheme): the cache stays in the model dtype"
+        )
     return QuantizationMethod(COMPRESSED_TENSORS, source, tuple(ignored))
 
 
 def check_quantizable(cfg: ModelConfig, who: str) -> None:
     """Every quantizable linear's input size must hold whole 16-element blocks."""
-    for field, size in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
-                        ("num_attention_heads * head_dim", cfg.num_heads * cfg.head_dim),
-                        *((("linear_num_value_heads * linear_value_head_dim", cfg.hybrid.value_dim),)
-                          if cfg.hybrid is not None else ())):
+    for field, size in (
+        ("hidden_size", cfg.hidden_size),
+        ("intermediate_size", cfg.intermediate_size),
+        ("num_attention_heads * head_dim", cfg.num_heads * cfg.head_dim),
+        *(
+            (("linear_num_value_heads * linear_value_head_dim", cfg.hybrid.value_dim),)
+            if cfg.hybrid is not None
+            else ()
+        ),
+    ):
         if size % BLOCK_SIZE:
             raise ConfigError(f"{who}: {field} = {size} is not a multiple of {BLOCK_SIZE} (the NVFP4 block)")
 
@@ -264,8 +293,15 @@ class NVFP4LinearBuilder:
     """Assembles one NVFP4 linear (its shards fused: q/k/v, gate/up) from checkpoint tensors that
     stream in any order, across files; `build` once all have arrived."""
 
-    def __init__(self, method: QuantizationMethod, hf_modules: list[str], shard_sizes: list[int],
-                 in_features: int, bias: Tensor | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        method: QuantizationMethod,
+        hf_modules: list[str],
+        shard_sizes: list[int],
+        in_features: int,
+        bias: Tensor | None,
+        device: torch.device,
+    ) -> None:
         assert len(hf_modules) == len(shard_sizes), "one checkpoint linear per shard"
         self.method = method
         self.hf_modules = hf_modules  # per shard, e.g. model.layers.0.self_attn.q_proj
@@ -284,8 +320,10 @@ class NVFP4LinearBuilder:
             copy_bias_shard(self.bias, hf_module, self.shard_sizes, shard, tensor)
         elif fmt is None:
             if suffix != "weight":
-                raise ConfigError(f"tensor '{hf_module}.{suffix}' is a quantization tensor, but the checkpoint "
-                                  "declares no quantization")
+                raise ConfigError(
+                    f"tensor '{hf_module}.{suffix}' is a quantization tensor, but the checkpoint "
+                    "declares no quantization"
+                )
             check_shape(f"{hf_module}.weight", tensor.shape, (rows, self.in_features))
             self.weights[shard] = quantize_weight(tensor.to(self.device), f"{hf_module}.weight")
         else:
@@ -295,8 +333,10 @@ class NVFP4LinearBuilder:
             if len(self.parts[shard]) == len(needed):
                 weight = weight_from_tensors(fmt, self.parts[shard], hf_module)
                 if weight.shape != (rows, self.in_features):
-                    raise ConfigError(f"{hf_module}: NVFP4 weight of shape {list(weight.shape)} (packed "
-                                      f"{list(weight.packed.shape)}), expected {[rows, self.in_features]}")
+                    raise ConfigError(
+                        f"{hf_module}: NVFP4 weight of shape {list(weight.shape)} (packed "
+                        f"{list(weight.packed.shape)}), expected {[rows, self.in_features]}"
+                    )
                 self.weights[shard], self.parts[shard] = weight, {}
 
     def build(self) -> NVFP4Linear:
@@ -315,20 +355,47 @@ class NVFP4LinearBuilder:
 def checkpoint_quantization_config(checkpoint_format: str, exclude: list[str]) -> dict[str, Any]:
     """config.json's `quantization_config` for a weight-only NVFP4 checkpoint written by us."""
     if checkpoint_format == MODELOPT:
-        return {"quant_method": MODELOPT, "quant_algo": "NVFP4", "group_size": BLOCK_SIZE,
-                "kv_cache_quant_algo": None, "exclude_modules": exclude}
-    weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": BLOCK_SIZE,
-               "symmetric": True, "dynamic": False}
+        return {
+            "quant_method": MODELOPT,
+            "quant_algo": "NVFP4",
+            "group_size": BLOCK_SIZE,
+            "kv_cache_quant_algo": None,
+            "exclude_modules": exclude,
+        }
+    weights = {
+        "num_bits": 4,
+        "type": "float",
+        "strategy": "tensor_group",
+        "group_size": BLOCK_SIZE,
+        "symmetric": True,
+        "dynamic": False,
+    }
     return {
-        "quant_method": COMPRESSED_TENSORS, "format": CT_NVFP4_FORMAT, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                      "output_activations": None, "format": CT_NVFP4_FORMAT}},
-        "ignore": exclude, "kv_cache_scheme": None,
+        "quant_method": COMPRESSED_TENSORS,
+        "format": CT_NVFP4_FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": CT_NVFP4_FORMAT,
+            }
+        },
+        "ignore": exclude,
+        "kv_cache_scheme": None,
     }
 
 
 def hf_quant_config(exclude: list[str], producer_version: str) -> dict[str, Any]:
     """ModelOpt's hf_quant_config.json for a weight-only NVFP4 checkpoint written by us."""
-    return {"producer": {"name": "fp4serve", "version": producer_version},
-            "quantization": {"quant_algo": "NVFP4", "group_size": BLOCK_SIZE, "kv_cache_quant_algo": None,
-                             "exclude_modules": exclude}}
+    return {
+        "producer": {"name": "fp4serve", "version": producer_version},
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "group_size": BLOCK_SIZE,
+            "kv_cache_quant_algo": None,
+            "exclude_modules": exclude,
+        },
+    }

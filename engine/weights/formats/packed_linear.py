@@ -16,8 +16,12 @@ from engine.models.layers import Linear
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """bf16 on a CPU whose oneDNN runs bf16 natively (AVX512-BF16 or AMX): there the packed GEMM
     beat the plain one at every batch size measured (docs/PERF.md). float32 keeps MKL's GEMM."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 def pack_weight(weight: Tensor) -> Tensor:
@@ -139,7 +143,8 @@ class PackedLinear(nn.Module):
             return packed_linear(x if x.is_contiguous() else x.contiguous(), self.packed, self.bias)
         x2 = x.reshape(-1, self.in_features)
         return packed_linear(x2 if x2.is_contiguous() else x2.contiguous(), self.packed, self.bias).view(
-            *x.shape[:-1], self.out_features)
+            *x.shape[:-1], self.out_features
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16 oneDNN-packed"
@@ -154,7 +159,11 @@ def pack_float_linears(model: nn.Module) -> int:
     tied lm_head gets a packed copy: the embedding keeps its own weight."""
     total = 0
     for path, module in list(model.named_modules()):
-        if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16 and not path.endswith(_UNPACKED_SUFFIXES):
+        if (
+            isinstance(module, Linear)
+            and module.weight.dtype == torch.bfloat16
+            and not path.endswith(_UNPACKED_SUFFIXES)
+        ):
             packed = PackedLinear.from_linear(module)
             parent, _, child = path.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, packed)

@@ -27,7 +27,7 @@ def copy_bias_shard(bias: Tensor | None, hf_module: str, shard_sizes: list[int],
         raise ConfigError(f"tensor '{hf_module}.bias' exists, but config.json declares no bias")
     check_shape(f"{hf_module}.bias", tensor.shape, (rows,))
     start = sum(shard_sizes[:shard])
-    bias[start:start + rows].copy_(tensor.to(bias.dtype))
+    bias[start : start + rows].copy_(tensor.to(bias.dtype))
 
 
 class FloatQuantizingBuilder:
@@ -37,8 +37,15 @@ class FloatQuantizingBuilder:
 
     scheme = ""
 
-    def __init__(self, hf_modules: list[str], shard_sizes: list[int], in_features: int, bias: Tensor | None,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        hf_modules: list[str],
+        shard_sizes: list[int],
+        in_features: int,
+        bias: Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         assert len(hf_modules) == len(shard_sizes), "one checkpoint linear per shard"
         self.hf_modules = hf_modules  # per shard, e.g. model.layers.0.self_attn.q_proj
         self.shard_sizes = shard_sizes
@@ -57,8 +64,10 @@ class FloatQuantizingBuilder:
             copy_bias_shard(self.bias, hf_module, self.shard_sizes, shard, tensor)
             return
         if suffix != "weight":
-            raise ConfigError(f"tensor '{hf_module}.{suffix}' is a quantization tensor; --quantization {self.scheme} "
-                              "quantizes float checkpoints only")
+            raise ConfigError(
+                f"tensor '{hf_module}.{suffix}' is a quantization tensor; --quantization {self.scheme} "
+                "quantizes float checkpoints only"
+            )
         check_shape(f"{hf_module}.weight", tensor.shape, (rows, self.in_features))
         # The stored values are quantized (not a copy cast to the model dtype first).
         self.shards[shard] = self.quantize(shard, tensor.to(self.device))
