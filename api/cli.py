@@ -15,7 +15,6 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-
 # NOTE: the serve flags (which import the app) and the engine's errors load on use, not here. The
 # engine's process is spawned from `python -m api.cli`, and a spawned child imports the main
 # module again: a heavy import here would be paid by every engine start and restart.

@@ -95,7 +95,6 @@ class ServerConfig:
 def load_engine(config: EngineConfig) -> AsyncEngine:
     from engine.front import (
         AsyncEngine,  # torch and the model: only once we serve
-        StructuredOutputs,
     )
 
     # xgrammar (and the torch and transformers it imports) comes in for the first request with a

@@ -18,7 +18,7 @@ from torch import nn
 from engine.attention.hybrid_backend import HybridBackend
 from engine.attention.linear_attention import LinearAttentionBackend
 from engine.models.decoder import MLP, DecoderForCausalLM
-from engine.models.layers import Linear, RotaryEmbedding
+from engine.models.layers import Linear, RotaryEmbedding, embedding
 from engine.weights.config.hybrid_config import LINEAR_ATTENTION
 from engine.weights.config.model_config import ModelConfig
 

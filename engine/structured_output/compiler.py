@@ -119,7 +119,7 @@ class Compiler:
         else:
             info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size)
         logger.info(
-            "grammar compiler: tokenizer tables of %d tokens built in %.2f s",
+            "grammar compiler: tokenizer tables of %d tokens ready in %.2f s",
             self._vocab_size,
             time.perf_counter() - started,
         )
@@ -141,8 +141,9 @@ def _tokenizer_info(folder: str, vocab_size: int) -> xgrammar.TokenizerInfo:
     except FileNotFoundError:
         pass
     except (OSError, ValueError, RuntimeError) as e:  # damaged: built again below, and rewritten
-        logger.warning("grammar tables %s unreadable (%s: %s); building them again", path, type(e).__name__,
-                       _last_line(e))
+        logger.warning(
+            "grammar tables %s unreadable (%s: %s); building them again", path, type(e).__name__, _last_line(e)
+        )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -152,8 +153,17 @@ def _tokenizer_info(folder: str, vocab_size: int) -> xgrammar.TokenizerInfo:
 
 
 # What AutoTokenizer reads from a checkpoint folder: the tables are a function of these files.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "config.json",
+)
 TABLES_FORMAT = 1  # bump when what is stored changes
 
 

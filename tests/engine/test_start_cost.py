@@ -17,7 +17,6 @@ from api.state import load_engine
 from engine.config import EngineConfig
 from engine.front.async_engine import AsyncEngine
 from engine.structured_output.manager import StructuredOutputs
-
 from tests.factories import make_hybrid_checkpoint
 from tests.server_utils import REPO
 
@@ -37,7 +36,7 @@ def load_and_step(model: Path) -> str:
         "from engine.config import EngineConfig\n"
         "from engine.front.offline import OfflineEngine\n"
         "from scheduler.request import SamplingParams\n"
-        f"engine = OfflineEngine.from_config(EngineConfig(model={str(model)!r}, dtype='float32', kv_cache_memory='8MiB'))\n"
+        f"engine = OfflineEngine.from_config(EngineConfig(model={str(model)!r}, dtype='float32', kv_cache_memory='8MiB'))\n"  # noqa: E501
         "engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))\n"
     )
 

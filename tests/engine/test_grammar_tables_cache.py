@@ -61,11 +61,12 @@ def test_another_tokenizer_or_vocabulary_size_gets_tables_of_its_own(folder: Pat
     assert compiler.tables_path(folder, VOCAB) != first
 
 
-def test_damaged_tables_are_built_again_and_replaced(folder: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_damaged_tables_are_built_again_and_replaced(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     expected = build_tables(str(folder), VOCAB).serialize_json()
     path = compiler.tables_path(folder, VOCAB)
-    path.write_text(path.read_text()[: 100])
+    path.write_text(path.read_text()[:100])
     loads = tokenizer_loads(monkeypatch)
     with caplog.at_level("WARNING", logger="fp4serve.structured"):
         assert build_tables(str(folder), VOCAB).serialize_json() == expected
@@ -73,8 +74,9 @@ def test_damaged_tables_are_built_again_and_replaced(folder: Path, monkeypatch: 
     assert path.read_text() == expected
 
 
-def test_a_cache_that_cannot_be_written_only_costs_the_build(folder: Path, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cache_that_cannot_be_written_only_costs_the_build(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the cache root's folder would go")
     monkeypatch.setenv("FP4SERVE_CACHE", str(blocked))
