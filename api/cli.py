@@ -6,7 +6,7 @@ one-to-one onto `EngineConfig` and `ServerConfig` fields; room is left for more 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import gc
 import importlib
 import importlib.util
 import logging
@@ -15,8 +15,18 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from api.flags.serve import add_serve_arguments, server_config
-from engine.front.errors import ConfigError
+# NOTE: the serve flags (which import the app) and the engine's errors load on use, not here. The
+# engine's process is spawned from `python -m api.cli`, and a spawned child imports the main
+# module again: a heavy import here would be paid by every engine start and restart.
+
+
+def __getattr__(name: str) -> Any:
+    """`server_config`, importable from here as before (tests build configs with it)."""
+    if name == "server_config":
+        from api.flags.serve import server_config
+
+        return server_config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -30,6 +40,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def serve(args: argparse.Namespace) -> int:
+    from api.flags.serve import server_config
+    from engine.front.errors import ConfigError
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = server_config(args)
@@ -39,13 +52,20 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     from api.server import Server
 
-    return _event_loop_runner()(Server(config, log_level=args.log_level).run())
+    code = _event_loop_runner()(Server(config, log_level=args.log_level).run())
+    # NOTE: the interpreter's teardown runs the cyclic collector over every object left, and
+    # torch, transformers and xgrammar leave hundreds of thousands: seconds of every exit. The
+    # server is done with them: frozen, they are not scanned (exit handlers still run).
+    gc.freeze()
+    return code
 
 
 def _event_loop_runner() -> Callable[[Coroutine[Any, Any, int]], int]:
     try:
         import uvloop
     except ImportError:
+        import asyncio
+
         return asyncio.run
     return uvloop.run
 
@@ -101,6 +121,8 @@ def _add_engine_commands(commands: Any, chosen: str | None) -> None:
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """`argv` (the arguments to parse) tells which subcommand's module to load."""
+    from api.flags.serve import add_serve_arguments
+
     parser = argparse.ArgumentParser(prog="fp4serve", description="An OpenAI-compatible LLM server.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve_parser = commands.add_parser(

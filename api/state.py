@@ -95,11 +95,30 @@ class ServerConfig:
 def load_engine(config: EngineConfig) -> AsyncEngine:
     from engine.front import (
         AsyncEngine,  # torch and the model: only once we serve
-        StructuredOutputs,
     )
 
-    StructuredOutputs.prepare_checks()  # not on the event loop, by the first request with a grammar
-    return AsyncEngine.from_config(config)
+    # xgrammar (and the torch and transformers it imports) comes in for the first request with a
+    # grammar, off the event loop; on a thread beside the load, so the engine process starts at
+    # once instead of seconds later, and both imports run side by side.
+    errors: list[BaseException] = []
+    checks = threading.Thread(target=_prepare_checks, args=(errors,), name="fp4serve-grammar-import", daemon=True)
+    checks.start()
+    engine = AsyncEngine.from_config(config)
+    checks.join()
+    if errors:
+        for client in engine.clients:  # not started yet: nothing to drain
+            client.shutdown()
+        raise errors[0]
+    return engine
+
+
+def _prepare_checks(errors: list[BaseException]) -> None:
+    try:
+        from engine.front import StructuredOutputs
+
+        StructuredOutputs.prepare_checks()
+    except BaseException as e:  # re-raised by load_engine, as if imported on its thread
+        errors.append(e)
 
 
 class ServerState:

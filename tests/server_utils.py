@@ -200,7 +200,7 @@ def _wait_ready(server: RunningServer, timeout: float) -> None:
                     return
             except httpx.TransportError:
                 pass
-            time.sleep(0.25)
+            time.sleep(POLL_S)
     raise TimeoutError(f"server not ready after {timeout:.0f} s:\n{server.log()[-4000:]}")
 
 
@@ -272,7 +272,7 @@ def start_in_process(
                     return running
             except httpx.TransportError:
                 pass
-            time.sleep(0.1)
+            time.sleep(POLL_S)
     running.stop()
     raise TimeoutError(f"in-process server not ready after {timeout:.0f} s")
 

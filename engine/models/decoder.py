@@ -16,7 +16,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.cpu_paged import CpuAttentionBackend
 from engine.host import cpu_threads
 from engine.host.cpu_threads import serial_cpu_ops
-from engine.models.layers import Linear, PositionedRotary, RMSNorm, RotaryEmbedding
+from engine.models.layers import Linear, PositionedRotary, RMSNorm, RotaryEmbedding, embedding
 from engine.models.moe import SparseMoeBlock
 from engine.weights.config.model_config import ModelConfig
 from kernels import cpu_decode_layer, cpu_elementwise
@@ -192,7 +192,7 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, max_len)

@@ -87,11 +87,25 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int, max_pos: int, pos_freqs: torch.Te
     return inv_freq, float(attention_factor)
 
 
+def embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """An `nn.Embedding` without its random init: the checkpoint fills it. In the loader's meta
+    build, `normal_` on a meta tensor would run torch's Python decomposition, whose first use
+    imports torch._dynamo: seconds of every engine start."""
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to `max_len`, gathered by position each forward."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, max_len: int) -> None:
         super().__init__()
+        if torch.get_default_device().type == "meta":
+            # A build without storage (engine/weights/loader.py) computes the tables once the
+            # model has a device. Arithmetic on meta tensors runs torch's Python decompositions,
+            # whose first use imports torch._dynamo and sympy: seconds of every engine start.
+            self.register_buffer("cos", torch.empty(max_len, head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_len, head_dim), persistent=False)
+            return
         inv_freq, scaling = rope_inv_freq(rope, head_dim, max_position_embeddings)
         freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

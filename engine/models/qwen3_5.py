@@ -18,7 +18,7 @@ from torch import nn
 from engine.attention.hybrid_backend import HybridBackend
 from engine.attention.linear_attention import LinearAttentionBackend
 from engine.models.decoder import MLP, DecoderForCausalLM
-from engine.models.layers import Linear, RotaryEmbedding
+from engine.models.layers import Linear, RotaryEmbedding, embedding
 from engine.weights.config.hybrid_config import LINEAR_ATTENTION
 from engine.weights.config.model_config import ModelConfig
 
@@ -179,7 +179,7 @@ class HybridForCausalLM(DecoderForCausalLM):
         h = cfg.hybrid
         assert h is not None, "HybridForCausalLM needs a hybrid config"
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         layers: list[nn.Module] = []
         num_linear = num_attn = 0
         for i, kind in enumerate(h.layer_types):

@@ -5,18 +5,27 @@ checkpoint's tokenizer, xgrammar's `TokenizerInfo`), started at start-up on a th
 NOTE: loading the tokenizer and building `TokenizerInfo` run in Python under the GIL (seconds for a
 150k vocabulary, docs/PERF.md): built on the first constrained request, they would stall every
 stream in flight for that long. `start` runs them while the model loads instead; a compile that
-comes before they are done waits for them, never builds them a second time.
+comes before they are done waits for them, never builds them a second time. The tables of a
+checkpoint folder's tokenizer are also kept on disk, under the cache root's grammar-tables/, keyed
+by the hash of its tokenizer files: every later engine start (a restart, another server on the
+same model) reads them back instead of loading the tokenizer and building them again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import importlib.metadata
 import logging
+import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.host.cache_folder import cache_root
 from scheduler.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
@@ -110,7 +119,7 @@ class Compiler:
         else:
             info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size)
         logger.info(
-            "grammar compiler: tokenizer tables of %d tokens built in %.2f s",
+            "grammar compiler: tokenizer tables of %d tokens ready in %.2f s",
             self._vocab_size,
             time.perf_counter() - started,
         )
@@ -125,10 +134,66 @@ class Compiler:
 @functools.lru_cache(maxsize=4)
 def _tokenizer_info(folder: str, vocab_size: int) -> xgrammar.TokenizerInfo:
     import xgrammar
+
+    path = tables_path(Path(folder), vocab_size)
+    try:
+        return xgrammar.TokenizerInfo.deserialize_json(path.read_text())
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, RuntimeError) as e:  # damaged: built again below, and rewritten
+        logger.warning(
+            "grammar tables %s unreadable (%s: %s); building them again", path, type(e).__name__, _last_line(e)
+        )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    _write_tables(path, info.serialize_json())
+    return info
+
+
+# What AutoTokenizer reads from a checkpoint folder: the tables are a function of these files.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "config.json",
+)
+TABLES_FORMAT = 1  # bump when what is stored changes
+
+
+def tables_path(folder: Path, vocab_size: int) -> Path:
+    """Where the tables of `folder`'s tokenizer at `vocab_size` are kept: named by the hash of its
+    tokenizer files and of the xgrammar and transformers versions that build them."""
+    digest = hashlib.sha256(f"{TABLES_FORMAT} {vocab_size}".encode())
+    for package in ("xgrammar", "transformers"):
+        digest.update(f" {package} {importlib.metadata.version(package)}".encode())
+    for name in TOKENIZER_FILES:
+        file = folder / name
+        if file.is_file():
+            digest.update(f" {name} ".encode())
+            digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return cache_root() / "grammar-tables" / f"{digest.hexdigest()[:32]}.json"
+
+
+def _write_tables(path: Path, text: str) -> None:
+    """Written to a file of its own and renamed into place: a reader sees all of it or none. A
+    cache that cannot be written only costs the next start the build."""
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging.write_text(text)
+        staging.chmod(0o644)  # a shared FP4SERVE_CACHE stays readable by every user
+        os.replace(staging, path)
+    except OSError as e:
+        logger.warning("grammar tables not kept in %s: %s", path.parent, e)
+        with contextlib.suppress(OSError):
+            staging.unlink(missing_ok=True)
 
 
 def _last_line(error: BaseException) -> str:

@@ -121,7 +121,9 @@ def _materialize(model: DecoderForCausalLM, built_paths: list[str], device: torc
     for module_path in built_paths:
         parent, _, child = module_path.rpartition(".")
         setattr(model.get_submodule(parent), child, Unloaded())
-    model.to_empty(device=device)
+    # NOTE: `model.to_empty` would run torch.empty_like on meta tensors, whose Python decomposition
+    # imports sympy on first use: seconds of every engine start. The same storage, strides kept:
+    model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
     cfg = model.config
     # NOTE: the meta build left the derived cos/sin tables without values: compute them.
     with torch.device(device):
