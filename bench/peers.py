@@ -13,6 +13,7 @@ import datetime
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -455,6 +456,19 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def first_free_port(start: int, tries: int = 100) -> int:
+    """The first port from `start` up that 127.0.0.1 can listen on now: another server, or an
+    outgoing connection's local port, may hold the one asked for."""
+    for port in range(start, min(start + tries, 65536)):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise SystemExit(f"bench peers: no free port in {start}..{start + tries - 1} (--port)")
+
+
 def _values(args: argparse.Namespace, port: int) -> dict[str, str]:
     return {
         "python": sys.executable,
@@ -521,7 +535,7 @@ def cmd_peers(args: argparse.Namespace) -> int:
                 measure_peer(
                     peers[name],
                     args,
-                    _values(args, args.port + args.servers.index(name)),
+                    _values(args, first_free_port(args.port + args.servers.index(name))),
                     out_dir,
                     cores,
                     notes,
@@ -657,7 +671,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.cpu_count() or 1,
         help="CPU threads of llama.cpp-based servers (default: every core)",
     )
-    p.add_argument("--port", type=int, default=8790, help="port of the first server (then +1)")
+    p.add_argument("--port", type=int, default=8790, help="port of the first server (then +1; a busy one is skipped)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument(
         "--prefill-lens",

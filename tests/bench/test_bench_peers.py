@@ -7,6 +7,7 @@ answers, and that every server's whole process group is gone afterwards."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 
 from bench import server_process
 from bench.__main__ import main
-from bench.peers import DEFAULT_SERVERS, PEERS, Peer, bench_argv, cpu_record
+from bench.peers import DEFAULT_SERVERS, PEERS, Peer, bench_argv, cpu_record, first_free_port
 from bench.peers_table import format_summary, format_table, summarize
 from bench.server_process import quiet_warning, running
 from tests.server_utils import free_port
@@ -365,3 +366,14 @@ def test_sigterm_stops_the_server_and_keeps_what_ran(tmp_path: Path) -> None:
     doc = orjson.loads((out / "peers.json").read_bytes())
     assert doc["interrupted"] and doc["servers"][0]["error"] == "interrupted"
     assert doc["servers"][0]["warm_up_answer"] == "Paris"
+
+
+def test_a_port_in_use_is_skipped() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        port = first_free_port(taken)
+        assert port > taken
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))  # it really is free
