@@ -4,7 +4,6 @@ Incremental decoding lives in engine/front/detokenizer.py."""
 
 from __future__ import annotations
 
-import json
 import logging
 from functools import lru_cache
 from pathlib import Path
@@ -46,10 +45,38 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+# The weights' files: what a tokenizer never reads, so their changes never load it again.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+def load_hf_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer of the checkpoint folder `path`, loaded once per process while its
+    files stay as they are: a process that builds several engines on one checkpoint (data parallel
+    in process, benchmarks, tests) would otherwise spend most of a second on each, in Python's JSON
+    parser under the GIL. The object is shared: callers only read it."""
+    folder = Path(path).resolve()
+    try:
+        signature = tuple(
+            sorted(
+                (entry.name, stat.st_size, stat.st_mtime_ns)
+                for entry in folder.iterdir()
+                if not entry.name.endswith(_WEIGHT_SUFFIXES) and entry.is_file() and (stat := entry.stat())
+            )
+        )
+    except OSError:  # not a folder (transformers says what is wrong with it)
+        signature = ()
+    return _load_hf_tokenizer(str(folder), signature)
+
+
+@lru_cache(maxsize=4)
+def _load_hf_tokenizer(folder: str, signature: tuple[tuple[str, int, int], ...]) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
 class Tokenizer:
     def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = ()) -> None:
         try:
-            self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            self.hf: PreTrainedTokenizerBase = load_hf_tokenizer(path)
         except Exception as e:  # transformers raises many types here; one line is what a user needs
             raise ConfigError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
         backend = getattr(self.hf, "backend_tokenizer", None)
@@ -62,7 +89,9 @@ class Tokenizer:
         self.eos_token_ids = tuple(ids)
         self.chat_template: str | None = getattr(self.hf, "chat_template", None)
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
-        self._byte_level = "ByteLevel" in json.dumps(json.loads(self.backend.to_str()).get("decoder"))
+        # The decoder's own JSON (a Sequence of decoders names each), not the whole tokenizer's.
+        decoder = self.backend.decoder
+        self._byte_level = decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
         self._added_ids = frozenset(self.backend.get_added_tokens_decoder())
         self._token_cache: dict[int, tuple[str, tuple[int, ...]]] = {}
         # Whether a request's tools reach the model: a template that ignores them (SmolLM2's) turns

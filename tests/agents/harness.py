@@ -13,12 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from fp4serve_tools.agent_model import SPEC_FILE
 from tests.agents.clis import API_KEY
 from tests.agents.proxy import Exchange, RecordingProxy
-from tests.server_utils import RunningServer, start_server
+from tests.server_utils import HTTP, RunningServer, start_server
 
 MAX_MODEL_LEN = 65_536  # the agents' prompts (6-19k tokens) plus the 32,000 max_tokens they ask for
 # KV for MAX_MODEL_LEN tokens of the agent model (3 layers x 3 heads x 192 x K,V x bf16: 6.75 KiB a
@@ -79,7 +77,7 @@ def agent_server(model_path: Path, *extra: str) -> Iterator[AgentServer]:
         api_key=API_KEY,
     )
     try:
-        model = httpx.get(server.url("/v1/models"), headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).json()[
+        model = HTTP.get(server.url("/v1/models"), headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).json()[
             "data"
         ][0]["id"]
         assert model == name, (model, name)

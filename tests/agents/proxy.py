@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.server_utils import free_port
+from tests.server_utils import HTTP, free_port
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones httpx / hypercorn set again themselves.
 _DROPPED = frozenset(
@@ -170,7 +170,7 @@ class RecordingProxy:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # hypercorn binds after serve() starts
             try:
-                httpx.get(self.base_url + "/health", timeout=5.0)
+                HTTP.get(self.base_url + "/health", timeout=5.0)
                 return self
             except httpx.TransportError:
                 time.sleep(0.05)

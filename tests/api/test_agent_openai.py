@@ -13,14 +13,13 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
 from engine.core import EngineCore
 from engine.weights.demo_model import DEMO_MODEL_NAME
 from tests.api.test_tools_e2e import ENGINE, ScriptedCore, call_text, scripted_server
-from tests.server_utils import InProcessServer, metric
+from tests.server_utils import HTTP, InProcessServer, metric
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 MODE_PARAMETERS = {
@@ -91,7 +90,7 @@ def long_prompt(words: int) -> list[dict[str, Any]]:
 
 
 def prompt_tokens(server: InProcessServer, messages: list[dict[str, Any]]) -> int:
-    reply = httpx.post(server.url("/tokenize"), json={"model": DEMO_MODEL_NAME, "messages": messages}, timeout=60)
+    reply = HTTP.post(server.url("/tokenize"), json={"model": DEMO_MODEL_NAME, "messages": messages}, timeout=60)
     return reply.json()["count"]
 
 
@@ -264,7 +263,7 @@ def test_a_refused_request_leaves_one_log_line_and_counts_by_reason(
     server: InProcessServer, client: openai.OpenAI, caplog: pytest.LogCaptureFixture
 ) -> None:
     name = 'fp4serve_http_requests_rejected_total{reason="context_length_exceeded"}'
-    before = metric(httpx.get(server.url("/metrics")).text, name, 0.0)
+    before = metric(HTTP.get(server.url("/metrics")).text, name, 0.0)
     with caplog.at_level("INFO", logger="fp4serve.requests"), pytest.raises(openai.BadRequestError):
         chat(client, messages=long_prompt(4000))
     [line] = [r.getMessage() for r in caplog.records if r.name == "fp4serve.requests"]
@@ -272,10 +271,10 @@ def test_a_refused_request_leaves_one_log_line_and_counts_by_reason(
         "refused POST /v1/chat/completions: 400 key=default code=context_length_exceeded "
         "param=messages client=127.0.0.1: This model's maximum context length is"
     )
-    assert metric(httpx.get(server.url("/metrics")).text, name) == before + 1
+    assert metric(HTTP.get(server.url("/metrics")).text, name) == before + 1
     caplog.clear()
     with caplog.at_level("INFO", logger="fp4serve.requests"):
-        bad = httpx.post(server.url("/v1/messages"), json={"model": DEMO_MODEL_NAME, "max_tokens": 5, "messages": []})
+        bad = HTTP.post(server.url("/v1/messages"), json={"model": DEMO_MODEL_NAME, "max_tokens": 5, "messages": []})
     assert bad.status_code == 400 and bad.json()["type"] == "error"
     [line] = [r.getMessage() for r in caplog.records if r.name == "fp4serve.requests"]
     assert line.startswith(
@@ -289,7 +288,7 @@ def test_a_framing_refusal_is_logged_and_counted_once(
     # FramingMiddleware answers before any route; the request log outside it is the one place that
     # logs and counts, so a smuggling attempt is one line and one count.
     name = 'fp4serve_http_requests_rejected_total{reason="ambiguous_framing"}'
-    before = metric(httpx.get(server.url("/metrics")).text, name, 0.0)
+    before = metric(HTTP.get(server.url("/metrics")).text, name, 0.0)
     body = b"0\r\n\r\n"
     request = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -304,7 +303,7 @@ def test_a_framing_refusal_is_logged_and_counted_once(
     assert reply.startswith(b"HTTP/1.1 400"), reply
     [line] = [r.getMessage() for r in caplog.records if "Content-Length and Transfer-Encoding" in r.getMessage()]
     assert line.startswith("refused POST /v1/completions: 400 key=- code=ambiguous_framing param=- client=127.0.0.1:")
-    assert metric(httpx.get(server.url("/metrics")).text, name) == before + 1
+    assert metric(HTTP.get(server.url("/metrics")).text, name) == before + 1
 
 
 def test_tool_schemas_nested_300_deep_are_a_clean_400(

@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 
 from api.app import ServerConfig
 from engine.config import EngineConfig
 from engine.weights.demo_model import ensure_demo_model
-from tests.server_utils import InProcessServer, in_process_server
+from tests.server_utils import HTTP, InProcessServer, in_process_server
 
 NAME = "first-system-only"
 TEMPLATE = (
@@ -116,11 +115,11 @@ def test_tools_the_template_ignores_get_a_warning_header_and_a_log_line(
 ) -> None:
     body = {"model": NAME, "max_tokens": 3, "messages": [{"role": "user", "content": "time?"}]}
     with caplog.at_level("WARNING", logger="fp4serve.api"):
-        with_tools = httpx.post(server.url("/v1/chat/completions"), json={**body, "tools": [TOOL]}, timeout=120)
+        with_tools = HTTP.post(server.url("/v1/chat/completions"), json={**body, "tools": [TOOL]}, timeout=120)
     assert with_tools.status_code == 200
     assert with_tools.headers["x-fp4serve-warning"] == "the chat template ignores tools: the model never saw them"
     assert any("does not render tools" in r.getMessage() for r in caplog.records)
-    without = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=120)
+    without = HTTP.post(server.url("/v1/chat/completions"), json=body, timeout=120)
     assert "x-fp4serve-warning" not in without.headers
 
 
@@ -143,7 +142,7 @@ def test_the_access_log_has_one_line_per_request_but_for_the_skipped_paths(
     server: InProcessServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level("INFO", logger="fp4serve.access"):
-        assert httpx.get(server.url("/v1/models"), timeout=30).status_code == 200
-        assert httpx.get(server.url("/health"), timeout=30).status_code == 200
+        assert HTTP.get(server.url("/v1/models"), timeout=30).status_code == 200
+        assert HTTP.get(server.url("/health"), timeout=30).status_code == 200
     [line] = [r.getMessage() for r in caplog.records if r.name == "fp4serve.access"]
     assert line.startswith("127.0.0.1 GET /v1/models 200 key=default ")

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import RunningServer, running_server
+from tests.server_utils import HTTP, RunningServer, running_server
 
 pytestmark = pytest.mark.slow  # real servers in subprocesses: `make test-fast` skips them
 
@@ -71,16 +71,16 @@ def metric(text: str, name: str) -> float:
 
 
 def test_missing_or_wrong_key_is_401_and_probes_stay_open(server: RunningServer) -> None:
-    anonymous = httpx.post(server.url("/v1/chat/completions"), json={"messages": HELLO})
+    anonymous = HTTP.post(server.url("/v1/chat/completions"), json={"messages": HELLO})
     assert_error(anonymous, 401, None, "API key")
     assert anonymous.headers["www-authenticate"] == "Bearer"
     with pytest.raises(openai.AuthenticationError) as info:
         with openai.OpenAI(base_url=server.url("/v1"), api_key="sk-wrong", max_retries=0) as wrong:
             wrong.models.list()
     assert info.value.code == "invalid_api_key"
-    assert httpx.get(server.url("/v1/models")).status_code == 401
+    assert HTTP.get(server.url("/v1/models")).status_code == 401
     for open_path in ("/health", "/metrics", "/version"):
-        assert httpx.get(server.url(open_path)).status_code == 200
+        assert HTTP.get(server.url(open_path)).status_code == 200
 
 
 @pytest.mark.parametrize(

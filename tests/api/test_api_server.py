@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_utils import RunningServer, start_server
+from tests.server_utils import HTTP, RunningServer, start_server
 
 pytestmark = pytest.mark.slow  # real servers in subprocesses: `make test-fast` skips them
 
@@ -202,10 +202,10 @@ def test_models_health_and_version(server: RunningServer, client: Any) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == ["fp4serve-demo-qwen3"]
     assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
-    health = httpx.get(server.url("/health")).json()
+    health = HTTP.get(server.url("/health")).json()
     assert health["status"] == "ok" and health["model"] == "fp4serve-demo-qwen3"
     assert (health["device"], health["attention_backend"]) == ("cpu", cpu_attention_backend())
-    assert httpx.get(server.url("/version")).json()["version"] == "0.1.0"
+    assert HTTP.get(server.url("/version")).json()["version"] == "0.1.0"
 
 
 def test_sse_wire_format(server: RunningServer) -> None:

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import orjson
 import pytest
@@ -27,7 +26,7 @@ from scheduler.request import SamplingParams
 from tests import vllm_kv_events as vllm
 from tests.engine.test_engine_e2e import alone, prompt_for
 from tests.engine.test_engine_restart import alive, wait_health
-from tests.server_utils import RunningServer, metric, start_server
+from tests.server_utils import HTTP, RunningServer, metric, start_server
 
 pytestmark = pytest.mark.slow
 MODEL = "dp"
@@ -66,7 +65,7 @@ def server(qwen3_ckpt: Path, events_socket: Path) -> Iterator[RunningServer]:
 
 def per_core(server: RunningServer, name: str, **labels: str) -> list[float]:
     """A vLLM-named counter of each engine core."""
-    text = httpx.get(server.url("/metrics"), timeout=10).text
+    text = HTTP.get(server.url("/metrics"), timeout=10).text
     extra = "".join(f',{k}="{v}"' for k, v in sorted(labels.items()))
     return [metric(text, f'{name}{{engine="{core}"{extra},model_name="{MODEL}"}}', 0.0) for core in ("0", "1")]
 
@@ -171,7 +170,7 @@ def test_the_samples_of_one_request_share_a_core(server: RunningServer) -> None:
 
 def test_metrics_also_serve_each_vllm_series_summed_over_the_cores(server: RunningServer) -> None:
     """The Gateway API Inference Extension's endpoint picker reads engine-less series."""
-    text = httpx.get(server.url("/metrics"), timeout=10).text
+    text = HTTP.get(server.url("/metrics"), timeout=10).text
     whole = f'{{model_name="{MODEL}"}}'
     for name in (
         "vllm:num_requests_running",
@@ -218,7 +217,7 @@ def test_a_conversations_next_turn_goes_to_the_core_holding_its_prefix(server: R
 def test_a_killed_core_fails_only_its_requests_and_comes_back(server: RunningServer) -> None:
     before = wait_health(server, "ok", RESTART_DEADLINE_S)
     pid = before["engines"][1]["pid"]
-    crashes = metric(httpx.get(server.url("/metrics")).text, 'fp4serve_engine_restarts_total{reason="crash"}', 0.0)
+    crashes = metric(HTTP.get(server.url("/metrics")).text, 'fp4serve_engine_restarts_total{reason="crash"}', 0.0)
 
     async def scenario() -> tuple[list[str], dict[str, Any], list[Any]]:
         client = server.async_openai(timeout=120)
@@ -255,7 +254,7 @@ def test_a_killed_core_fails_only_its_requests_and_comes_back(server: RunningSer
         await asyncio.wait_for(opened.wait(), 60)
         os.kill(pid, signal.SIGKILL)
         ended = await asyncio.gather(*streams)
-        during = await asyncio.to_thread(lambda: httpx.get(server.url("/health"), timeout=5).json())
+        during = await asyncio.to_thread(lambda: HTTP.get(server.url("/health"), timeout=5).json())
         # Sent while core 1 restarts: core 0 serves them.
         served = await asyncio.gather(
             *(
@@ -274,14 +273,14 @@ def test_a_killed_core_fails_only_its_requests_and_comes_back(server: RunningSer
     if during["engines"][1]["state"] == "restarting":  # it may be back already on a fast machine
         assert during["status"] == "ok" and during["engines"][0]["state"] == "running"
     deadline = time.monotonic() + RESTART_DEADLINE_S
-    while (body := httpx.get(server.url("/health"), timeout=5).json())["engines"][1]["state"] != "running":
+    while (body := HTTP.get(server.url("/health"), timeout=5).json())["engines"][1]["state"] != "running":
         assert time.monotonic() < deadline, body
         time.sleep(0.05)
     assert not alive(pid) and body["engines"][1]["pid"] not in (None, pid) and body["engines"][1]["restarts"] == 1
     assert body["engines"][0]["pid"] == before["engines"][0]["pid"] and body["engines"][0]["restarts"] == 0
     assert body["last_restart"]["engine"] == 1 and body["last_restart"]["reason"] == "crash"
     assert (
-        metric(httpx.get(server.url("/metrics")).text, 'fp4serve_engine_restarts_total{reason="crash"}') == crashes + 1
+        metric(HTTP.get(server.url("/metrics")).text, 'fp4serve_engine_restarts_total{reason="crash"}') == crashes + 1
     )
     # Both cores serve again.
     before_finished = finished(server)

@@ -22,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 
@@ -32,7 +31,7 @@ from engine.front.async_engine import AsyncEngine
 from engine.weights.demo_model import DEMO_MODEL_NAME
 from scheduler.structured_output import StructuredOutput
 from tests.api.test_tools_e2e import ENGINE
-from tests.server_utils import InProcessServer, in_process_server, metric
+from tests.server_utils import HTTP, InProcessServer, in_process_server, metric
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 NO_THINKING_CHAT = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -265,7 +264,7 @@ def test_messages_cut_call_is_a_tool_use_block_with_the_input_so_far(claude: ant
 
 # ---- a grammar that cannot be made fails visibly ----------------------------------------------------------------
 def failures(server: InProcessServer, reason: str) -> float:
-    text = httpx.get(server.url("/metrics"), timeout=30).text
+    text = HTTP.get(server.url("/metrics"), timeout=30).text
     return metric(text, f'fp4serve_grammar_failures_total{{reason="{reason}"}}', 0.0)
 
 

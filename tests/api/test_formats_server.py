@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import httpx
 import pytest
 
 from scheduler.request import SamplingParams
@@ -21,7 +20,7 @@ from tests.factories import make_hybrid_checkpoint, make_hybrid_moe_checkpoint, 
 from tests.fp8_factory import dequantized_copy, to_fp8_checkpoint
 from tests.gguf_factory import write_llamacpp_gguf
 from tests.mtp_factory import add_mtp_tensors, make_predictable
-from tests.server_utils import metric, running_server
+from tests.server_utils import HTTP, metric, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +74,7 @@ def test_nvfp4_hybrid_with_the_fp8_mtp_head_of_a_second_folder(tmp_path: Path) -
         "8",
     ) as server:
         got = asyncio.run(complete_all(server.async_openai(), server_model(server), ps))
-        text = httpx.get(server.url("/metrics")).text
+        text = HTTP.get(server.url("/metrics")).text
         log = server.log()
     assert got == [r.token_ids[0] for r in ref]
     assert (

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.engine.test_hybrid_prefix_cache import LAYOUT_27B
@@ -18,7 +17,7 @@ from tests.engine.test_hybrid_prefix_server import (  # noqa: F401  (collected h
     text,
 )
 from tests.factories import make_hybrid_checkpoint
-from tests.server_utils import RunningServer, metric, start_server
+from tests.server_utils import HTTP, RunningServer, metric, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -77,12 +76,12 @@ def tight_server(checkpoint: Path) -> Iterator[RunningServer]:
 
 
 def scraped(server: RunningServer, name: str) -> float:
-    return metric(httpx.get(server.url("/metrics"), timeout=10).text, name, default=0.0)
+    return metric(HTTP.get(server.url("/metrics"), timeout=10).text, name, default=0.0)
 
 
 def chat(server: RunningServer, messages: list[dict[str, str]]) -> tuple[str, int]:
     body = {"model": "hybrid", "messages": messages, "max_tokens": 4, "temperature": 0.0}
-    response = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=120)
+    response = HTTP.post(server.url("/v1/chat/completions"), json=body, timeout=120)
     assert response.status_code == 200, response.text
     reply = response.json()
     return reply["choices"][0]["message"]["content"], reply["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -102,5 +101,5 @@ def test_histories_evicted_from_the_device_come_back_from_the_host(tight_server:
     assert min(cached) >= 256, cached
     assert scraped(server, "fp4serve_host_kv_page_loads_total") > loads_before
     assert scraped(server, "fp4serve_host_kv_snapshot_loads_total") > 0
-    stats = httpx.get(server.url("/stats"), timeout=10).json()["host_kv"]
+    stats = HTTP.get(server.url("/stats"), timeout=10).json()["host_kv"]
     assert stats["hit_tokens"] > 0 and 0 < stats["used_bytes"] <= stats["capacity_bytes"]

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
-import httpx
 import pytest
 
 from api.app import ServerConfig
@@ -18,7 +17,7 @@ from engine.core import EngineCore
 from engine.front.async_engine import AsyncEngine
 from engine.weights.demo_model import DEMO_MODEL_NAME
 from tests.api.test_tools_e2e import ARGUMENTS, ENGINE, THINK, ScriptedCore, call_text
-from tests.server_utils import InProcessServer, in_process_server
+from tests.server_utils import HTTP, InProcessServer, in_process_server
 
 KEY = "sk-messages-test"
 WEATHER = {
@@ -160,7 +159,7 @@ def test_max_tokens_and_stop_sequences_are_reported(scripted: ScriptedCore, clie
 def test_errors_have_anthropics_shape(server: InProcessServer, client: anthropic.Anthropic) -> None:
     # (the SDK itself refuses a request without max_tokens, so this one goes by hand)
     headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
-    no_max = httpx.post(
+    no_max = HTTP.post(
         server.url("/v1/messages"), headers=headers, json={"model": DEMO_MODEL_NAME, "messages": MESSAGES}, timeout=30
     )
     assert no_max.status_code == 400 and no_max.json()["type"] == "error"
@@ -176,7 +175,7 @@ def test_errors_have_anthropics_shape(server: InProcessServer, client: anthropic
         )
     assert denied.value.body["error"]["type"] == "authentication_error"
     # Bearer works as well as x-api-key.
-    reply = httpx.post(
+    reply = HTTP.post(
         server.url("/v1/messages/count_tokens"),
         headers={"Authorization": f"Bearer {KEY}"},
         json={"model": DEMO_MODEL_NAME, "messages": MESSAGES},

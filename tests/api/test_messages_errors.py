@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
-import httpx
 import orjson
 import pytest
 from starlette.applications import Starlette
@@ -38,7 +37,7 @@ from engine.front.async_engine import EngineDeadError
 from engine.weights.demo_model import DEMO_MODEL_NAME
 from scheduler.request import ParamError
 from tests.api.test_tools_e2e import ENGINE
-from tests.server_utils import InProcessServer, in_process_server
+from tests.server_utils import HTTP, InProcessServer, in_process_server
 
 KEY, LIMITED = "sk-errors-full", "sk-errors-limited"
 MESSAGES = [{"role": "user", "content": "Hello"}]
@@ -81,7 +80,7 @@ def test_rate_limit_is_a_rate_limit_error_with_retry_after(server: InProcessServ
         client.messages.count_tokens(model=DEMO_MODEL_NAME, messages=MESSAGES)
     assert anthropic_type(again.value) == "rate_limit_error"
     # The OpenAI routes keep OpenAI's shape for the same refusal.
-    openai_shape = httpx.post(
+    openai_shape = HTTP.post(
         server.url("/v1/completions"),
         headers={"Authorization": f"Bearer {LIMITED}"},
         json={"model": DEMO_MODEL_NAME, "prompt": "a", "max_tokens": 1},
@@ -108,10 +107,10 @@ def test_validation_model_size_and_method_errors(server: InProcessServer) -> Non
         )
     assert anthropic_type(large.value) == "request_too_large"
     headers = {"x-api-key": KEY}
-    wrong_method = httpx.get(server.url("/v1/messages"), headers=headers, timeout=30)
+    wrong_method = HTTP.get(server.url("/v1/messages"), headers=headers, timeout=30)
     assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
     assert wrong_method.json()["error"]["type"] == "invalid_request_error"
-    no_route = httpx.post(server.url("/v1/messages/batches"), headers=headers, json={}, timeout=30)
+    no_route = HTTP.post(server.url("/v1/messages/batches"), headers=headers, json={}, timeout=30)
     assert no_route.status_code == 404 and no_route.json()["error"]["type"] == "not_found_error"
     # A streamed request refused before it starts gets a JSON error too, which the SDK raises.
     with pytest.raises(anthropic.NotFoundError):

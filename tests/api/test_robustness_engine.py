@@ -22,7 +22,7 @@ from engine.core import EngineCore
 from engine.front.async_engine import MAX_CONSECUTIVE_FAILURES, AsyncEngine
 from engine.model_runner import StepResult
 from scheduler.output import SchedulerOutput
-from tests.server_utils import DONE, InProcessServer, in_process_server, metric, read_stream, start_in_process
+from tests.server_utils import DONE, HTTP, InProcessServer, in_process_server, metric, read_stream, start_in_process
 
 ENGINE = EngineConfig(max_model_len=128, kv_cache_memory="32MiB", max_num_seqs=16)
 STEP_DELAY_S = 0.05  # added to every forward: a long request takes >= 100 * 50 ms
@@ -189,7 +189,7 @@ def test_a_failed_forward_fails_every_in_flight_request_and_the_next_one_is_serv
     assert body["code"] == "engine_error" and "RuntimeError" in body["message"] and SECRET not in body["message"]
     assert after.status_code == 200
     assert after.json()["choices"][0]["finish_reason"] == "length" and after.json()["usage"]["completion_tokens"] == 3
-    assert httpx.get(running.url("/health")).status_code == 200
+    assert HTTP.get(running.url("/health")).status_code == 200
 
 
 def test_request_timeout_ends_streamed_and_whole_requests_with_an_error_and_frees_their_pages(

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import DONE, RunningServer, metric, read_stream, running_server
+from tests.server_utils import DONE, HTTP, RunningServer, metric, read_stream, running_server
 
 pytestmark = pytest.mark.slow  # real servers in subprocesses: `make test-fast` skips them
 
@@ -221,7 +221,7 @@ def test_a_max_tokens_above_max_output_tokens_is_capped_not_refused(http: httpx.
 
 
 def test_the_api_key_never_reaches_the_log_and_cors_stays_off(server: RunningServer, http: httpx.Client) -> None:
-    wrong = httpx.post(
+    wrong = HTTP.post(
         server.url("/v1/chat/completions"), json={"messages": HELLO}, headers={"Authorization": f"Bearer {KEY}-wrong"}
     )
     assert wrong.status_code == 401 and KEY not in wrong.text

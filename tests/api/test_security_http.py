@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from tests.h2_client import H2
-from tests.server_utils import RunningServer, metric, start_server
+from tests.server_utils import HTTP, RunningServer, metric, start_server
 
 pytestmark = pytest.mark.slow
 MODEL = "fp4serve-demo-qwen3"
@@ -68,14 +68,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 
 def usage_of(server: RunningServer, key: str) -> dict[str, Any]:
-    body = httpx.get(server.url("/v1/usage"), headers={"Authorization": f"Bearer {key}"}).json()
+    body = HTTP.get(server.url("/v1/usage"), headers={"Authorization": f"Bearer {key}"}).json()
     [row] = body["data"]
     return row
 
 
 def wait_for_metric(server: RunningServer, name: str, value: float, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while (current := metric(httpx.get(server.url("/metrics")).text, name)) != value:
+    while (current := metric(HTTP.get(server.url("/metrics")).text, name)) != value:
         assert time.monotonic() < deadline, f"{name} is {current}, not {value}:\n{server.log()[-3000:]}"
         time.sleep(0.05)
 
@@ -227,7 +227,7 @@ def test_compiled_grammars_stay_within_the_budget_across_keys(server: RunningSer
             "properties": {"v": {"enum": [f"{salt}-{i}" for i in range(4000)]}},
             "required": ["v"],
         }
-        return httpx.post(
+        return HTTP.post(
             server.url("/v1/chat/completions"),
             headers={"Authorization": f"Bearer {key}"},
             timeout=120,
@@ -241,7 +241,7 @@ def test_compiled_grammars_stay_within_the_budget_across_keys(server: RunningSer
 
     for i, key in enumerate(["sk-root", "sk-mallory"] * 3):
         assert pick(key, f"s{i}").status_code == 200
-        text = httpx.get(server.url("/metrics")).text
+        text = HTTP.get(server.url("/metrics")).text
         assert metric(text, "fp4serve_grammar_cache_bytes") <= GRAMMAR_BUDGET
     assert metric(text, "fp4serve_grammar_cache_budget_bytes") == GRAMMAR_BUDGET
     assert metric(text, "fp4serve_grammar_cache_misses_total") == 6
@@ -277,7 +277,7 @@ def test_http2_connection_lost_while_a_response_waits_for_flow_control_releases_
                 if isinstance(e, h2.events.DataReceived)
             )
             client.flush()
-    assert metric(httpx.get(server.url("/metrics")).text, in_flight) == 1
+    assert metric(HTTP.get(server.url("/metrics")).text, in_flight) == 1
     client.close()
     wait_for_metric(server, in_flight, 0)
     assert "Traceback" not in server.log()

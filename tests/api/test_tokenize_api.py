@@ -16,7 +16,7 @@ from api.app import ServerConfig
 from engine.config import EngineConfig
 from engine.front.tokenizer import Tokenizer
 from engine.weights.demo_model import DEMO_MODEL_NAME, ensure_demo_model
-from tests.server_utils import InProcessServer, in_process_server
+from tests.server_utils import HTTP, InProcessServer, in_process_server
 
 ENGINE = EngineConfig(kv_cache_memory="16MiB", max_model_len=1024)
 KEY = "sk-tokenize-test"
@@ -142,7 +142,7 @@ def test_an_empty_prompt_and_no_tokens_are_empty(http: httpx.Client) -> None:
 )
 def test_the_routes_need_the_api_key(server: InProcessServer, path: str, headers: dict[str, str], message: str) -> None:
     body = {"prompt": "hi"} if path == "/tokenize" else {"tokens": [1]}
-    response = httpx.post(server.url(path), json=body, headers=headers, timeout=30)
+    response = HTTP.post(server.url(path), json=body, headers=headers, timeout=30)
     assert response.status_code == 401
     assert response.headers["www-authenticate"] == "Bearer"
     assert response.json() == {

@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from api.app import ServerConfig
@@ -20,7 +19,7 @@ from engine.front.async_engine import AsyncEngine
 from scheduler.output import SchedulerOutput
 from tests.api.test_tools_e2e import ENGINE, ScriptedCore
 from tests.browser import by_testid, chromium, console_errors, screenshot, wait_for
-from tests.server_utils import InProcessServer, in_process_server
+from tests.server_utils import HTTP, InProcessServer, in_process_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test may install chromium
 
@@ -134,7 +133,7 @@ def text_of(element: Any, selector: str) -> str:
 
 
 def stats(server: InProcessServer) -> dict[str, Any]:
-    response = httpx.get(server.url("/stats"), timeout=5)
+    response = HTTP.get(server.url("/stats"), timeout=5)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -298,7 +297,7 @@ def test_dashboard_token_counter_rises_after_a_chat(page: Any, core: PacedCore, 
     assert by_testid(page, "metric-waiting")[0].text == "0"
     assert page.find_element("id", "info-device").text == "cpu"
     # the backend the engine chose on this CPU (the compiled paged ops where they build, else torch)
-    assert page.find_element("id", "info-backend").text == httpx.get(server.url("/health")).json()["attention_backend"]
+    assert page.find_element("id", "info-backend").text == HTTP.get(server.url("/health")).json()["attention_backend"]
     # The live charts drew the percentiles: pixels in a series' colour (p99 is drawn last, on top
     # of the others where they are equal, as they are with one request).
     for chart in ("ttft-chart", "itl-chart"):
@@ -331,7 +330,7 @@ def test_usage_by_key_shows_the_keys_completion_tokens_rising_after_a_chat(
         lambda: (c := usage_cells(page, "default")) and int(c[2]) >= int(before[2]) + num_tokens and c,
         what=f"the key's completion tokens to rise from {before[2]} by {num_tokens}",
     )
-    [served] = httpx.get(server.url("/v1/usage"), timeout=5).json()["data"]
+    [served] = HTTP.get(server.url("/v1/usage"), timeout=5).json()["data"]
     assert after[:3] == [str(served["requests"]), str(served["prompt_tokens"]), str(served["completion_tokens"])]
     assert int(after[0]) == int(before[0]) + 1 and int(after[1]) > int(before[1])
     assert after[3] == str(round(served["mean_ttft_seconds"] * 1000))

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.front.vllm_metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from tests import vllm_kv_events as vllm
-from tests.server_utils import RunningServer, start_server
+from tests.server_utils import HTTP, RunningServer, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningSe
 
 
 def scrape(server: RunningServer) -> dict[str, tuple[str, list[tuple[str, dict[str, str], float]]]]:
-    text = httpx.get(server.url("/metrics"), timeout=10).text
+    text = HTTP.get(server.url("/metrics"), timeout=10).text
     return {
         f.name: (f.type, [(s.name, s.labels, s.value) for s in f.samples]) for f in text_string_to_metric_families(text)
     }
@@ -92,7 +92,7 @@ def value(families: dict, sample: str, **labels: str) -> float:
 
 def complete(server: RunningServer, prompt: list[int] | str, max_tokens: int) -> dict:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-    response = httpx.post(server.url("/v1/completions"), json=body, timeout=120)
+    response = HTTP.post(server.url("/v1/completions"), json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
 

@@ -27,7 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.weights.demo_model import ensure_demo_model
-from tests.server_utils import RunningServer, free_port, start_server
+from tests.server_utils import HTTP, RunningServer, free_port, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +97,7 @@ def router(replicas: list[tuple[RunningServer, int]], policy: str, *extra: str) 
             assert process.poll() is None, f"vllm-router exited:\n{log.read_text(errors='replace')[-3000:]}"
             assert time.monotonic() < deadline, f"vllm-router not ready:\n{log.read_text(errors='replace')[-3000:]}"
             try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                if HTTP.get(url + "/v1/models", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -114,7 +114,7 @@ def router(replicas: list[tuple[RunningServer, int]], policy: str, *extra: str) 
 
 
 def prefix_hits(server: RunningServer) -> float:
-    text = httpx.get(server.url("/metrics"), timeout=10).text
+    text = HTTP.get(server.url("/metrics"), timeout=10).text
     for family in text_string_to_metric_families(text):
         if family.name == "vllm:prefix_cache_hits":
             return sum(s.value for s in family.samples if s.name.endswith("_total"))
@@ -123,7 +123,7 @@ def prefix_hits(server: RunningServer) -> float:
 
 def held(server: RunningServer) -> float:
     """Requests the replica holds: running + waiting, by its vLLM-named gauges."""
-    text = httpx.get(server.url("/metrics"), timeout=10).text
+    text = HTTP.get(server.url("/metrics"), timeout=10).text
     return sum(
         s.value
         for f in text_string_to_metric_families(text)

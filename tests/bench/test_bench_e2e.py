@@ -7,14 +7,13 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from bench.__main__ import main
 from bench.datasets import DatasetSpec, LocalTokenizer, build_dataset
 from bench.report import Result, load_results
 from engine.weights.demo_model import ensure_demo_model
-from tests.server_utils import RunningServer, running_server
+from tests.server_utils import HTTP, RunningServer, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +49,7 @@ def bench_serve(server: RunningServer, out: Path, *flags: str) -> list[Result]:
 
 
 def prefix_cache_hits(server: RunningServer) -> float:
-    text = httpx.get(server.url("/metrics"), timeout=10).text
+    text = HTTP.get(server.url("/metrics"), timeout=10).text
     match = re.search(r"^fp4serve_prefix_cache_hits_total (\S+)$", text, re.M)
     assert match, "the server exports fp4serve_prefix_cache_hits_total"
     return float(match.group(1))

@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.core_types import Owner
 from engine.front.async_engine import AsyncEngine, EngineStats
 from scheduler.request import SamplingParams
-from tests.server_utils import RunningServer, metric, start_server
+from tests.server_utils import HTTP, RunningServer, metric, start_server
 
 pytestmark = pytest.mark.slow
 MODEL = "fp4serve-demo-qwen3"
@@ -69,7 +69,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 
 def health(server: RunningServer) -> tuple[int, dict[str, Any]]:
-    response = httpx.get(server.url("/health"), timeout=5)
+    response = HTTP.get(server.url("/health"), timeout=5)
     return response.status_code, response.json()
 
 
@@ -129,7 +129,7 @@ async def open_streams(client: openai.AsyncOpenAI, count: int) -> tuple[list[asy
 
 
 def count_restarts(server: RunningServer, reason: str) -> float:
-    return metric(httpx.get(server.url("/metrics")).text, f'fp4serve_engine_restarts_total{{reason="{reason}"}}', 0.0)
+    return metric(HTTP.get(server.url("/metrics")).text, f'fp4serve_engine_restarts_total{{reason="{reason}"}}', 0.0)
 
 
 def survive(server: RunningServer, sig: signal.Signals, key: str = "sk-alice") -> dict[str, Any]:
@@ -238,7 +238,7 @@ def test_usage_and_rate_limits_of_a_key_survive_a_restart(server: RunningServer)
     carol = openai.OpenAI(base_url=server.url("/v1"), api_key="sk-carol", max_retries=0)
 
     def usage() -> dict[str, Any]:
-        response = httpx.get(server.url("/v1/usage"), headers={"Authorization": "Bearer sk-carol"})
+        response = HTTP.get(server.url("/v1/usage"), headers={"Authorization": "Bearer sk-carol"})
         [row] = [row for row in response.json()["data"] if row["key"] == "carol"]
         return row
 

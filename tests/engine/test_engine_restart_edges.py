@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import orjson
 import pytest
@@ -26,7 +25,7 @@ import zmq
 from engine.cache_events.kv_events import ZmqEventPublisher
 from tests import vllm_kv_events as vllm
 from tests.engine.test_engine_restart import RESTART_DEADLINE_S, alive, wait_health
-from tests.server_utils import POLL_S, RunningServer, metric, start_server, wait_for
+from tests.server_utils import HTTP, POLL_S, RunningServer, metric, start_server, wait_for
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -65,7 +64,7 @@ def server(qwen3_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def first_tokens(server: RunningServer) -> float:
     """Samples that had their first token (one TTFT observation each)."""
-    text = httpx.get(server.url("/metrics"), timeout=10).text
+    text = HTTP.get(server.url("/metrics"), timeout=10).text
     return metric(text, f'vllm:time_to_first_token_seconds_count{{engine="0",model_name="{MODEL}"}}', 0.0)
 
 
@@ -170,7 +169,7 @@ def test_a_new_engine_announces_all_blocks_cleared_first(server: tuple[RunningSe
         warm(sub, client, 7)
         os.kill(pid, signal.SIGKILL)
         wait_for(
-            lambda: httpx.get(running.url("/health"), timeout=5).json()["engine_pid"] not in (None, pid),
+            lambda: HTTP.get(running.url("/health"), timeout=5).json()["engine_pid"] not in (None, pid),
             RESTART_DEADLINE_S,
             running.log,
         )

@@ -10,13 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.engine.test_engine_correctness import hf_greedy
 from tests.engine.test_hybrid_prefix_cache import LAYOUT_27B, words
 from tests.factories import make_hybrid_checkpoint
-from tests.server_utils import RunningServer, start_server
+from tests.server_utils import HTTP, RunningServer, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -84,8 +83,8 @@ def test_users_sharing_an_odd_length_system_prompt_get_it_cached(server: Running
     shared = next(i for i, column in enumerate(zip(*prompts)) if len(set(column)) > 1)  # the common prefix
     cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]
     assert cached[0] == 0 and min(cached[1:]) >= 0.9 * shared, (cached, shared)
-    stats = httpx.get(server.url("/stats")).json()
+    stats = HTTP.get(server.url("/stats")).json()
     assert stats["prefix_cache"]["hit_rate"] > 0.3
-    metrics = httpx.get(server.url("/metrics")).text
+    metrics = HTTP.get(server.url("/metrics")).text
     hits = next(line for line in metrics.splitlines() if line.startswith("fp4serve_prefix_cache_hits_total"))
     assert float(hits.split()[-1]) >= sum(cached)

@@ -9,12 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.engine.test_engine_correctness import hf_greedy
 from tests.factories import make_hybrid_checkpoint
-from tests.server_utils import RunningServer, start_server
+from tests.server_utils import HTTP, RunningServer, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +108,7 @@ def test_chat_template_kwargs_reach_the_checkpoint_template(server: RunningServe
     ]
 
     def count(messages: list[dict[str, str]], preserve: bool) -> int:
-        r = httpx.post(
+        r = HTTP.post(
             server.url("/tokenize"),
             json={"messages": messages, "chat_template_kwargs": {"preserve_thinking": preserve}},
         )

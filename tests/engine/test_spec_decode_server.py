@@ -8,12 +8,11 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from scheduler.request import SamplingParams
 from tests.engine.test_spec_decode import make_engine, prompts
-from tests.server_utils import RunningServer, metric, start_server
+from tests.server_utils import HTTP, RunningServer, metric, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -61,13 +60,13 @@ def test_streams_equal_unspeculated_greedy_and_metrics_count(server: RunningServ
     assert ["".join(c) for c in chunks] == [r.texts[0] for r in ref]
     assert any(len(c.split()) > 1 for c in chunks[0] + chunks[1]), "an SSE chunk carries several tokens"
     assert all(len(c.split()) <= 1 for c in chunks[3]), "the opted-out request drafts nothing"
-    text = httpx.get(server.url("/metrics")).text
+    text = HTTP.get(server.url("/metrics")).text
     drafted = metric(text, "fp4serve_spec_decode_draft_tokens_total")
     accepted = metric(text, "fp4serve_spec_decode_accepted_tokens_total")
     assert 0 < accepted <= drafted
     assert metric(text, 'fp4serve_spec_decode_accepted_tokens_per_position_total{position="0"}') > 0
     # Every emitted token counts, several per step (/v1/usage: under the key, `default` without keys).
     assert metric(text, "fp4serve_generation_tokens_total") == 4 * 30
-    usage = httpx.get(server.url("/v1/usage")).json()
+    usage = HTTP.get(server.url("/v1/usage")).json()
     assert [(row["key"], row["completion_tokens"]) for row in usage["data"]] == [("default", 4 * 30)]
     assert "speculative decoding: ngram" in server.log()

@@ -8,7 +8,6 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from scheduler.request import SamplingParams
@@ -16,7 +15,7 @@ from tests.engine.test_spec_decode import make_engine
 from tests.engine.test_spec_mtp import random_prompts
 from tests.factories import make_hybrid_checkpoint
 from tests.mtp_factory import add_mtp_tensors
-from tests.server_utils import RunningServer, metric, start_server
+from tests.server_utils import HTTP, RunningServer, metric, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +66,7 @@ def test_streams_equal_unspeculated_greedy(server: RunningServer, ckpt: Path) ->
         return await asyncio.gather(*(one(p) for p in ps))
 
     assert asyncio.run(main()) == [r.texts[0] for r in ref]
-    text = httpx.get(server.url("/metrics")).text
+    text = HTTP.get(server.url("/metrics")).text
     assert metric(text, "fp4serve_spec_decode_draft_tokens_total") > 0
     log = server.log()
     assert "speculative decoding: mtp" in log
