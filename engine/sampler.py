@@ -276,11 +276,14 @@ class Sampler:
         x = x / temperature[:, None]  # [R, V] f32, a new tensor the filters may write into
         kp_rows = [i for i, s in enumerate(states) if 0 < s.params.top_k < self.vocab_size or s.params.top_p < 1.0]
         if kp_rows:
-            top_k = self._tensor([states[i].params.top_k for i in kp_rows])
+            top_ks = [states[i].params.top_k for i in kp_rows]
+            top_k = self._tensor(top_ks)
             top_ps = [states[i].params.top_p for i in kp_rows]
             # Decided on the host: a device-side `.any()` would sync the step.
             top_p = self._tensor(top_ps, torch.float32) if min(top_ps) < 1.0 else None
-            x = self._on_rows(x, kp_rows, lambda rows: apply_top_k_top_p(rows, top_k, top_p))
+            # Every row capped (0 means all): a partial selection instead of a sort of the vocabulary.
+            max_top_k = max(top_ks) if min(top_ks) > 0 else None
+            x = self._on_rows(x, kp_rows, lambda rows: apply_top_k_top_p(rows, top_k, top_p, max_top_k))
         min_p_rows = [i for i, s in enumerate(states) if s.params.min_p > 0.0]
         if min_p_rows:
             min_p = self._tensor([states[i].params.min_p for i in min_p_rows], torch.float32)

@@ -98,3 +98,19 @@ def test_the_samplers_static_draw_keeps_greedy_rows_and_reproduces_seeded_ones()
         assert static[1:3] == again[1:3]  # seeded: a function of (seed, position)
         top3 = logits[2].topk(3).indices.tolist()
         assert static[2] in top3 and (step >= 2 or static[2] != 0)  # top-k; min_tokens masks EOS first
+
+
+@pytest.mark.parametrize("top_p", [None, [0.5, 1.0, 0.9, 0.99]])
+def test_the_partial_selection_for_capped_rows_keeps_what_the_sort_keeps(top_p: list[float] | None) -> None:
+    generator = torch.Generator().manual_seed(3)
+    # Rounded, so that many logits tie with each row's last kept one.
+    logits = (torch.randn(4, 5000, generator=generator) * 4).round() / 4
+    top_k = torch.tensor([1, 7, 40, 300])
+    probs = None if top_p is None else torch.tensor(top_p)
+    sorted_rows = apply_top_k_top_p(logits, top_k, probs)
+    selected = apply_top_k_top_p(logits, top_k, probs, max_top_k=300)
+    assert torch.equal(selected, sorted_rows)
+    kept = (selected > -math.inf).sum(dim=-1)
+    assert (kept < 5000).all()  # every row was cut
+    if top_p is None:
+        assert (kept >= top_k).all()  # and kept its k, with whatever ties the k-th
