@@ -61,12 +61,14 @@ def _field(reader: Any, key: str) -> Any:
     return field.contents()
 
 
-def inspect_gguf(path: Path) -> GGUFSummary:
-    """Fail here, before any conversion, on an architecture, quant type or feature we do not serve."""
+def inspect_gguf(path: Path, reader: Any = None) -> GGUFSummary:
+    """Fail here, before any conversion, on an architecture, quant type or feature we do not serve.
+    `reader`: the file's GGUFReader when the caller has one (parsing the metadata takes seconds on a
+    file with a 49k-token vocabulary)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = _reader(path)
+    reader = reader if reader is not None else _reader(path)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ConfigError(
@@ -116,7 +118,8 @@ def ensure_gguf_checkpoint(path: Path, root: Path | None = None) -> Path:
     if is_complete(final):
         logger.info("GGUF %s: converted copy at %s", path.name, final)
         return final
-    summary = inspect_gguf(path)
+    reader = _reader(path)
+    summary = inspect_gguf(path, reader)
     types = ", ".join(f"{n} {k}" for k, n in sorted(summary.tensor_types.items()))
     logger.info(
         "converting GGUF %s (%s, %s, %.0fM parameters; %s) into %s (first use only)",
@@ -128,20 +131,21 @@ def ensure_gguf_checkpoint(path: Path, root: Path | None = None) -> Path:
         final,
     )
     started = time.monotonic()
-    build_once(final, lambda staging: convert_gguf(path, staging, summary))
+    build_once(final, lambda staging: convert_gguf(path, staging, summary, reader))
     logger.info("GGUF converted in %.1f s", time.monotonic() - started)
     return final
 
 
-def convert_gguf(path: Path, dst: Path, summary: GGUFSummary | None = None) -> None:
+def convert_gguf(path: Path, dst: Path, summary: GGUFSummary | None = None, reader: Any = None) -> None:
     """Write `dst` (an existing empty folder) as an HF checkpoint: config, generation config,
-    dequantized safetensors (each shard written when full), tokenizer with the GGUF's chat template."""
+    dequantized safetensors (each shard written when full), tokenizer with the GGUF's chat template.
+    `summary` and `reader`: inspect_gguf's, when the caller has them."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    summary = summary or inspect_gguf(path)
+    reader = reader if reader is not None else _reader(path)
+    summary = summary or inspect_gguf(path, reader)
     dtype = torch.float32 if summary.num_params <= FLOAT32_MAX_PARAMS else torch.bfloat16
-    reader = _reader(path)
     config = {**summary.config, "torch_dtype": str(dtype).removeprefix("torch.")}
     _write_json(dst / "config.json", config)
     _write_json(dst / "generation_config.json", _generation_config(config, reader))
