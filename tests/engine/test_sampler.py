@@ -392,3 +392,26 @@ def test_two_level_draw_follows_the_distribution() -> None:
     counts = torch.bincount(drawn, minlength=7).float() / 20000
     assert counts[[1, 3, 4, 6]].sum() == 0
     assert counts[[0, 2, 5]].tolist() == pytest.approx([0.1, 0.3, 0.6], abs=0.015)
+
+
+def test_rows_all_capped_by_top_k_take_a_partial_selection_not_a_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.sampler as sampler_module
+
+    seen: list[int | None] = []
+    real = sampler_module.apply_top_k_top_p
+
+    def spy(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, max_top_k: int | None = None):
+        seen.append(max_top_k)
+        return real(logits, top_k, top_p, max_top_k)
+
+    monkeypatch.setattr(sampler_module, "apply_top_k_top_p", spy)
+    sampler = make_sampler(vocab_size=1000)
+    add(sampler, "a", temperature=0.6, top_k=20, top_p=0.95, seed=1)
+    add(sampler, "b", temperature=1.0, top_k=5, seed=2)
+    logits = step_logits(2, 1000, seed=4)
+    drawn = tokens(sampler.sample(logits, ["a", "b"]))
+    assert seen == [20]  # the largest cap: a top-20 selection, no sort of the 1,000 logits
+    assert drawn[0] in logits[0].topk(20).indices.tolist() and drawn[1] in logits[1].topk(5).indices.tolist()
+    add(sampler, "c", temperature=1.0, top_p=0.9, seed=3)  # top-p alone: it needs the whole order
+    sampler.sample(step_logits(3, 1000, seed=5), ["a", "b", "c"])
+    assert seen[-1] is None
