@@ -36,6 +36,9 @@ using fp4serve_cpu::Vec;
 
 constexpr int64_t kWeightRows = 4;  // weight rows per tile
 constexpr int64_t kInputRows = 4;   // input rows per tile
+// Input rows per pass over the weights on the VDPBF16PS path: a verify step's k + 1 <= 8 rows read
+// the head once.
+constexpr int64_t kInputRowsBf16 = 8;
 // Multiply-adds below which the op runs on the calling thread (waking OpenMP's workers costs more).
 // How far ahead of the tile the weights are prefetched, into L2 (_MM_HINT_T2): into L1 at 4 KiB the
 // VDPBF16PS loop read the head from memory well below a plain sum's pace, into L2 at 8 KiB at
@@ -153,12 +156,51 @@ inline void tile_bf16(const int8_t* w, int64_t ldw, const Bf16Input& p, int64_t 
     for (int64_t i = 0; i < I; ++i) out[i * ldo + r] = _mm512_reduce_add_ps(acc[r][i]) - 2304.f * p.sums[t0 + i];
 }
 
+// The same for I > 4 input rows (a speculative verify step's k + 1): R <= 2 weight rows are decoded
+// first, then each input row's 4 vectors are loaded from L1 where they are used, so the R * I
+// accumulators, the 4R decoded vectors and one row's inputs fit in the 32 registers. Each (r, i)
+// runs the same instructions in the same order as in tile_bf16: a row's result does not depend on
+// how many rows share the call.
+template <int64_t R, int64_t I>
+inline void tile_bf16_wide(const int8_t* w, int64_t ldw, const Bf16Input& p, int64_t t0, int64_t kb, float* out, int64_t ldo) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R][I];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < I; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < kb; c += 64) {
+    __m512bh v[R][4];
+    for (int64_t r = 0; r < R; ++r) {
+      const int8_t* row = w + r * ldw + c;
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchL2Bytes), _MM_HINT_T2);
+      fp4serve_cpu::nibbles_to_bf16(_mm512_xor_si512(_mm512_loadu_si512(row), flip), v[r]);
+    }
+    for (int64_t i = 0; i < I; ++i) {
+      const int64_t at = (t0 + i) * p.half + c / 2;
+      const __m512bh x0 = (__m512bh)_mm512_loadu_si512(p.even.data() + at), x1 = (__m512bh)_mm512_loadu_si512(p.even16.data() + at);
+      const __m512bh x2 = (__m512bh)_mm512_loadu_si512(p.odd.data() + at), x3 = (__m512bh)_mm512_loadu_si512(p.odd16.data() + at);
+      for (int64_t r = 0; r < R; ++r) {
+        __m512 a = _mm512_dpbf16_ps(acc[r][i], v[r][0], x0);
+        a = _mm512_dpbf16_ps(a, v[r][1], x1);
+        a = _mm512_dpbf16_ps(a, v[r][2], x2);
+        acc[r][i] = _mm512_dpbf16_ps(a, v[r][3], x3);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < I; ++i) out[i * ldo + r] = _mm512_reduce_add_ps(acc[r][i]) - 2304.f * p.sums[t0 + i];
+}
+
 template <int64_t I>
 void rows_of_tiles_bf16(const int8_t* w, int64_t k, const Bf16Input& p, int64_t t0, int64_t kb, float* out, int64_t n_out,
                         int64_t begin, int64_t end) {
   int64_t n = begin;
-  for (; n + kWeightRows <= end; n += kWeightRows) tile_bf16<kWeightRows, I>(w + n * k, k, p, t0, kb, out + n, n_out);
-  for (; n < end; ++n) tile_bf16<1, I>(w + n * k, k, p, t0, kb, out + n, n_out);
+  if constexpr (I <= 4) {
+    for (; n + kWeightRows <= end; n += kWeightRows) tile_bf16<kWeightRows, I>(w + n * k, k, p, t0, kb, out + n, n_out);
+    for (; n < end; ++n) tile_bf16<1, I>(w + n * k, k, p, t0, kb, out + n, n_out);
+  } else {
+    for (; n + 2 <= end; n += 2) tile_bf16_wide<2, I>(w + n * k, k, p, t0, kb, out + n, n_out);
+    for (; n < end; ++n) tile_bf16_wide<1, I>(w + n * k, k, p, t0, kb, out + n, n_out);
+  }
 }
 #endif
 
@@ -188,19 +230,24 @@ void int8_gemv_impl(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   constexpr int64_t kb = 0;
 #endif
   auto work = [&](int64_t begin, int64_t end) {
-    for (int64_t t0 = 0; t0 < rows; t0 += kInputRows) {
+    const int64_t pass_rows = kb ? kInputRowsBf16 : kInputRows;
+    for (int64_t t0 = 0; t0 < rows; t0 += pass_rows) {
       const float* xt = xf.data() + t0 * k;
       float* ot = acc.data() + t0 * n_out;
 #if defined(FP4SERVE_INT8_BF16)
       if (kb) {
-        switch (std::min(kInputRows, rows - t0)) {
+        switch (std::min(kInputRowsBf16, rows - t0)) {
           case 1: rows_of_tiles_bf16<1>(w, k, p, t0, kb, ot, n_out, begin, end); break;
           case 2: rows_of_tiles_bf16<2>(w, k, p, t0, kb, ot, n_out, begin, end); break;
           case 3: rows_of_tiles_bf16<3>(w, k, p, t0, kb, ot, n_out, begin, end); break;
-          default: rows_of_tiles_bf16<4>(w, k, p, t0, kb, ot, n_out, begin, end); break;
+          case 4: rows_of_tiles_bf16<4>(w, k, p, t0, kb, ot, n_out, begin, end); break;
+          case 5: rows_of_tiles_bf16<5>(w, k, p, t0, kb, ot, n_out, begin, end); break;
+          case 6: rows_of_tiles_bf16<6>(w, k, p, t0, kb, ot, n_out, begin, end); break;
+          case 7: rows_of_tiles_bf16<7>(w, k, p, t0, kb, ot, n_out, begin, end); break;
+          default: rows_of_tiles_bf16<8>(w, k, p, t0, kb, ot, n_out, begin, end); break;
         }
         if (kb < k) {  // the columns past the last whole block, as floats
-          for (int64_t t = t0; t < std::min(rows, t0 + kInputRows); ++t)
+          for (int64_t t = t0; t < std::min(rows, t0 + kInputRowsBf16); ++t)
             for (int64_t n = begin; n < end; ++n) {
               float sum = 0.f;
               for (int64_t c = kb; c < k; ++c) sum += static_cast<float>(w[n * k + c]) * xf[t * k + c];

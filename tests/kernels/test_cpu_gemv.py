@@ -27,7 +27,17 @@ def codes_and_scales(n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 # (rows, N, K): one row, every input-row tile size, N off the 4-row tile, K off the vector width,
 # and enough work for the threaded path
-SHAPES = [(1, 576, 576), (2, 37, 128), (3, 64, 96), (4, 130, 64), (5, 16, 70), (8, 4099, 576), (1, 49152, 576)]
+SHAPES = [
+    (1, 576, 576),
+    (2, 37, 128),
+    (3, 64, 96),
+    (4, 130, 64),
+    (5, 16, 70),
+    (7, 33, 192),
+    (8, 4099, 576),
+    (11, 65, 640),
+    (1, 49152, 576),
+]
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
@@ -70,3 +80,14 @@ def test_int8_linear_with_the_op_tracks_torchs_kernel(k: int) -> None:
     assert got.shape == want.shape == (2, 3, 300)
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 2**-7 * want.float().abs().max().item()
+
+
+def test_a_bf16_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
+    """A verify step's k + 1 rows (up to 8 per pass over the head, then more passes) each get the
+    bits a one-row step gets: greedy output cannot change under speculation."""
+    torch.manual_seed(5)
+    codes, scales = codes_and_scales(4099, 576, BF16)
+    x = torch.randn(11, 576).to(BF16)
+    alone = torch.cat([int8_gemv(x[i : i + 1], codes, scales) for i in range(11)])
+    for rows in (2, 4, 5, 8, 9, 11):
+        assert torch.equal(int8_gemv(x[:rows], codes, scales), alone[:rows]), f"{rows} rows"
