@@ -3,6 +3,9 @@ for it back with one change) at several concurrencies, with and without n-gram s
 decoding, back to back in one process, through the offline engine (engine core + processors, no
 HTTP). Greedy, so both runs must produce the same text: the script checks it.
 
+`--workload copy`: a source file, then its first lines again as a plain completion, which the model
+continues by copying (prompt lookup's own case).
+
 `--step-rows 1,2,4,8`: instead, the cost of one step by its rows: a request verifying k drafts (a
 drafter that always proposes k tokens) runs k + 1 rows through the model each step; ms per step,
 wall and process CPU, against the one-row step of the same engine."""
@@ -25,12 +28,27 @@ INSTRUCTION = (
 )
 
 
+# The copy workload: a file, then the start of the same file again, as a plain completion; the
+# model continues the copy (prompt lookup's own case). The edit workload asks a chat model to
+# return a file with one change, which the default model mostly answers in its own words.
+COPY_SOURCE = Path(__file__).resolve().parents[1] / "engine" / "spec_decode" / "rejection.py"
+COPY_HEAD_CHARS = 120
+
+
 def code_edit_prompt(engine: Any) -> list[int]:
     text = INSTRUCTION + "```python\n" + SOURCE.read_text() + "```\n"
     tok = engine.tokenizer
     if tok.chat_template:
         return tok.apply_chat_template([{"role": "user", "content": text}])
     return tok.encode(text)
+
+
+def copy_prompt(engine: Any) -> list[int]:
+    text = COPY_SOURCE.read_text()
+    return engine.tokenizer.encode(text + "\n\n# ---- a copy of the file above ----\n" + text[:COPY_HEAD_CHARS])
+
+
+WORKLOADS = {"edit": code_edit_prompt, "copy": copy_prompt}
 
 
 def record_steps(engine: Any) -> list[Any]:
@@ -109,6 +127,19 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,8", help="comma-separated concurrencies")
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per request at most")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K for the n-gram run")
+    p.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="edit",
+        help="edit: a chat request to return a source file with one change; copy: a file followed "
+        "by its first lines again, continued as a plain completion",
+    )
+    p.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the n-gram run's draft length follows acceptance (--speculative-adaptive; default: the engine's)",
+    )
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache size")
     p.add_argument(
         "--step-rows", default=None, help="comma-separated rows per step (1 + drafts): time steps by rows instead"
@@ -140,6 +171,7 @@ def main() -> None:
             speculative_method="ngram",
             num_speculative_tokens=max(max(rows) - 1, 1),
             speculative_max_batch=64,
+            speculative_adaptive=False,  # every step verifies rows - 1 drafts, rejected or not
         )
         table = step_ms_by_rows(OfflineEngine.from_config(config), rows, args.steps, args.context)
         one = table[0]
@@ -161,9 +193,10 @@ def main() -> None:
             speculative_method=method,
             num_speculative_tokens=args.num_speculative_tokens,
             speculative_max_batch=64,
+            speculative_adaptive=args.adaptive,
         )
         engine = OfflineEngine.from_config(config)
-        prompt = code_edit_prompt(engine)
+        prompt = WORKLOADS[args.workload](engine)
         steps = record_steps(engine)
         for c in (int(x) for x in args.concurrency.split(",")):
             run(engine, prompt, 1, 8, steps)  # warm-up

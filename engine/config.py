@@ -91,6 +91,9 @@ class EngineConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     speculative_max_batch: int | None = None  # None: engine/spec_decode/config.py's measured default
+    # Each request's draft length follows its acceptance (scheduler/scheduler.py next_draft_len);
+    # None: on for CPU, where a rejected draft's row costs as much as an accepted one's, off on CUDA.
+    speculative_adaptive: bool | None = None
     kv_events_config: KVEventsConfig | None = None  # None: no KV-cache events (engine/cache_events/kv_events.py)
     # mtp: take the MTP head (mtp.*) from this second checkpoint folder (FP8 or float) of the same model
     speculative_model: str | None = None

@@ -89,6 +89,9 @@ class EngineCore:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                 speculative_max_batch=spec.max_batch if spec else 0,
+                speculative_adaptive=config.speculative_adaptive
+                if config.speculative_adaptive is not None
+                else self.runner.device.type == "cpu",
                 **host_tier_fields(self.runner.host_pool),
             ),
             drafter=self._drafter(spec),

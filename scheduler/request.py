@@ -157,6 +157,8 @@ class Request:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
+    # Speculative decoding with an adaptive length: the drafts to ask for next step (0: the most).
+    draft_len: int = 0
     # For a constrained request: whether its grammar has compiled. Until then the request waits
     # in the queue with status WAITING_FOR_GRAMMAR and the scheduler passes over it.
     grammar_ready: Callable[[], bool] | None = field(default=None, repr=False)

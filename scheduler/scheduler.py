@@ -47,6 +47,11 @@ class SchedulerConfig:
     # only while at most `speculative_max_batch` sequences run.
     num_speculative_tokens: int = 0
     speculative_max_batch: int = 0
+    # Each request's draft length follows its acceptance: after a verify step that rejected a draft
+    # it asks for one more draft than were accepted, after one that accepted all it asks for twice
+    # as many (up to num_speculative_tokens). A rejected draft's row costs the step as much as an
+    # accepted one's where the step is compute bound (CPU), so short drafts after a miss pay.
+    speculative_adaptive: bool = False
     # --kv-offloading-size: the host tier's page and snapshot slots (0: no tier), and their bytes.
     num_host_pages: int = 0
     num_host_snapshots: int = 0
@@ -71,6 +76,13 @@ class SchedulerConfig:
 # (the request's id, its tokens so far, most drafts wanted) -> draft tokens: engine/spec_decode/ngram.py
 # reads the tokens, engine/spec_decode/mtp.py the drafts it made for that request after the last step.
 Drafter = Callable[[str, Sequence[int], int], list[int]]
+
+
+def next_draft_len(current: int, drafted: int, accepted: int, most: int) -> int:
+    """The drafts to ask for after a verify step (SchedulerConfig.speculative_adaptive)."""
+    if accepted < drafted:
+        return accepted + 1
+    return min(most, max(current, 2 * drafted))
 
 
 class Scheduler:
@@ -338,7 +350,11 @@ class Scheduler:
         """Draft tokens for a decoding request: none past max_tokens, the context or the budget."""
         if not request.params.speculative:
             return []
-        k = min(self.config.num_speculative_tokens, room, request.max_model_len - request.num_tokens - 1)
+        k = min(
+            request.draft_len or self.config.num_speculative_tokens,
+            room,
+            request.max_model_len - request.num_tokens - 1,
+        )
         if request.params.max_tokens is not None:
             k = min(k, request.params.max_tokens - request.num_output_tokens - 1)
         if k < 1:
@@ -444,6 +460,13 @@ class Scheduler:
             if sr.request_id not in rolled_back:
                 request.num_computed_tokens += sr.num_new_tokens - sr.num_draft_tokens + len(tokens) - 1
             touched.append(request)
+            if sr.num_draft_tokens and self.config.speculative_adaptive:
+                request.draft_len = next_draft_len(
+                    request.draft_len or self.config.num_speculative_tokens,
+                    sr.num_draft_tokens,
+                    len(tokens) - 1,
+                    self.config.num_speculative_tokens,
+                )
             for token in tokens:
                 request.output_token_ids.append(token)
                 if request.check_stop(token):

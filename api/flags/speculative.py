@@ -50,6 +50,14 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         "default: the measured crossover (docs/PERF.md)",
     )
     spec.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each request's draft length follows its acceptance: after a rejected draft one more "
+        "than were accepted, after a fully accepted step twice as many, up to --num-speculative-tokens; "
+        "default: on on CPU (a rejected draft's row costs as much as an accepted one's), off with CUDA",
+    )
+    spec.add_argument(
         "--speculative-model",
         default=None,
         metavar="PATH",
@@ -95,4 +103,5 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
             settings[field] = value
     if settings["speculative_model"] is not None and settings["speculative_method"] is None:
         settings["speculative_method"] = "mtp"
+    settings["speculative_adaptive"] = args.speculative_adaptive  # not one of vLLM's keys
     return settings

@@ -231,3 +231,10 @@ def test_parse_output_subcommand_is_wired(tmp_path: Path) -> None:
         ("get_weather", {"city": "Oslo"})
     ]
     assert parsed["finish_reason"] == "tool_calls"
+
+
+def test_speculative_adaptive_is_the_engines_choice_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FP4SERVE_API_KEY", raising=False)
+    assert parse("--speculative-method", "ngram").engine.speculative_adaptive is None
+    assert parse("--speculative-method", "ngram", "--speculative-adaptive").engine.speculative_adaptive is True
+    assert parse("--speculative-method", "ngram", "--no-speculative-adaptive").engine.speculative_adaptive is False

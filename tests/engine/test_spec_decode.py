@@ -100,6 +100,7 @@ def test_greedy_output_is_unchanged_under_concurrency(ckpt: str, request: pytest
     ]
     ref = make_engine(path).generate(prompts(), params)
     engine, steps = spec_engine(path)
+    assert engine.core.scheduler.config.speculative_adaptive, "adaptive draft lengths are the CPU default"
     got = engine.generate(prompts(), params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     assert [len(r.token_ids[0]) for r in got] == [40, 40, 40, 9, 40, 40]
@@ -115,7 +116,8 @@ def test_greedy_output_is_unchanged_under_concurrency(ckpt: str, request: pytest
 def test_greedy_output_is_unchanged_with_preemption(qwen3_ckpt: Path) -> None:
     # 12 pages of 16 tokens for six requests of up to 94 tokens: requests are preempted and resume.
     ref = make_engine(qwen3_ckpt, kv_cache_memory="96KiB").generate(prompts(), GREEDY)
-    engine, steps = spec_engine(qwen3_ckpt, kv_cache_memory="96KiB")
+    engine, steps = spec_engine(qwen3_ckpt, kv_cache_memory="96KiB", speculative_adaptive=False)
+    assert not engine.core.scheduler.config.speculative_adaptive
     got = engine.generate(prompts(), GREEDY)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     assert engine.core.scheduler.num_preemptions > 0
@@ -259,6 +261,35 @@ def test_draft_pages_are_reserved_and_rejected_ones_returned() -> None:
     }
     out = sched.schedule()  # drafts again from the accepted state: 20 - 3 tokens left
     assert out.requests[0].token_ids[0] == 7 and out.requests[0].start_pos == 6
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed"])
+def test_adaptive_draft_length_follows_acceptance(adaptive: bool) -> None:
+    """After a rejection the request asks for one draft more than were accepted, after a full
+    acceptance for twice as many, never more than K; without the setting always K."""
+    from scheduler.scheduler import Scheduler, SchedulerConfig, next_draft_len
+    from tests.factories import make_request
+
+    asked: list[int] = []
+
+    def drafter(request_id: str, context: Any, k: int) -> list[int]:
+        asked.append(k)
+        return [1, 2, 3, 4, 5, 6][:k]
+
+    config = SchedulerConfig(
+        block_size=4, num_blocks=40, num_speculative_tokens=6, speculative_max_batch=4, speculative_adaptive=adaptive
+    )
+    sched = Scheduler(config, drafter=drafter)
+    sched.add_request(make_request("r", [10, 11, 12, 13], max_tokens=60))
+    sched.update(sched.schedule(), {"r": 9})
+    # (tokens emitted by each verify step): 1 of 6 drafts accepted, then all 2, all 4, 0 of 6, all 1
+    for emitted in ([1, 7], [1, 2, 8], [1, 2, 3, 4, 8], [8], [1, 8]):
+        out = sched.schedule()
+        assert out.requests[0].num_draft_tokens == asked[-1]
+        sched.update(out, {"r": emitted[: asked[-1] + 1]})
+    sched.schedule()
+    assert asked == ([6, 2, 4, 6, 1, 2] if adaptive else [6] * 6)
+    assert next_draft_len(current=6, drafted=3, accepted=3, most=6) == 6  # a short match fully accepted keeps K
 
 
 # ---- grammar-constrained requests: the mask applies at every verification position ----------------------
