@@ -26,6 +26,7 @@ from engine.host.format_timing import LinearShapes
 from engine.host.huge_pages import move_to_huge_pages
 from engine.input_batch import InputBatch
 from engine.models.decoder import DecoderForCausalLM, use_cpu_ops, use_fused_layers
+from engine.models.layers import quantized_kernels_only
 from engine.prompt_logprobs import PromptLogprobs
 from engine.sampler import Sampler
 from engine.spec_decode.config import DEFAULT_MAX_BATCH
@@ -346,8 +347,12 @@ class ModelRunner:
         if verifying and self.state_pool is not None:
             snapshot = StateSnapshot(self.state_pool, [r.state_slot for r in verifying if r.state_slot is not None])
         t1 = time.perf_counter()
-        hidden = self.graphs.forward(batch)  # plans attention, then a graph replay or the eager forward
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab] float32
+        # A verify step without prefill chunks keeps every row on the quantized kernels, as one-row
+        # steps run them: greedy output stays what it is without speculation (quantized_kernels_only).
+        exact = bool(verifying) and all(r.num_new_tokens == r.num_draft_tokens + 1 for r in out.requests)
+        with quantized_kernels_only(exact):
+            hidden = self.graphs.forward(batch)  # plans attention, then a graph replay or the eager forward
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab] float32
         prompt_logprobs = self.prompt_logprobs.compute(out, hidden, self.model.compute_logits)
         # Host work that overlaps the GPU's forward: the grammar bitmask of constrained rows.
         ids = batch.sample_request_ids

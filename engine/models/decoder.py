@@ -16,7 +16,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.cpu_paged import CpuAttentionBackend
 from engine.host import cpu_threads
 from engine.host.cpu_threads import serial_cpu_ops
-from engine.models.layers import Linear, PositionedRotary, RMSNorm, RotaryEmbedding, embedding
+from engine.models.layers import Linear, PositionedRotary, RMSNorm, RotaryEmbedding, embedding, kernels_only
 from engine.models.moe import SparseMoeBlock
 from engine.weights.config.model_config import ModelConfig
 from kernels import cpu_decode_layer, cpu_elementwise
@@ -159,7 +159,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         if (
             self.fused_weights is not None
-            and x.shape[0] < self.fused_below_rows
+            and (x.shape[0] < self.fused_below_rows or kernels_only())
             and isinstance(rotary, PositionedRotary)
         ):
             meta = backend.decode_meta() if isinstance(backend, CpuAttentionBackend) else None

@@ -7,6 +7,8 @@ Numerics follow transformers' implementations so float32 logits match to ~1e-5.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -174,3 +176,31 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+_kernel_rows_only = False  # set inside `quantized_kernels_only`
+
+
+@contextmanager
+def quantized_kernels_only(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, the int8/int4 linears run their own kernel whatever the rows, never their
+    dense copies, and the one-op int4 layers take every row count (DecoderLayer.forward).
+
+    Why: a speculative verify step's k + 1 rows (or several requests' rows) can pass the row count
+    where the dense copies take over, and the dense GEMM sums in another order than the kernel, so a
+    verified row could differ in its last bits from the one-row step that produced the same token
+    without speculation and flip a greedy choice. Our CPU kernels compute each row alone (its bits do
+    not depend on the rows beside it), so on them verification is exact. The engine's step runs its
+    verify steps without prefill chunks inside this block (engine/model_runner.py)."""
+    global _kernel_rows_only
+    before = _kernel_rows_only
+    _kernel_rows_only = enabled
+    try:
+        yield
+    finally:
+        _kernel_rows_only = before
+
+
+def kernels_only() -> bool:
+    """Whether the caller runs inside `quantized_kernels_only`."""
+    return _kernel_rows_only

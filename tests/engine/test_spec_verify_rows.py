@@ -31,7 +31,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("verifyrows"), "llama", tie=True, init_std=0.1)
 
 
-def engine(path: Path, num_speculative_tokens: int = 0) -> OfflineEngine:
+def engine(path: Path, num_speculative_tokens: int = 0, **overrides: object) -> OfflineEngine:
     return OfflineEngine.from_config(
         EngineConfig(
             model=str(path),
@@ -39,7 +39,19 @@ def engine(path: Path, num_speculative_tokens: int = 0) -> OfflineEngine:
             quantization="int4",
             speculative_method="ngram" if num_speculative_tokens else None,
             num_speculative_tokens=num_speculative_tokens,
+            **overrides,  # type: ignore[arg-type]
         )
+    )
+
+
+@pytest.fixture
+def dense_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int4 linears keep dense copies from AUTO_INT4_DENSE_FROM_ROWS rows, as `--quantization
+    auto` gives the built-in model (an explicit int4 keeps none)."""
+    from engine import model_runner
+
+    monkeypatch.setattr(
+        model_runner, "int8_dense_from_rows", lambda requested, scheme: dtype_policy.AUTO_INT4_DENSE_FROM_ROWS
     )
 
 
@@ -73,10 +85,38 @@ def test_auto_int4_keeps_verify_steps_of_up_to_8_rows_on_the_int4_op() -> None:
     assert dtype_policy.AUTO_INT4_DENSE_FROM_ROWS > 8
 
 
-@pytest.mark.parametrize("k", [4, 7])
-def test_greedy_output_is_the_same_with_and_without_speculation_on_int4(checkpoint: Path, k: int) -> None:
+def test_verify_steps_past_the_dense_rows_stay_on_the_int4_op(checkpoint: Path, dense_copies: None) -> None:
+    """A verify step of 9 rows (k = 8) would pass the row count where the dense copies take over;
+    it stays on the int4 op (row for row the bits of a one-row step), while a plain batch of as
+    many rows (three prefills) still takes the dense copies."""
+    e = engine(checkpoint, 8, speculative_adaptive=False)
+    layers = [m for m in e.core.runner.model.modules() if isinstance(m, DecoderLayer)]
+    assert layers and all(m.fused_below_rows == dtype_policy.AUTO_INT4_DENSE_FROM_ROWS for m in layers)
+    e.core.scheduler.drafter = lambda request_id, tokens, n: [tokens[-1]] * n
+    e.add_request(PROMPT, SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0))
+    while not e.step():
+        pass
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        e.step()
+    calls = int4_calls(prof)
+    assert len(calls) == 4 * len(layers) and all(t == 9 for t, _ in calls), calls
+
+    plain = engine(checkpoint)
+    for prompt in (PROMPT[:9], PROMPT[9:18], PROMPT[18:27]):
+        plain.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        plain.step()  # 27 prompt rows: the dense copies
+    assert int4_calls(prof) == []
+
+
+@pytest.mark.parametrize("k", [4, 7, 8])
+def test_greedy_output_is_the_same_with_and_without_speculation_on_int4(
+    checkpoint: Path, k: int, dense_copies: None
+) -> None:
     """Full verify steps of k + 1 rows, drafts partly right: the drafter proposes the plain run's next
-    k tokens with the third one wrong, so each step accepts two drafts and rejects the rest."""
+    k tokens with the third one wrong, so each step accepts two drafts and rejects the rest. With
+    the dense copies of `--quantization auto`: three requests' verify rows (15-27) are past their
+    row count, the plain run's three decode rows are not."""
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
     prompts = [PROMPT, PROMPT[3:] + PROMPT[:5], [9, 9, 9, 9, 9, 9]]
     plain = [r.token_ids[0] for r in engine(checkpoint).generate(prompts, params)]
@@ -91,7 +131,7 @@ def test_greedy_output_is_the_same_with_and_without_speculation_on_int4(checkpoi
         drafted.append(len(drafts))
         return drafts
 
-    spec_engine = engine(checkpoint, k)
+    spec_engine = engine(checkpoint, k, speculative_adaptive=False)
     spec_engine.core.scheduler.drafter = drafter
     assert [r.token_ids[0] for r in spec_engine.generate(prompts, params)] == plain
     assert max(drafted) == k  # full verify steps ran

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.models import layers
 from engine.models.layers import Linear
 
 
@@ -108,7 +109,7 @@ class QuantizedLinear(nn.Module):
         # step of SmolLM2, ~0.4 ms of its CPU time (docs/PERF.md, "The 1-stream step").
         rows = x.dim() == 2
         x2 = x if rows else x.reshape(-1, self.in_features)  # [T, K]
-        if self.dense is not None and x2.shape[0] >= self.dense_from_rows:
+        if self.dense is not None and x2.shape[0] >= self.dense_from_rows and not layers.kernels_only():
             y = self.dense(x2, self.bias)
         else:
             y = self.quantized_mm(x2)  # [T, N], x's dtype
