@@ -54,13 +54,18 @@ def apply_top_k_top_p(
 
     One descending sort of logits [R, V] f32; with `max_top_k` (known on the host: every row's
     top_k is in 1..max_top_k), only the max_top_k largest of each row, a partial selection that
-    costs a small fraction of the sort on a 150k vocabulary. NOTE: the cut is a logit threshold,
+    costs a small fraction of the sort on a 150k vocabulary; with top-p on a CPU and a large
+    vocabulary, first the TOP_P_CANDIDATES largest (`_top_p_from_candidates`). NOTE: the cut is a logit threshold,
     so tokens tied with the last kept one are kept too (as vLLM's top-k).
     """
     num_rows, vocab_size = logits.shape
     if max_top_k is not None and 0 < max_top_k < vocab_size:
         sorted_logits = logits.topk(max_top_k, dim=-1).values  # [R, max_top_k], descending
     else:
+        if top_p is not None and logits.device.type == "cpu" and vocab_size > 8 * TOP_P_CANDIDATES:
+            kept = _top_p_from_candidates(logits, top_k, top_p)
+            if kept is not None:
+                return kept
         sorted_logits = logits.sort(dim=-1, descending=True).values  # [R, V]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)  # [R] int64
     num_keep = k
@@ -73,6 +78,37 @@ def apply_top_k_top_p(
         keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
         num_keep = keep.sum(dim=-1)
     threshold = sorted_logits.gather(1, (num_keep - 1)[:, None])  # [R, 1]
+    return logits.masked_fill(logits < threshold, -math.inf)
+
+
+# Top-p on CPU first looks for each row's nucleus among its this many largest logits.
+TOP_P_CANDIDATES = 1024
+
+
+def _top_p_from_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """apply_top_k_top_p for rows whose kept set lies within their TOP_P_CANDIDATES largest logits,
+    found by a partial selection instead of sorting the vocabulary (on a 150k vocabulary the sort is
+    most of a sampled CPU step); None when some row's may not (a flat distribution, or a top_k
+    above the candidates), and the caller sorts. The probabilities are the softmax over the whole
+    row (or over its top-k), so the kept set is the one the sort finds, up to float summation order.
+    CPU only: the check reads the tensors on the host."""
+    num_rows, vocab_size = logits.shape
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)  # [R]
+    whole = k >= vocab_size  # rows whose top-p runs over the whole vocabulary
+    if bool(((k > TOP_P_CANDIDATES) & ~whole).any()):
+        return None
+    cand = logits.topk(TOP_P_CANDIDATES, dim=-1).values  # [R, C], descending
+    in_top_k = torch.arange(TOP_P_CANDIDATES, device=logits.device)[None, :] < k[:, None]
+    log_total = torch.where(whole, logits.logsumexp(dim=-1), cand.masked_fill(~in_top_k, -math.inf).logsumexp(dim=-1))
+    probs = (cand - log_total[:, None]).exp().masked_fill(~in_top_k, 0.0)  # [R, C]
+    mass = probs.cumsum(dim=-1)
+    keep_all = top_p >= 1.0
+    if bool((whole & ~keep_all & (mass[:, -1] < top_p)).any()):
+        return None  # a nucleus reaching past the candidates
+    mass_before = torch.cat([probs.new_zeros(num_rows, 1), mass[:, :-1]], dim=-1)
+    keep = in_top_k & ((mass_before < top_p[:, None]) | keep_all[:, None])
+    threshold = cand.gather(1, (keep.sum(dim=-1) - 1)[:, None])  # [R, 1]
+    threshold = threshold.masked_fill((whole & keep_all)[:, None], -math.inf)
     return logits.masked_fill(logits < threshold, -math.inf)
 
 

@@ -114,3 +114,35 @@ def test_the_partial_selection_for_capped_rows_keeps_what_the_sort_keeps(top_p: 
     assert (kept < 5000).all()  # every row was cut
     if top_p is None:
         assert (kept >= top_k).all()  # and kept its k, with whatever ties the k-th
+
+
+@pytest.mark.parametrize("flat_row", [False, True], ids=["candidates", "fallback-to-sort"])
+def test_top_p_on_cpu_keeps_what_the_sort_keeps(flat_row: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Top-p without a cap on the rows (top_k 0) looks for the nucleus among the largest logits;
+    a row whose nucleus reaches past them (a flat distribution) sends the step to the sort."""
+    from engine import device_sampling
+
+    V = 8 * device_sampling.TOP_P_CANDIDATES + 7
+    generator = torch.Generator().manual_seed(11)
+    logits = (torch.randn(5, V, generator=generator) * 16).round() / 4  # peaked rows, ties
+    if flat_row:
+        logits[3] = torch.randn(V, generator=generator) * 0.05
+    top_k = torch.tensor([0, 0, 50, 0, 0])
+    top_p = torch.tensor([0.9, 0.5, 0.8, 0.95, 1.0])
+    real = device_sampling._top_p_from_candidates
+    results: list[bool] = []
+
+    def spy(*args: torch.Tensor) -> torch.Tensor | None:
+        out = real(*args)
+        results.append(out is not None)
+        return out
+
+    monkeypatch.setattr(device_sampling, "_top_p_from_candidates", spy)
+    got = apply_top_k_top_p(logits, top_k, top_p)
+    assert results == [not flat_row]
+    monkeypatch.setattr(device_sampling, "TOP_P_CANDIDATES", V)  # the vocabulary is now too small: the sort
+    want = apply_top_k_top_p(logits, top_k, top_p)
+    assert results == [not flat_row]
+    assert torch.equal(got, want)
+    kept = (got > -math.inf).sum(dim=-1).tolist()
+    assert kept[4] == V and kept[2] >= 1 and all(1 <= n < V for n in kept[:4])
