@@ -97,12 +97,18 @@ def _top_p_from_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
     whole = k >= vocab_size  # rows whose top-p runs over the whole vocabulary
     if bool(((k > TOP_P_CANDIDATES) & ~whole).any()):
         return None
+    keep_all = top_p >= 1.0
+    log_whole = logits.logsumexp(dim=-1)  # [R]
+    # The candidates hold at most TOP_P_CANDIDATES times the top probability: where that falls short
+    # of top_p (a flat row) the nucleus is past them, known before the partial selection is paid for.
+    top_prob = (logits.amax(dim=-1) - log_whole).exp()
+    if bool((whole & ~keep_all & (top_prob * TOP_P_CANDIDATES < top_p)).any()):
+        return None
     cand = logits.topk(TOP_P_CANDIDATES, dim=-1).values  # [R, C], descending
     in_top_k = torch.arange(TOP_P_CANDIDATES, device=logits.device)[None, :] < k[:, None]
-    log_total = torch.where(whole, logits.logsumexp(dim=-1), cand.masked_fill(~in_top_k, -math.inf).logsumexp(dim=-1))
+    log_total = torch.where(whole, log_whole, cand.masked_fill(~in_top_k, -math.inf).logsumexp(dim=-1))
     probs = (cand - log_total[:, None]).exp().masked_fill(~in_top_k, 0.0)  # [R, C]
     mass = probs.cumsum(dim=-1)
-    keep_all = top_p >= 1.0
     if bool((whole & ~keep_all & (mass[:, -1] < top_p)).any()):
         return None  # a nucleus reaching past the candidates
     mass_before = torch.cat([probs.new_zeros(num_rows, 1), mass[:, :-1]], dim=-1)
