@@ -35,10 +35,6 @@ def compiled_decode_forward(engine: Engine, batch_size: int, backend: Any = "ind
     from engine.cuda_graph import is_pure_decode
 
     runner = engine.core.runner
-    # The graph guards on torch's thread count (the model's serial_cpu_ops read it), so the runner's
-    # per-step choice of one thread or several (engine/host/small_step_threads.py) would recompile
-    # it: the compiled forward keeps torch's threads.
-    runner.small_step_threads = None
     graphs = runner.graphs
     eager: Forward = graphs.forward
     opaque = OpaqueAttention(runner.backend)
