@@ -22,10 +22,8 @@ from engine.core_types import SampledToken
 from engine.cuda_graph import CudaGraphRunner, DecodeBuckets, graphs_disabled_reason, verify_graph_query_len
 from engine.errors import ConfigError
 from engine.host.cpu_kernels import load_cpu_ops
-from engine.host.cpu_threads import serial_cpu_ops
 from engine.host.format_timing import LinearShapes
 from engine.host.huge_pages import move_to_huge_pages
-from engine.host.small_step_threads import SmallStepThreads
 from engine.input_batch import InputBatch
 from engine.models.decoder import DecoderForCausalLM, use_cpu_ops, use_fused_layers
 from engine.models.layers import quantized_kernels_only
@@ -267,8 +265,6 @@ class ModelRunner:
         else:
             logger.info("decode CUDA graphs off: %s", why_not)
         self.sampler = Sampler(model_config.vocab_size, self.device)
-        # CPU: small steps on one thread or on torch's, whichever this machine runs faster (timed).
-        self.small_step_threads = SmallStepThreads(torch.get_num_threads()) if self.device.type == "cpu" else None
         self.prompt_logprobs = PromptLogprobs()
         self.structured = structured
         # The last step's sampled ids ([S] int64, device) and each request's row in them: the
@@ -354,12 +350,9 @@ class ModelRunner:
         # A verify step without prefill chunks keeps every row on the quantized kernels, as one-row
         # steps run them: greedy output stays what it is without speculation (quantized_kernels_only).
         exact = bool(verifying) and all(r.num_new_tokens == r.num_draft_tokens + 1 for r in out.requests)
-        one_thread = self.small_step_threads.choose(batch.num_tokens) if self.small_step_threads else None
-        with quantized_kernels_only(exact), serial_cpu_ops(bool(one_thread)):
+        with quantized_kernels_only(exact):
             hidden = self.graphs.forward(batch)  # plans attention, then a graph replay or the eager forward
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab] float32
-        if self.small_step_threads is not None:
-            self.small_step_threads.record(one_thread, time.perf_counter() - t1)
         prompt_logprobs = self.prompt_logprobs.compute(out, hidden, self.model.compute_logits)
         # Host work that overlaps the GPU's forward: the grammar bitmask of constrained rows.
         ids = batch.sample_request_ids
