@@ -122,67 +122,53 @@ Bf16Input prepare_bf16(const c10::BFloat16* x, int64_t rows, int64_t ldx, int64_
 }
 
 // out[t * ldo + r] = the first kb columns of R weight rows times I input rows (kb a multiple of 64).
+// Up to 4 input rows, their 4 vectors per block are loaded first and each weight row is decoded where
+// it is used; for more (a speculative verify step's k + 1), the R <= 2 weight rows are decoded first
+// and each input row's vectors are loaded from L1 where they are used, so the R * I accumulators,
+// the decoded vectors and the inputs fit in the 32 registers. Either way each (r, i) runs the same
+// instructions in the same order: a row's result does not depend on how many rows share the call.
 template <int64_t R, int64_t I>
 inline void tile_bf16(const int8_t* w, int64_t ldw, const Bf16Input& p, int64_t t0, int64_t kb, float* out, int64_t ldo) {
+  constexpr bool kInputsFirst = I <= 4;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R][I];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = 0; i < I; ++i) acc[r][i] = _mm512_setzero_ps();
+  auto load_inputs = [&](int64_t i, int64_t c, __m512bh x[4]) {
+    const int64_t at = (t0 + i) * p.half + c / 2;
+    x[0] = (__m512bh)_mm512_loadu_si512(p.even.data() + at);
+    x[1] = (__m512bh)_mm512_loadu_si512(p.even16.data() + at);
+    x[2] = (__m512bh)_mm512_loadu_si512(p.odd.data() + at);
+    x[3] = (__m512bh)_mm512_loadu_si512(p.odd16.data() + at);
+  };
+  // l and h + 8 of the even codes (the words' low bytes), then of the odd ones; v + 128 as unsigned bytes
+  auto decode = [&](int64_t r, int64_t c, __m512bh v[4]) {
+    const int8_t* row = w + r * ldw + c;
+    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchL2Bytes), _MM_HINT_T2);
+    fp4serve_cpu::nibbles_to_bf16(_mm512_xor_si512(_mm512_loadu_si512(row), flip), v);
+  };
+  auto accumulate = [&](int64_t r, int64_t i, const __m512bh v[4], const __m512bh x[4]) {
+    __m512 a = _mm512_dpbf16_ps(acc[r][i], v[0], x[0]);
+    a = _mm512_dpbf16_ps(a, v[1], x[1]);
+    a = _mm512_dpbf16_ps(a, v[2], x[2]);
+    acc[r][i] = _mm512_dpbf16_ps(a, v[3], x[3]);
+  };
   for (int64_t c = 0; c < kb; c += 64) {
-    __m512bh xs[I][4];
-    for (int64_t i = 0; i < I; ++i) {
-      const int64_t at = (t0 + i) * p.half + c / 2;
-      xs[i][0] = (__m512bh)_mm512_loadu_si512(p.even.data() + at);
-      xs[i][1] = (__m512bh)_mm512_loadu_si512(p.even16.data() + at);
-      xs[i][2] = (__m512bh)_mm512_loadu_si512(p.odd.data() + at);
-      xs[i][3] = (__m512bh)_mm512_loadu_si512(p.odd16.data() + at);
-    }
-    for (int64_t r = 0; r < R; ++r) {
-      const int8_t* row = w + r * ldw + c;
-      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchL2Bytes), _MM_HINT_T2);
-      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(row), flip);  // v + 128 as unsigned bytes
-      // l and h + 8 of the even codes (the words' low bytes), then of the odd ones
-      __m512bh v[4];
-      fp4serve_cpu::nibbles_to_bf16(u, v);
-      for (int64_t i = 0; i < I; ++i) {
-        __m512 a = _mm512_dpbf16_ps(acc[r][i], v[0], xs[i][0]);
-        a = _mm512_dpbf16_ps(a, v[1], xs[i][1]);
-        a = _mm512_dpbf16_ps(a, v[2], xs[i][2]);
-        acc[r][i] = _mm512_dpbf16_ps(a, v[3], xs[i][3]);
-      }
-    }
-  }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t i = 0; i < I; ++i) out[i * ldo + r] = _mm512_reduce_add_ps(acc[r][i]) - 2304.f * p.sums[t0 + i];
-}
-
-// The same for I > 4 input rows (a speculative verify step's k + 1): R <= 2 weight rows are decoded
-// first, then each input row's 4 vectors are loaded from L1 where they are used, so the R * I
-// accumulators, the 4R decoded vectors and one row's inputs fit in the 32 registers. Each (r, i)
-// runs the same instructions in the same order as in tile_bf16: a row's result does not depend on
-// how many rows share the call.
-template <int64_t R, int64_t I>
-inline void tile_bf16_wide(const int8_t* w, int64_t ldw, const Bf16Input& p, int64_t t0, int64_t kb, float* out, int64_t ldo) {
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[R][I];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t i = 0; i < I; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < kb; c += 64) {
-    __m512bh v[R][4];
-    for (int64_t r = 0; r < R; ++r) {
-      const int8_t* row = w + r * ldw + c;
-      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchL2Bytes), _MM_HINT_T2);
-      fp4serve_cpu::nibbles_to_bf16(_mm512_xor_si512(_mm512_loadu_si512(row), flip), v[r]);
-    }
-    for (int64_t i = 0; i < I; ++i) {
-      const int64_t at = (t0 + i) * p.half + c / 2;
-      const __m512bh x0 = (__m512bh)_mm512_loadu_si512(p.even.data() + at), x1 = (__m512bh)_mm512_loadu_si512(p.even16.data() + at);
-      const __m512bh x2 = (__m512bh)_mm512_loadu_si512(p.odd.data() + at), x3 = (__m512bh)_mm512_loadu_si512(p.odd16.data() + at);
+    if constexpr (kInputsFirst) {
+      __m512bh xs[I][4];
+      for (int64_t i = 0; i < I; ++i) load_inputs(i, c, xs[i]);
       for (int64_t r = 0; r < R; ++r) {
-        __m512 a = _mm512_dpbf16_ps(acc[r][i], v[r][0], x0);
-        a = _mm512_dpbf16_ps(a, v[r][1], x1);
-        a = _mm512_dpbf16_ps(a, v[r][2], x2);
-        acc[r][i] = _mm512_dpbf16_ps(a, v[r][3], x3);
+        __m512bh v[4];
+        decode(r, c, v);
+        for (int64_t i = 0; i < I; ++i) accumulate(r, i, v, xs[i]);
+      }
+    } else {
+      __m512bh v[R][4];
+      for (int64_t r = 0; r < R; ++r) decode(r, c, v[r]);
+      for (int64_t i = 0; i < I; ++i) {
+        __m512bh x[4];
+        load_inputs(i, c, x);
+        for (int64_t r = 0; r < R; ++r) accumulate(r, i, v[r], x);
       }
     }
   }
@@ -193,14 +179,10 @@ inline void tile_bf16_wide(const int8_t* w, int64_t ldw, const Bf16Input& p, int
 template <int64_t I>
 void rows_of_tiles_bf16(const int8_t* w, int64_t k, const Bf16Input& p, int64_t t0, int64_t kb, float* out, int64_t n_out,
                         int64_t begin, int64_t end) {
+  constexpr int64_t R = I <= 4 ? kWeightRows : 2;  // weight rows per tile, as registers allow
   int64_t n = begin;
-  if constexpr (I <= 4) {
-    for (; n + kWeightRows <= end; n += kWeightRows) tile_bf16<kWeightRows, I>(w + n * k, k, p, t0, kb, out + n, n_out);
-    for (; n < end; ++n) tile_bf16<1, I>(w + n * k, k, p, t0, kb, out + n, n_out);
-  } else {
-    for (; n + 2 <= end; n += 2) tile_bf16_wide<2, I>(w + n * k, k, p, t0, kb, out + n, n_out);
-    for (; n < end; ++n) tile_bf16_wide<1, I>(w + n * k, k, p, t0, kb, out + n, n_out);
-  }
+  for (; n + R <= end; n += R) tile_bf16<R, I>(w + n * k, k, p, t0, kb, out + n, n_out);
+  for (; n < end; ++n) tile_bf16<1, I>(w + n * k, k, p, t0, kb, out + n, n_out);
 }
 #endif
 
