@@ -599,10 +599,18 @@ def cmd_peers(args: argparse.Namespace) -> int:
     md += ["Commands:", ""]
     md += [
         f"- {s['server']}, round {s['round']} ({s['version']}, load {load_text(s, 'load_before')} before, "
-        f"{load_text(s, 'load_after')} after): `{s['command']}`"
-        + (f" (env: {' '.join(f'{k}={v}' for k, v in s['env'].items())})" if s["env"] else "")
+        f"{load_text(s, 'load_after')} after): `{shareable(str(s['command']), args.peers_dir)}`"
+        + (
+            f" (env: {shareable(' '.join(f'{k}={v}' for k, v in s['env'].items()), args.peers_dir)})"
+            if s["env"]
+            else ""
+        )
         + (f" — failed: {str(s['error']).splitlines()[0]}" if s["error"] else "")
-        + (f"; cold prefill on its own launch: `{s['prefill_command']}`" if s.get("prefill_command") else "")
+        + (
+            f"; cold prefill on its own launch: `{shareable(str(s['prefill_command']), args.peers_dir)}`"
+            if s.get("prefill_command")
+            else ""
+        )
         + (f" — failed: {str(s['prefill_error']).splitlines()[0]}" if s.get("prefill_error") else "")
         for s in servers
     ]
@@ -619,6 +627,13 @@ def cmd_peers(args: argparse.Namespace) -> int:
         print(plot_throughput_bars(rows, out_dir / "peers.png"), file=sys.stderr)
     print(f"wrote {out_dir}/peers.json, peers.md", file=sys.stderr)
     return 130 if interrupted else 0
+
+
+def shareable(command: str, peers_dir: str) -> str:
+    """A command as peers.md shows it: this interpreter as `python` and the peers' folder as `$PEERS`,
+    so that a report kept in the repository names no path of the machine that ran it (peers.json
+    keeps the commands as run)."""
+    return command.replace(sys.executable, "python").replace(str(Path(peers_dir)), "$PEERS")
 
 
 def extra_peer(text: str) -> Peer:

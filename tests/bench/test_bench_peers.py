@@ -262,6 +262,8 @@ def test_peers_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
             str(base),
             "--hf-model",
             str(tmp_path / "no-model"),
+            "--peers-dir",
+            str(tmp_path),
             "--out",
             str(out),
         ]
@@ -309,6 +311,8 @@ def test_peers_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert "- fake, round 1 (fake 1.0, load " in md
     assert "Cold prefill: time to first token" in md and "| fake | 2 | " in md.split("Cold prefill")[1]
     assert "~4608 tokens: TTFT (s)" in md and "; cold prefill on its own launch: `" in md
+    # The commands name no path of this machine: the interpreter as `python`, the peers' folder as $PEERS.
+    assert "`python $PEERS/fake.py " in md and sys.executable not in md and str(tmp_path) not in md
     assert (out / "peers.png").stat().st_size > 1000
     for port in (base, base + 3):  # fake and fake-eos: their children went with them
         assert not any(_alive(int(pid)) for pid in (tmp_path / f"{port}.pid").read_text().split())
